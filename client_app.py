@@ -1,0 +1,35 @@
+"""fedshard ClientApp: declares its keep ratio, trains the shard it receives (thin)."""
+
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+
+from fedshard.client import handle_evaluate, handle_query, handle_train
+from fedshard.config import RunConfig
+from fedshard.experiment import build_model, client_dataset, declared_keep_ratio
+
+app = ClientApp()
+
+
+def _node(context: Context) -> tuple[RunConfig, int, int]:
+    cfg = RunConfig.from_mapping(context.run_config)
+    pid = int(context.node_config.get("partition-id", 0))
+    num = int(context.node_config.get("num-partitions", cfg.num_partitions))
+    return cfg, pid, num
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    cfg, _, _ = _node(context)
+    return handle_query(msg, declared_keep_ratio(cfg, dict(context.node_config)))
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    cfg, pid, num = _node(context)
+    return handle_train(msg, build_model(cfg), client_dataset(cfg, pid, num))
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    cfg, pid, num = _node(context)
+    return handle_evaluate(msg, build_model(cfg), client_dataset(cfg, pid, num))

@@ -1,0 +1,139 @@
+"""Client-side message handlers: answer the capability query, train a shard, evaluate.
+
+These are what a ``ClientApp`` calls; they work with any torch model whose dense
+``state_dict`` the strategy was started with. See :mod:`fedshard.protocol` for the contract.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from fedshard import protocol as P
+from fedshard.spectral import LayerFactors, build_submodel, extract_factors
+from fedshard.training import TrainConfig, evaluate, train
+
+__all__ = ["handle_evaluate", "handle_query", "handle_train", "submodel_from_record"]
+
+logger = logging.getLogger(__name__)
+
+
+def handle_query(msg: Message, keep_ratio: float) -> Message:
+    """Answer a capability query with this node's keep ratio ``0 < r ≤ 1``."""
+    if isinstance(keep_ratio, bool) or not (
+        isinstance(keep_ratio, (int, float)) and math.isfinite(keep_ratio) and 0 < keep_ratio <= 1
+    ):
+        raise ValueError(
+            f"keep-ratio={keep_ratio!r}: expected a number in (0, 1]; this node cannot take part "
+            "until it declares one (e.g. --node-config \"keep-ratio=0.2\")"
+        )
+    caps = ConfigRecord({P.KEEP_RATIO: float(keep_ratio)})
+    return Message(RecordDict({P.CAPABILITIES: caps}), reply_to=msg)
+
+
+def submodel_from_record(model: nn.Module, record: ArrayRecord) -> tuple[nn.Module, list[str]]:
+    """Build the sub-model described by a train ``record`` on a copy of ``model``.
+
+    Returns the sub-model with every received entry loaded (strictly: a missing or extra key
+    raises) and the names of its sharded layers. ``model`` itself is not modified.
+    """
+    layers = sorted(P.layer_of(k) for k in record if k.endswith(".indices"))
+    dtype = next(iter(model.parameters())).dtype
+    factors = {}
+    for layer in layers:
+        parts = {p: record[P.factor_key(layer, p)].numpy() for p in ("u", "v", "omega")}
+        factors[layer] = LayerFactors(
+            u=torch.as_tensor(parts["u"], dtype=dtype),
+            v=torch.as_tensor(parts["v"], dtype=dtype),
+            omega=torch.as_tensor(parts["omega"], dtype=dtype),
+        )
+    sub = build_submodel(model, factors)
+    state = {
+        k: torch.as_tensor(np.array(a.numpy()))
+        for k, a in record.items()
+        if not k.endswith(".indices")
+    }
+    missing, unexpected = sub.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"The received arrays do not fit this node's model: missing {sorted(missing)[:8]}, "
+            f"unexpected {sorted(unexpected)[:8]}. Server and node must use the same model "
+            "(model, model-width, dataset); this round's reply will be an error."
+        )
+    return sub, layers
+
+
+def handle_train(
+    msg: Message,
+    model: nn.Module,
+    dataset: Dataset[Any],
+    *,
+    device: str = "cpu",
+) -> Message:
+    """Train the received shard of ``model`` on ``dataset``; reply with the trained factors."""
+    record = msg.content[P.ARRAYS]
+    cfg = msg.content[P.CONFIG]
+    sub, layers = submodel_from_record(model, record)
+    tau = float(cfg["clip-lr-tau"])
+    seed = int(cfg["train-seed"])
+    train_cfg = TrainConfig(
+        epochs=int(cfg["local-epochs"]),
+        lr=float(cfg["lr"]),
+        momentum=float(cfg["momentum"]),
+        frobenius_decay=float(cfg["frobenius-decay"]),
+        clip_tau=tau if tau > 0 else None,
+        weight_decay=float(cfg["weight-decay"]),
+        device=device,
+        seed=seed,
+    )
+    loader = DataLoader(
+        dataset,
+        batch_size=int(cfg["batch-size"]),
+        shuffle=True,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    result = train(sub, loader, train_cfg)
+    sub = sub.to("cpu")
+
+    out: dict[str, Array] = {}
+    trained = extract_factors(sub)
+    omega_keys = {P.factor_key(layer, "omega") for layer in layers}
+    for key, value in sub.state_dict().items():
+        if key in omega_keys:
+            continue
+        out[key] = Array(value.detach().cpu().numpy())
+    for layer in layers:
+        u, v = trained[layer]
+        out[P.factor_key(layer, "u")] = Array(u.detach().cpu().numpy())
+        out[P.factor_key(layer, "v")] = Array(v.detach().cpu().numpy())
+        out[P.factor_key(layer, "indices")] = record[P.factor_key(layer, "indices")]
+    metrics = MetricRecord({
+        P.NUM_EXAMPLES: int(result.num_examples),
+        P.TRAIN_LOSS: float(result.loss),
+        P.TRAIN_ACCURACY: float(result.accuracy),
+    })
+    return Message(RecordDict({P.ARRAYS: ArrayRecord(out), P.METRICS: metrics}), reply_to=msg)
+
+
+def handle_evaluate(
+    msg: Message, model: nn.Module, dataset: Dataset[Any], *, batch_size: int = 256,
+    device: str = "cpu",
+) -> Message:
+    """Evaluate the received dense global model on ``dataset``."""
+    state = {k: torch.as_tensor(np.array(a.numpy())) for k, a in msg.content[P.ARRAYS].items()}
+    model.load_state_dict(state, strict=True)
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False)
+    result = evaluate(model, loader, device=device)
+    metrics = MetricRecord({
+        P.NUM_EXAMPLES: int(result.num_examples),
+        P.EVAL_LOSS: float(result.loss),
+        P.EVAL_ACCURACY: float(result.accuracy),
+    })
+    return Message(RecordDict({P.METRICS: metrics}), reply_to=msg)

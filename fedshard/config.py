@@ -1,0 +1,314 @@
+"""Run configuration: one frozen, validated object built from Flower's ``run_config``.
+
+The two apps read ``context.run_config`` once and call :meth:`RunConfig.from_mapping`; library
+code never sees the raw mapping. Every problem is collected and reported in a single
+:class:`ConfigError`, before any round starts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "DESIGNS",
+    "METHODS",
+    "ConfigError",
+    "KeepRatioMixture",
+    "RunConfig",
+    "cosine_lr",
+    "default_results_dir",
+]
+
+METHODS = ("unbiased", "collective", "top-n", "prism", "prism-wallenius", "none")
+DESIGNS = ("cps", "brewer", "min-support")
+MODELS = ("resnet18", "cct", "chargpt", "mlp")
+DATASETS = ("fashion-mnist", "cifar10", "cifar100", "tinyimagenet", "shakespeare")
+
+
+class ConfigError(ValueError):
+    """Raised when a run configuration is invalid; lists every problem at once."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(
+            f"Invalid fedshard run configuration ({len(self.problems)} problem(s)); "
+            f"no round was started:\n{lines}"
+        )
+
+
+@dataclass(frozen=True)
+class KeepRatioMixture:
+    """Keep ratios of a simulated federation and the share of nodes at each.
+
+    Parsed from strings such as ``"0.2:0.6,0.4:0.4"`` (60 % of nodes keep 20 % of the terms,
+    40 % keep 40 %) or a single ratio ``"0.2"`` (every node).
+    """
+
+    ratios: tuple[float, ...]
+    shares: tuple[float, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> KeepRatioMixture:
+        """Parse ``"r1:s1,r2:s2,..."``; raise ``ValueError`` naming the bad part."""
+        ratios: list[float] = []
+        shares: list[float] = []
+        parts = [p.strip() for p in str(text).split(",") if p.strip()]
+        if not parts:
+            raise ValueError(f"keep-ratios={text!r}: expected 'ratio:share,...' such as '0.2:0.6,0.4:0.4'")
+        for part in parts:
+            ratio_s, _, share_s = part.partition(":")
+            try:
+                ratio = float(ratio_s)
+                share = float(share_s) if share_s else (1.0 if len(parts) == 1 else math.nan)
+            except ValueError:
+                raise ValueError(
+                    f"keep-ratios={text!r}: cannot read {part!r}; expected 'ratio:share' numbers"
+                ) from None
+            if math.isnan(share):
+                raise ValueError(
+                    f"keep-ratios={text!r}: {part!r} has no share; with several ratios each needs "
+                    "'ratio:share'"
+                )
+            if not 0.0 < ratio <= 1.0:
+                raise ValueError(f"keep-ratios={text!r}: ratio {ratio} is outside (0, 1]")
+            if not 0.0 < share <= 1.0:
+                raise ValueError(f"keep-ratios={text!r}: share {share} is outside (0, 1]")
+            if ratio in ratios:
+                raise ValueError(f"keep-ratios={text!r}: ratio {ratio} is listed twice")
+            ratios.append(ratio)
+            shares.append(share)
+        if abs(sum(shares) - 1.0) > 1e-6:
+            raise ValueError(f"keep-ratios={text!r}: shares sum to {sum(shares):.6g}, expected 1")
+        return cls(tuple(ratios), tuple(shares))
+
+    def counts(self, num_nodes: int) -> list[int]:
+        """Nodes per ratio for ``num_nodes`` nodes (largest-remainder rounding)."""
+        exact = [s * num_nodes for s in self.shares]
+        counts = [math.floor(e) for e in exact]
+        order = sorted(range(len(exact)), key=lambda i: (counts[i] - exact[i], i))
+        for i in order[: num_nodes - sum(counts)]:
+            counts[i] += 1
+        return counts
+
+    def ratio_for(self, partition_id: int, num_partitions: int) -> float:
+        """Keep ratio of simulated node ``partition_id`` out of ``num_partitions``.
+
+        Deterministic: partitions ``0..c1-1`` get the first ratio, the next ``c2`` the second,
+        and so on, with the counts from :meth:`counts`. Data partitions are drawn at random, so
+        contiguous blocks carry no data bias.
+        """
+        if not 0 <= partition_id < num_partitions:
+            raise ValueError(
+                f"partition-id={partition_id} is outside [0, num-partitions={num_partitions})"
+            )
+        edge = 0
+        for ratio, count in zip(self.ratios, self.counts(num_partitions), strict=True):
+            edge += count
+            if partition_id < edge:
+                return ratio
+        raise AssertionError("counts() must sum to num_partitions")
+
+
+def cosine_lr(lr: float, server_round: int, num_rounds: int) -> float:
+    """Cosine-annealed learning rate for ``server_round`` (1-based) over ``num_rounds`` rounds.
+
+    ``lr * (1 + cos(pi * (t - 1) / T)) / 2``: round 1 uses ``lr``, the last round a small but
+    non-zero rate (Loshchilov & Hutter, as in the paper's Sec. 4.1).
+    """
+    if num_rounds < 1 or not 1 <= server_round <= num_rounds:
+        raise ValueError(f"server_round={server_round} is outside [1, num_rounds={num_rounds}]")
+    return lr * 0.5 * (1.0 + math.cos(math.pi * (server_round - 1) / num_rounds))
+
+
+def default_results_dir() -> Path:
+    """``$XDG_CACHE_HOME/fedshard/runs`` (``~/.cache/fedshard/runs`` by default)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "fedshard" / "runs"
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a fedshard run needs, validated (field names = run-config keys, kebab→snake)."""
+
+    method: str = "collective"
+    design: str = "cps"
+    keep_ratios: str = "0.1:0.5,0.2:0.5"
+    scaled: bool = False
+    clip_lr: bool = True
+    clip_lr_tau: float = 10.0
+    prism_exponent: float = 0.0
+    frobenius_decay: float = 1e-4
+    weight_decay: float = 0.0
+    lr: float = 0.05
+    momentum: float = 0.9
+    batch_size: int = 32
+    local_epochs: int = 1
+    num_server_rounds: int = 5
+    fraction_train: float = 0.5
+    fraction_evaluate: float = 0.0
+    min_available_nodes: int = 2
+    round_timeout: float = 600.0
+    num_partitions: int = 10
+    dirichlet_alpha: float = 1.0
+    model: str = "resnet18"
+    model_width: int = 16
+    dataset: str = "fashion-mnist"
+    data_dir: str = ""
+    test_max_examples: int = 0
+    eval_every: int = 1
+    seed: int = 0
+    results_dir: str = ""
+    run_name: str = ""
+
+    def __post_init__(self) -> None:
+        problems = self._problems()
+        if problems:
+            raise ConfigError(problems)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_mapping(cls, run_config: Mapping[str, Any]) -> RunConfig:
+        """Build from a Flower ``run_config`` (kebab-case keys); unknown keys are errors."""
+        known = {f.name.replace("_", "-"): f for f in fields(cls)}
+        problems: list[str] = []
+        kwargs: dict[str, Any] = {}
+        for key, value in run_config.items():
+            field = known.get(key)
+            if field is None:
+                problems.append(f"unknown key {key!r}; known keys: {', '.join(sorted(known))}")
+                continue
+            default = field.default
+            try:
+                kwargs[field.name] = _coerce(value, type(default))
+            except (TypeError, ValueError):
+                problems.append(
+                    f"{key}={value!r}: expected {type(default).__name__} "
+                    f"(default {default!r})"
+                )
+        if problems:
+            # Report type problems together with the value problems of what did parse.
+            try:
+                cls(**kwargs)
+            except ConfigError as err:
+                problems.extend(err.problems)
+            raise ConfigError(problems)
+        return cls(**kwargs)
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def mixture(self) -> KeepRatioMixture:
+        return KeepRatioMixture.parse(self.keep_ratios)
+
+    @property
+    def tau(self) -> float | None:
+        """ClipLR threshold τ, or ``None`` when ClipLR is off."""
+        return self.clip_lr_tau if self.clip_lr else None
+
+    @property
+    def results_path(self) -> Path:
+        """Absolute directory of this run's results."""
+        base = Path(self.results_dir).expanduser() if self.results_dir else default_results_dir()
+        name = self.run_name or (
+            f"{self.dataset}-{self.model}{self.model_width}-{self.method}"
+            f"{'-scaled' if self.scaled else ''}-{self.design}-r{self.keep_ratios.replace(':', '_')}"
+            f"-seed{self.seed}"
+        )
+        return (base / name).resolve()
+
+    def as_dict(self) -> dict[str, Any]:
+        """Kebab-case mapping of every field (what the run used)."""
+        return {f.name.replace("_", "-"): getattr(self, f.name) for f in fields(self)}
+
+    # ------------------------------------------------------------------ validation
+    def _problems(self) -> list[str]:
+        p: list[str] = []
+
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                p.append(msg)
+
+        need(self.method in METHODS, f"method={self.method!r}: expected one of {METHODS}")
+        need(self.design in DESIGNS, f"design={self.design!r}: expected one of {DESIGNS}")
+        try:
+            KeepRatioMixture.parse(self.keep_ratios)
+        except ValueError as err:
+            p.append(str(err))
+        if self.scaled and self.method in ("unbiased", "collective", "prism-wallenius"):
+            p.append(
+                f"scaled=true with method={self.method!r}: +Scaled replaces the method's own "
+                "multipliers ω; use it with 'top-n' or 'prism'"
+            )
+        if self.scaled and self.method == "none":
+            p.append("scaled=true with method='none': there are no terms to scale")
+        need(
+            math.isfinite(self.clip_lr_tau) and self.clip_lr_tau >= 1.0,
+            f"clip-lr-tau={self.clip_lr_tau}: expected τ ≥ 1 (the paper uses 10; set clip-lr=false "
+            "to disable ClipLR)",
+        )
+        need(
+            self.prism_exponent == 0.0 or (math.isfinite(self.prism_exponent) and self.prism_exponent > 0),
+            f"prism-exponent={self.prism_exponent}: expected > 0, or 0 for the paper's default "
+            "(4 if r ≤ 0.2 else 2.5)",
+        )
+        for name in ("frobenius_decay", "weight_decay"):
+            v = getattr(self, name)
+            need(math.isfinite(v) and v >= 0, f"{name.replace('_', '-')}={v}: expected ≥ 0")
+        need(math.isfinite(self.lr) and self.lr > 0, f"lr={self.lr}: expected > 0")
+        need(0 <= self.momentum < 1, f"momentum={self.momentum}: expected in [0, 1)")
+        need(self.batch_size >= 1, f"batch-size={self.batch_size}: expected ≥ 1")
+        need(self.local_epochs >= 1, f"local-epochs={self.local_epochs}: expected ≥ 1")
+        need(self.num_server_rounds >= 1, f"num-server-rounds={self.num_server_rounds}: expected ≥ 1")
+        need(
+            0 < self.fraction_train <= 1,
+            f"fraction-train={self.fraction_train}: expected in (0, 1]",
+        )
+        need(
+            0 <= self.fraction_evaluate <= 1,
+            f"fraction-evaluate={self.fraction_evaluate}: expected in [0, 1]",
+        )
+        need(
+            self.min_available_nodes >= 1,
+            f"min-available-nodes={self.min_available_nodes}: expected ≥ 1",
+        )
+        need(self.round_timeout > 0, f"round-timeout={self.round_timeout}: expected > 0 seconds")
+        need(self.num_partitions >= 1, f"num-partitions={self.num_partitions}: expected ≥ 1")
+        need(
+            math.isfinite(self.dirichlet_alpha) and self.dirichlet_alpha > 0,
+            f"dirichlet-alpha={self.dirichlet_alpha}: expected > 0",
+        )
+        need(self.model in MODELS, f"model={self.model!r}: expected one of {MODELS}")
+        need(self.model_width >= 1, f"model-width={self.model_width}: expected ≥ 1")
+        need(self.dataset in DATASETS, f"dataset={self.dataset!r}: expected one of {DATASETS}")
+        need(self.test_max_examples >= 0, f"test-max-examples={self.test_max_examples}: expected ≥ 0 (0 = all)")
+        need(self.eval_every >= 0, f"eval-every={self.eval_every}: expected ≥ 0 (0 = never)")
+        need(self.seed >= 0, f"seed={self.seed}: expected a non-negative integer")
+        return p
+
+
+def _coerce(value: Any, kind: type) -> Any:
+    """Coerce a TOML value to the field's type (ints are accepted for floats, not vice versa)."""
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        raise TypeError(value)
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise TypeError(value)
+        return value
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(value)
+        return float(value)
+    if kind is str:
+        if not isinstance(value, str):
+            raise TypeError(value)
+        return value
+    raise TypeError(kind)

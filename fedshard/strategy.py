@@ -1,0 +1,654 @@
+"""``SpectralSharding``: the Flower (Message API) strategy of spectral model sharding."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from logging import INFO, WARNING
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common import MessageType
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
+
+from fedshard import protocol as P
+from fedshard.config import cosine_lr
+from fedshard.sampling import anme, draw_subsets, inclusion_probabilities, scaled_multipliers
+from fedshard.spectral import decompose
+
+__all__ = ["SHARDING_METHODS", "SpectralSharding", "num_terms"]
+
+SHARDING_METHODS = ("unbiased", "collective", "top-n", "prism", "prism-wallenius", "none")
+SAMPLING_DESIGNS = ("cps", "brewer", "min-support")
+
+# Tags that make the strategy's random streams independent: default_rng([seed, round, TAG, ...]).
+_STREAM_NODES, _STREAM_TERMS, _STREAM_TRAIN = 0, 1, 2
+
+
+def num_terms(total: int, keep_ratio: float) -> int:
+    """n = ⌈r·N⌉ terms kept of N (guarding float error such as 0.1·30 = 3.0000000000000004)."""
+    return min(total, max(1, math.ceil(keep_ratio * total - 1e-9)))
+
+
+@dataclass
+class _Spectrum:
+    """One sharded layer's decomposition for the current round (float64)."""
+
+    u: np.ndarray  # (c_out, N) = U·diag(√λ)
+    v: np.ndarray  # (c_in·k·k, N) = V·diag(√λ)
+    lam: np.ndarray  # (N,) descending singular values
+    shape: tuple[int, ...]  # original weight shape
+    dtype: np.dtype[Any]  # original weight dtype
+
+
+@dataclass
+class _Sent:
+    """What one node was sent this round: its reply is checked against it."""
+
+    keep_ratio: float
+    indices: dict[str, np.ndarray]  # layer -> (n,) term indices
+    expected: dict[str, tuple[tuple[int, ...], np.dtype[Any]]]  # reply key -> (shape, dtype)
+    bytes_sent: int
+
+
+@dataclass
+class _RoundState:
+    server_round: int
+    arrays: ArrayRecord
+    spectra: dict[str, _Spectrum]
+    sent: dict[int, _Sent]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class SpectralSharding(FedAvg):
+    """Spectral model sharding (Korzhenkov & Louizos, NeurIPS 2024) as a Flower strategy.
+
+    Each round the server (1) asks every sampled node it has not seen before for its keep ratio
+    r (a ``query`` message), (2) takes the SVD ``W = Σ λ_i u_i v_iᵀ`` of every sharded layer,
+    (3) groups the sampled nodes by keep ratio and, per group of C nodes and per layer, computes
+    the inclusion probabilities π and multipliers ω of the chosen ``method`` and draws each
+    node's n = ⌈rN⌉ terms, (4) sends each node its own sub-model, and (5) averages every term
+    over the nodes that held it, weighted by their ``num-examples``, leaves the other terms
+    unchanged, and rebuilds ``W = Σ u'_i v'_iᵀ``. Dense parameters are averaged as in FedAvg.
+
+    Parameters
+    ----------
+    sharded_layers : sequence of str
+        Module names of the sharded ``Linear``/``Conv2d`` layers; their weights are the
+        ``"<name>.weight"`` arrays. Use :func:`fedshard.spectral.sharded_layer_names` on the
+        model to get the paper's default (all affine layers but the first and the last).
+    num_rounds : int
+        Number of server rounds; sets the cosine learning-rate schedule.
+    method : str
+        ``"unbiased"`` (Theorem 1, ω = 1/π), ``"collective"`` (Theorem 2, C = group size),
+        ``"top-n"`` (FedHM), ``"prism"`` (successive sampling ∝ λᵏ, ω = 1),
+        ``"prism-wallenius"`` (same draws, ω = 1/π with π the approximate Wallenius mean), or
+        ``"none"`` (no sharding: plain FedAvg of the dense model).
+    design : str
+        Sampling design for ``unbiased``/``collective``: ``"cps"`` (conditional Poisson,
+        maximum entropy), ``"brewer"`` or ``"min-support"``. PriSM methods always use the
+        successive (``numpy.random.choice``) scheme, Top-n is deterministic.
+    scaled : bool
+        +Scaled: each node's ω_i = sqrt(Σλ²/Σ_{sampled} λ²), keeping ‖Ŵ‖_F = ‖W‖_F; only with
+        ``top-n`` or ``prism`` (it would discard the other methods' own ω).
+    prism_exponent : float or None
+        PriSM's k; ``None`` = 4 if n/N ≤ 0.2 else 2.5.
+    lr, local_epochs, batch_size, momentum, frobenius_decay, clip_lr_tau, weight_decay :
+        Local-training settings sent to every node (lr follows a cosine schedule over rounds;
+        ``clip_lr_tau=None`` disables ClipLR).
+    seed : int
+        Root of every random stream: node sampling uses ``default_rng([seed, round, 0])``, the
+        terms of layer ``l`` for keep-ratio group ``g`` ``default_rng([seed, round, 1, l, g])``
+        (groups in increasing keep ratio), a node's training seed ``[seed, round, 2, node_id]``.
+    query_timeout : float
+        Seconds to wait for capability answers.
+    node_wait_timeout : float or None
+        Seconds to wait for ``min_available_nodes`` to connect before a round (``None``:
+        forever, as FedAvg does).
+    fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes :
+        As in :class:`flwr.serverapp.strategy.FedAvg`.
+
+    Notes
+    -----
+    The message contract (record keys, shapes, what must come back) is documented in
+    :mod:`fedshard.protocol`. In short: a node receives ``L.u`` (c_out, n), ``L.v``
+    (c_in·k·k, n), ``L.omega`` (n,), ``L.indices`` (n,) for each sharded layer ``L`` plus all
+    dense ``state_dict`` entries, trains ``U·diag(ω)·Vᵀ`` with ω frozen, and returns the same
+    keys without ``L.omega`` (indices echoed) and a ``metrics`` record with ``num-examples``.
+
+    Every reply is validated before it is used (error replies, unknown or duplicate senders,
+    missing or extra keys, shapes, dtypes, non-finite values, indices other than those sent,
+    a missing or non-positive ``num-examples``); an invalid reply is dropped with a logged
+    reason and never touches the global model, and when no valid reply remains the global model
+    is kept unchanged. The round's metrics count the replies used and dropped per reason.
+    """
+
+    def __init__(
+        self,
+        *,
+        sharded_layers: Sequence[str],
+        num_rounds: int,
+        method: str = "collective",
+        design: str = "cps",
+        scaled: bool = False,
+        prism_exponent: float | None = None,
+        lr: float = 0.05,
+        local_epochs: int = 1,
+        batch_size: int = 32,
+        momentum: float = 0.9,
+        frobenius_decay: float = 1e-4,
+        clip_lr_tau: float | None = 10.0,
+        weight_decay: float = 0.0,
+        seed: int = 0,
+        query_timeout: float = 600.0,
+        node_wait_timeout: float | None = 600.0,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 0.0,
+        min_train_nodes: int = 1,
+        min_evaluate_nodes: int = 1,
+        min_available_nodes: int = 1,
+    ) -> None:
+        super().__init__(
+            fraction_train=fraction_train,
+            fraction_evaluate=fraction_evaluate,
+            min_train_nodes=min_train_nodes,
+            min_evaluate_nodes=min_evaluate_nodes,
+            min_available_nodes=min_available_nodes,
+            weighted_by_key=P.NUM_EXAMPLES,
+            arrayrecord_key=P.ARRAYS,
+            configrecord_key=P.CONFIG,
+        )
+        problems = []
+        if method not in SHARDING_METHODS:
+            problems.append(f"method={method!r}: expected one of {SHARDING_METHODS}")
+        if design not in SAMPLING_DESIGNS:
+            problems.append(f"design={design!r}: expected one of {SAMPLING_DESIGNS}")
+        if scaled and method not in ("top-n", "prism"):
+            problems.append(f"scaled=True with method={method!r}: +Scaled is for 'top-n' or 'prism'")
+        if prism_exponent is not None and not prism_exponent > 0:
+            problems.append(f"prism_exponent={prism_exponent}: expected > 0 or None")
+        if clip_lr_tau is not None and not clip_lr_tau >= 1:
+            problems.append(f"clip_lr_tau={clip_lr_tau}: expected τ ≥ 1 or None (off)")
+        if num_rounds < 1:
+            problems.append(f"num_rounds={num_rounds}: expected ≥ 1")
+        if not lr > 0:
+            problems.append(f"lr={lr}: expected > 0")
+        if len(set(sharded_layers)) != len(sharded_layers):
+            problems.append(f"sharded_layers={list(sharded_layers)}: names repeat")
+        if problems:
+            raise ValueError("SpectralSharding: " + "; ".join(problems))
+        self.sharded_layers = tuple(sharded_layers) if method != "none" else ()
+        self.num_rounds = num_rounds
+        self.method = method
+        self.design = design
+        self.scaled = scaled
+        self.prism_exponent = prism_exponent
+        self.lr = lr
+        self.local_epochs = local_epochs
+        self.batch_size = batch_size
+        self.momentum = momentum
+        self.frobenius_decay = frobenius_decay
+        self.clip_lr_tau = clip_lr_tau
+        self.weight_decay = weight_decay
+        self.seed = seed
+        self.query_timeout = query_timeout
+        self.node_wait_timeout = node_wait_timeout
+        # node_id -> declared keep ratio; pruned to the connected nodes every round, so a node
+        # that restarts (new node id) is asked again.
+        self.capabilities: dict[int, float] = {}
+        # server_round -> the round's training metrics (also returned to Flower per round).
+        self.history: dict[int, dict[str, float]] = {}
+        self._round: _RoundState | None = None
+
+    # ------------------------------------------------------------------ summary
+    def summary(self) -> None:
+        """Log the configuration."""
+        log(INFO, "\t├──> SpectralSharding: method=%s design=%s scaled=%s", self.method,
+            self.design, self.scaled)
+        log(INFO, "\t│\t├── sharded layers (%d): %s", len(self.sharded_layers),
+            ", ".join(self.sharded_layers))
+        log(INFO, "\t│\t└── lr=%g (cosine over %d rounds), local epochs=%d, batch=%d, "
+            "momentum=%g, FD=%g, ClipLR τ=%s", self.lr, self.num_rounds, self.local_epochs,
+            self.batch_size, self.momentum, self.frobenius_decay, self.clip_lr_tau)
+        super().summary()
+
+    # ------------------------------------------------------------------ nodes
+    def _sample_nodes(self, grid: Grid, server_round: int, fraction: float, minimum: int) -> list[int]:
+        """Wait for enough nodes, then sample ``max(⌊fraction·K⌋, minimum)`` of the K connected."""
+        need = max(self.min_available_nodes, minimum)
+        start = time.monotonic()
+        while len(node_ids := sorted(grid.get_node_ids())) < need:
+            waited = time.monotonic() - start
+            if self.node_wait_timeout is not None and waited > self.node_wait_timeout:
+                raise TimeoutError(
+                    f"Only {len(node_ids)} node(s) connected after {waited:.0f} s, but "
+                    f"{need} are required (min_available_nodes/min nodes per round); stopping "
+                    "the run. Start more SuperNodes or lower min-available-nodes."
+                )
+            log(INFO, "Waiting for nodes to connect: %d connected (minimum required: %d).",
+                len(node_ids), need)
+            time.sleep(1.0)
+        # Forget capabilities of nodes that are gone (a restarted node gets a new id).
+        for gone in set(self.capabilities) - set(node_ids):
+            del self.capabilities[gone]
+        size = min(len(node_ids), max(int(len(node_ids) * fraction), minimum))
+        rng = np.random.default_rng([self.seed, server_round, _STREAM_NODES])
+        chosen = rng.choice(len(node_ids), size=size, replace=False)
+        return sorted(node_ids[i] for i in chosen)
+
+    def _query_capabilities(self, grid: Grid, node_ids: list[int]) -> dict[int, float]:
+        """Keep ratios of ``node_ids``: cached, or asked with a ``query`` message."""
+        unknown = [n for n in node_ids if n not in self.capabilities]
+        if unknown:
+            messages = [
+                Message(
+                    RecordDict({P.QUERY: ConfigRecord({"want": [P.KEEP_RATIO]})}),
+                    dst_node_id=node,
+                    message_type=MessageType.QUERY,
+                )
+                for node in unknown
+            ]
+            answered: set[int] = set()
+            for reply in grid.send_and_receive(messages, timeout=self.query_timeout):
+                node = reply.metadata.src_node_id
+                answered.add(node)
+                ratio, reason = _read_keep_ratio(reply)
+                if reason is not None:
+                    log(WARNING, "Node %d gave no usable keep ratio (%s); it is skipped this "
+                        "round and asked again next time it is sampled.", node, reason)
+                    continue
+                self.capabilities[node] = ratio
+            for node in set(unknown) - answered:
+                log(WARNING, "Node %d did not answer the capability query within %.0f s; it is "
+                    "skipped this round.", node, self.query_timeout)
+        return {n: self.capabilities[n] for n in node_ids if n in self.capabilities}
+
+    # ------------------------------------------------------------------ train
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Sample nodes, shard every sharded layer per keep-ratio group, one message per node."""
+        self._round = None
+        if self.fraction_train == 0.0:
+            return []
+        node_ids = self._sample_nodes(grid, server_round, self.fraction_train, self.min_train_nodes)
+        ratios = self._query_capabilities(grid, node_ids)
+        if not ratios:
+            log(WARNING, "Round %d: none of the %d sampled nodes declared a keep ratio; no "
+                "training this round.", server_round, len(node_ids))
+            return []
+
+        t0 = time.perf_counter()
+        spectra = self._decompose(arrays)
+        t1 = time.perf_counter()
+        plan, anme_metrics = self._plan(server_round, spectra, ratios)
+        t2 = time.perf_counter()
+        lr = cosine_lr(self.lr, server_round, self.num_rounds)
+        dense_bytes = sum(len(a.data) for a in arrays.values())
+        messages, sent = [], {}
+        for node, terms in plan.items():
+            record, info = self._pack(arrays, spectra, terms, ratios[node])
+            cfg = self._node_config(config, server_round, node, ratios[node], lr)
+            messages.append(
+                Message(RecordDict({P.ARRAYS: record, P.CONFIG: cfg}), dst_node_id=node,
+                        message_type=MessageType.TRAIN, group_id=str(server_round))
+            )
+            sent[node] = info
+        t3 = time.perf_counter()
+
+        metrics: dict[str, float] = {
+            "nodes-sampled": float(len(node_ids)),
+            "nodes-sent": float(len(sent)),
+            "lr": lr,
+            "svd-s": t1 - t0,
+            "sampling-s": t2 - t1,
+            "pack-s": t3 - t2,
+            "dense-bytes": float(dense_bytes),
+            **anme_metrics,
+        }
+        per_node = np.array([s.bytes_sent for s in sent.values()], dtype=np.float64)
+        metrics["bytes-sent-mean"] = float(per_node.mean())
+        metrics["bytes-sent-ratio-mean"] = float(per_node.mean() / dense_bytes)
+        for r in sorted(set(ratios.values())):
+            group = [s.bytes_sent for s in sent.values() if s.keep_ratio == r]
+            metrics[f"bytes-sent-ratio-r{r:g}"] = float(np.mean(group) / dense_bytes)
+        self._round = _RoundState(server_round, arrays, spectra, sent, metrics)
+        log(INFO, "configure_train: round %d, %d nodes (keep ratios %s), lr=%.4g, "
+            "svd %.2fs, sampling %.2fs, packing %.2fs", server_round, len(sent),
+            dict(Counter(ratios.values())), lr, t1 - t0, t2 - t1, t3 - t2)
+        return messages
+
+    def _decompose(self, arrays: ArrayRecord) -> dict[str, _Spectrum]:
+        spectra = {}
+        for layer in self.sharded_layers:
+            key = f"{layer}.weight"
+            if key not in arrays:
+                raise KeyError(
+                    f"Sharded layer {layer!r} has no {key!r} in the global arrays; expected the "
+                    "state_dict of the model whose layer names were given as sharded_layers."
+                )
+            w = arrays[key].numpy()
+            u, v, lam = decompose(torch.from_numpy(np.ascontiguousarray(w)))
+            spectra[layer] = _Spectrum(u.numpy(), v.numpy(), lam.numpy(), tuple(w.shape), w.dtype)
+        return spectra
+
+    def _plan(
+        self, server_round: int, spectra: dict[str, _Spectrum], ratios: dict[int, float]
+    ) -> tuple[dict[int, dict[str, tuple[np.ndarray, np.ndarray]]], dict[str, float]]:
+        """Per node and layer: (sorted term indices, their ω). Also the ANME per group."""
+        plan: dict[int, dict[str, tuple[np.ndarray, np.ndarray]]] = {n: {} for n in ratios}
+        groups = sorted(set(ratios.values()))
+        anme_metrics: dict[str, float] = {}
+        weighted_anme = 0.0
+        for g, ratio in enumerate(groups):
+            members = sorted(n for n, r in ratios.items() if r == ratio)
+            pis = []
+            for li, (layer, spec) in enumerate(spectra.items()):
+                rng = np.random.default_rng([self.seed, server_round, _STREAM_TERMS, li, g])
+                subsets, omega, pi = self._draw(spec.lam, ratio, len(members), rng)
+                pis.append(pi)
+                for node, subset in zip(members, subsets, strict=True):
+                    if self.scaled:
+                        w = np.asarray(scaled_multipliers(spec.lam, subset), dtype=np.float64)
+                        omega_sub = np.broadcast_to(w, subset.shape).copy()
+                    else:
+                        omega_sub = omega[subset]
+                    plan[node][layer] = (subset, omega_sub)
+            if pis:
+                value = float(anme(pis))
+                anme_metrics[f"anme-r{ratio:g}"] = value
+                weighted_anme += value * len(members)
+        if spectra:
+            anme_metrics["anme"] = weighted_anme / len(ratios)
+        return plan, anme_metrics
+
+    def _draw(
+        self, lam: np.ndarray, ratio: float, num_clients: int, rng: np.random.Generator
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Subsets (C, n), ω (N,) and π (N,) of one layer for one keep-ratio group."""
+        n = num_terms(lam.size, ratio)
+        if self.method in ("prism", "prism-wallenius"):
+            k = self.prism_exponent or (4.0 if n / lam.size <= 0.2 else 2.5)
+            pi, omega = inclusion_probabilities(lam, n, self.method, prism_exponent=k)
+            # PriSM draws with numpy's choice ∝ λ^k (scaled by max λ so λ^k cannot underflow
+            # for the leading terms).
+            weights = (lam / lam.max()) ** k if lam.max() > 0 else np.ones_like(lam)
+            subsets = draw_subsets(pi, num_clients, design="successive", rng=rng, weights=weights)
+        elif self.method == "top-n":
+            pi, omega = inclusion_probabilities(lam, n, "top-n")
+            subsets = draw_subsets(pi, num_clients, design="top-n", rng=rng)
+        else:
+            pi, omega = inclusion_probabilities(
+                lam, n, self.method, num_clients=num_clients if self.method == "collective" else None
+            )
+            subsets = draw_subsets(pi, num_clients, design=self.design, rng=rng)
+        return np.asarray(subsets, dtype=np.int64), np.asarray(omega, dtype=np.float64), pi
+
+    def _pack(
+        self,
+        arrays: ArrayRecord,
+        spectra: dict[str, _Spectrum],
+        terms: dict[str, tuple[np.ndarray, np.ndarray]],
+        keep_ratio: float,
+    ) -> tuple[ArrayRecord, _Sent]:
+        """One node's ArrayRecord (fresh arrays, nothing shared with other nodes)."""
+        sharded_weights = {f"{layer}.weight" for layer in spectra}
+        out: dict[str, Array] = {}
+        expected: dict[str, tuple[tuple[int, ...], np.dtype[Any]]] = {}
+        for key, arr in arrays.items():
+            if key in sharded_weights:
+                continue
+            out[key] = arr  # dense entries are read-only on the wire; sharing the Array is safe
+            expected[key] = (tuple(arr.shape), np.dtype(arr.dtype))
+        indices = {}
+        for layer, spec in spectra.items():
+            idx, omega = terms[layer]
+            parts = {
+                "u": np.ascontiguousarray(spec.u[:, idx], dtype=spec.dtype),
+                "v": np.ascontiguousarray(spec.v[:, idx], dtype=spec.dtype),
+                "omega": np.ascontiguousarray(omega, dtype=spec.dtype),
+                "indices": np.ascontiguousarray(idx, dtype=np.int64),
+            }
+            for part, value in parts.items():
+                key = P.factor_key(layer, part)
+                out[key] = Array(value)
+                if part != "omega":
+                    expected[key] = (value.shape, value.dtype)
+            indices[layer] = parts["indices"]
+        record = ArrayRecord(out)
+        return record, _Sent(keep_ratio, indices, expected, sum(len(a.data) for a in out.values()))
+
+    def _node_config(
+        self, base: ConfigRecord, server_round: int, node: int, keep_ratio: float, lr: float
+    ) -> ConfigRecord:
+        cfg = ConfigRecord(dict(base))  # own copy: never write into the caller's record
+        seed_rng = np.random.default_rng([self.seed, server_round, _STREAM_TRAIN, node])
+        cfg.update({
+            "server-round": server_round,
+            "lr": lr,
+            "local-epochs": self.local_epochs,
+            "batch-size": self.batch_size,
+            "momentum": self.momentum,
+            "frobenius-decay": self.frobenius_decay,
+            "clip-lr-tau": float(self.clip_lr_tau) if self.clip_lr_tau is not None else 0.0,
+            "weight-decay": self.weight_decay,
+            "keep-ratio": keep_ratio,
+            "train-seed": int(seed_rng.integers(2**31 - 1)),
+            "method": self.method,
+        })
+        return cfg
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Validate every reply, average each term over its holders, rebuild W."""
+        state = self._round
+        if state is None or state.server_round != server_round:
+            return None, None
+        t0 = time.perf_counter()
+        accepted: list[tuple[int, float, dict[str, np.ndarray], Any]] = []
+        dropped: Counter[str] = Counter()
+        seen: set[int] = set()
+        for msg in replies:
+            node = msg.metadata.src_node_id
+            reason, parsed = self._check_reply(msg, state, seen)
+            seen.add(node)
+            if reason is not None:
+                category = reason.split(":", 1)[0]
+                dropped[category] += 1
+                log(WARNING, "Round %d: dropping the reply of node %d (%s); it does not touch "
+                    "the global model.", server_round, node, reason)
+                continue
+            assert parsed is not None
+            weight, values, metrics = parsed
+            accepted.append((node, weight, values, metrics))
+        missing = len(state.sent) - len(seen & set(state.sent))
+        metrics_out = dict(state.metrics)
+        metrics_out["replies-used"] = float(len(accepted))
+        metrics_out["replies-dropped"] = float(sum(dropped.values()))
+        metrics_out["replies-missing"] = float(missing)
+        for category, count in dropped.items():
+            metrics_out[f"dropped-{category}"] = float(count)
+        if not accepted:
+            log(WARNING, "Round %d: no valid reply (%d dropped, %d missing); the global model is "
+                "kept unchanged.", server_round, sum(dropped.values()), missing)
+            metrics_out["aggregate-s"] = time.perf_counter() - t0
+            self.history[server_round] = metrics_out
+            return None, MetricRecord(metrics_out)
+
+        new_arrays = self._aggregate(state, accepted)
+        total = sum(w for _, w, _, _ in accepted)
+        for key in (P.TRAIN_LOSS, P.TRAIN_ACCURACY):
+            vals = [(w, float(m[key])) for _, w, _, m in accepted if key in m]
+            if vals:
+                metrics_out[key] = sum(w * x for w, x in vals) / sum(w for w, _ in vals)
+        metrics_out[P.NUM_EXAMPLES] = float(total)
+        received = [sum(v.nbytes for v in values.values()) for _, _, values, _ in accepted]
+        metrics_out["bytes-received-mean"] = float(np.mean(received))
+        metrics_out["bytes-received-ratio-mean"] = float(
+            np.mean(received) / metrics_out["dense-bytes"]
+        )
+        metrics_out["aggregate-s"] = time.perf_counter() - t0
+        self.history[server_round] = metrics_out
+        self._round = None
+        return new_arrays, MetricRecord(metrics_out)
+
+    def _check_reply(
+        self, msg: Message, state: _RoundState, seen: set[int]
+    ) -> tuple[str | None, tuple[float, dict[str, np.ndarray], Any] | None]:
+        """``(None, (weight, arrays, metrics))`` for a valid reply, else ``(reason, None)``."""
+        node = msg.metadata.src_node_id
+        if msg.has_error():
+            return f"error-reply: code {msg.error.code}, {msg.error.reason}", None
+        sent = state.sent.get(node)
+        if sent is None:
+            return "unexpected-sender: this node was not sent a training message this round", None
+        if node in seen:
+            return "duplicate: a second reply from this node in the same round", None
+        content = msg.content
+        if P.ARRAYS not in content.array_records or P.METRICS not in content.metric_records:
+            return (
+                f"missing-record: expected an ArrayRecord {P.ARRAYS!r} and a MetricRecord "
+                f"{P.METRICS!r}, got {sorted(content.keys())}",
+                None,
+            )
+        metrics = content.metric_records[P.METRICS]
+        weight = metrics.get(P.NUM_EXAMPLES)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (
+            math.isfinite(weight) and weight > 0
+        ):
+            return f"bad-num-examples: {P.NUM_EXAMPLES}={weight!r}, expected a number > 0", None
+        record = content.array_records[P.ARRAYS]
+        keys, want = set(record.keys()), set(sent.expected)
+        if keys != want:
+            return (
+                f"bad-keys: missing {sorted(want - keys)[:5]}, unexpected {sorted(keys - want)[:5]}",
+                None,
+            )
+        values: dict[str, np.ndarray] = {}
+        for key, (shape, dtype) in sent.expected.items():
+            try:
+                x = record[key].numpy()
+            except Exception as err:  # a corrupt payload must not crash the server
+                return f"bad-array: {key} cannot be decoded ({err})", None
+            if tuple(x.shape) != shape:
+                return f"bad-shape: {key} has shape {tuple(x.shape)}, expected {shape}", None
+            if x.dtype != dtype:
+                return f"bad-dtype: {key} has dtype {x.dtype}, expected {dtype}", None
+            if np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
+                return f"non-finite: {key} holds NaN or inf", None
+            values[key] = x
+        for layer, idx in sent.indices.items():
+            if not np.array_equal(values[P.factor_key(layer, "indices")], idx):
+                return f"bad-indices: {layer}.indices differ from the terms this node was sent", None
+        return None, (float(weight), values, metrics)
+
+    def _aggregate(
+        self, state: _RoundState, accepted: list[tuple[int, float, dict[str, np.ndarray], Any]]
+    ) -> ArrayRecord:
+        total = sum(w for _, w, _, _ in accepted)
+        out: dict[str, Array] = {}
+        for key, arr in state.arrays.items():
+            layer = key[: -len(".weight")] if key.endswith(".weight") else None
+            if layer is not None and layer in state.spectra:
+                out[key] = Array(self._rebuild(layer, state.spectra[layer], accepted))
+                continue
+            current = arr.numpy()
+            if not np.issubdtype(current.dtype, np.floating):
+                out[key] = arr  # integer buffers (e.g. counters) are not averaged
+                continue
+            acc = np.zeros(current.shape, dtype=np.float64)
+            for _, w, values, _ in accepted:
+                acc += w * values[key]
+            out[key] = Array((acc / total).astype(current.dtype))
+        return ArrayRecord(out)
+
+    @staticmethod
+    def _rebuild(
+        layer: str, spec: _Spectrum, accepted: list[tuple[int, float, dict[str, np.ndarray], Any]]
+    ) -> np.ndarray:
+        """Average u'_i, v'_i over the nodes that held term i (weights D); W = Σ u'_i v'_iᵀ."""
+        u_acc = np.zeros_like(spec.u)
+        v_acc = np.zeros_like(spec.v)
+        mass = np.zeros(spec.lam.shape, dtype=np.float64)
+        ku, kv, ki = (P.factor_key(layer, p) for p in ("u", "v", "indices"))
+        for _, w, values, _ in accepted:
+            idx = values[ki]
+            u_acc[:, idx] += w * values[ku]
+            v_acc[:, idx] += w * values[kv]
+            mass[idx] += w
+        held = mass > 0
+        u = spec.u.copy()
+        v = spec.v.copy()
+        u[:, held] = u_acc[:, held] / mass[held]
+        v[:, held] = v_acc[:, held] / mass[held]
+        return (u @ v.T).reshape(spec.shape).astype(spec.dtype)
+
+    # ------------------------------------------------------------------ evaluate
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Client-side evaluation of the dense global model (off when fraction_evaluate = 0)."""
+        if self.fraction_evaluate == 0.0:
+            return []
+        node_ids = self._sample_nodes(
+            grid, server_round, self.fraction_evaluate, self.min_evaluate_nodes
+        )
+        messages = []
+        for node in node_ids:
+            cfg = ConfigRecord(dict(config))
+            cfg["server-round"] = server_round
+            messages.append(Message(RecordDict({P.ARRAYS: arrays, P.CONFIG: cfg}),
+                                    dst_node_id=node, message_type=MessageType.EVALUATE))
+        return messages
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """Weighted mean of valid evaluation replies; invalid ones are logged and dropped."""
+        rows: list[tuple[float, Any]] = []
+        for msg in replies:
+            node = msg.metadata.src_node_id
+            if msg.has_error():
+                log(WARNING, "Round %d: evaluation error from node %d: %s", server_round, node,
+                    msg.error.reason)
+                continue
+            metrics = msg.content.metric_records.get(P.METRICS)
+            weight = metrics.get(P.NUM_EXAMPLES) if metrics is not None else None
+            if metrics is None or isinstance(weight, bool) or not isinstance(weight, (int, float)) \
+                    or not (math.isfinite(weight) and weight > 0):
+                log(WARNING, "Round %d: dropping evaluation reply of node %d (no positive %s).",
+                    server_round, node, P.NUM_EXAMPLES)
+                continue
+            rows.append((float(weight), metrics))
+        if not rows:
+            return None
+        total = sum(w for w, _ in rows)
+        out: dict[str, float] = {P.NUM_EXAMPLES: total, "eval-nodes": float(len(rows))}
+        for key in (P.EVAL_LOSS, P.EVAL_ACCURACY):
+            vals = [(w, float(m[key])) for w, m in rows if key in m]
+            if vals:
+                out[key] = sum(w * x for w, x in vals) / sum(w for w, _ in vals)
+        return MetricRecord(out)
+
+
+def _read_keep_ratio(reply: Message) -> tuple[float, str | None]:
+    """The keep ratio in a capability reply, or a reason why there is none."""
+    if reply.has_error():
+        return 0.0, f"error reply: {reply.error.reason}"
+    caps = reply.content.config_records.get(P.CAPABILITIES)
+    if caps is None or P.KEEP_RATIO not in caps:
+        return 0.0, f"no {P.CAPABILITIES!r} record with {P.KEEP_RATIO!r}"
+    value = caps[P.KEEP_RATIO]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return 0.0, f"{P.KEEP_RATIO}={value!r} is not a number"
+    if not (math.isfinite(value) and 0.0 < value <= 1.0):
+        return 0.0, f"{P.KEEP_RATIO}={value!r} is outside (0, 1]"
+    return float(value), None

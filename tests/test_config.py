@@ -1,0 +1,90 @@
+"""RunConfig parsing/validation, the keep-ratio mixture and the cosine schedule."""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from fedshard.config import ConfigError, KeepRatioMixture, RunConfig, cosine_lr
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pyproject_defaults() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+
+
+def test_pyproject_defaults_are_a_valid_config_with_every_key() -> None:
+    defaults = pyproject_defaults()
+    cfg = RunConfig.from_mapping(defaults)
+    assert set(cfg.as_dict()) == set(defaults), "pyproject and RunConfig keys must match"
+
+
+def test_every_run_config_key_is_documented_in_readme() -> None:
+    readme = (ROOT / "README.md").read_text()
+    missing = [k for k in pyproject_defaults() if f"`{k}`" not in readme]
+    assert not missing, f"undocumented run-config keys: {missing}"
+
+
+def test_all_problems_reported_at_once() -> None:
+    bad = {"keep-ratios": "0.2:0.5,1.5:0.5", "lr": 0.0, "method": "magic", "design": "srs",
+           "fraction-train": 1.5, "clip-lr-tau": 0.5, "model": "vgg", "dataset": "imagenet",
+           "num-server-rounds": 0, "batch-size": "big", "no-such-key": 1}
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_mapping(bad)
+    text = str(info.value)
+    for needle in ("ratio 1.5 is outside (0, 1]", "lr=0.0", "method='magic'", "design='srs'",
+                   "fraction-train=1.5", "clip-lr-tau=0.5", "model='vgg'", "dataset='imagenet'",
+                   "num-server-rounds=0", "batch-size='big'", "unknown key 'no-such-key'",
+                   "no round was started"):
+        assert needle in text, needle
+    assert len(info.value.problems) == len(bad)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [({"keep-ratios": "0.2:0.5,0.4:0.4"}, "shares sum to 0.9"),
+     ({"keep-ratios": "0:1"}, r"ratio 0.0 is outside \(0, 1\]"),
+     ({"keep-ratios": "0.2,0.4"}, "has no share"),
+     ({"keep-ratios": "a:b"}, "cannot read 'a:b'"),
+     ({"lr": -1.0}, "lr=-1.0: expected > 0"),
+     ({"fraction-train": 0.0}, r"fraction-train=0.0: expected in \(0, 1\]"),
+     ({"method": "unbiased", "scaled": True}, "scaled=true with method='unbiased'"),
+     ({"momentum": 1.0}, "momentum=1.0"),
+     ({"dirichlet-alpha": 0.0}, "dirichlet-alpha=0.0"),
+     ({"scaled": "yes"}, "scaled='yes': expected bool")],
+)
+def test_single_problems(overrides: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        RunConfig.from_mapping(overrides)
+
+
+def test_mixture_assignment_is_deterministic_and_matches_shares() -> None:
+    mix = KeepRatioMixture.parse("0.2:0.6,0.4:0.4")
+    got = [mix.ratio_for(i, 10) for i in range(10)]
+    assert got.count(0.2) == 6 and got.count(0.4) == 4
+    assert got == [mix.ratio_for(i, 10) for i in range(10)]
+    # largest-remainder rounding keeps the total for awkward sizes
+    assert sum(KeepRatioMixture.parse("0.1:0.33,0.2:0.33,0.3:0.34").counts(7)) == 7
+    assert KeepRatioMixture.parse("0.3").ratio_for(4, 5) == 0.3
+    with pytest.raises(ValueError, match="partition-id=5 is outside"):
+        mix.ratio_for(5, 5)
+
+
+def test_cosine_schedule() -> None:
+    assert cosine_lr(0.1, 1, 10) == pytest.approx(0.1)
+    assert cosine_lr(0.1, 6, 10) == pytest.approx(0.05)
+    vals = [cosine_lr(0.1, r, 10) for r in range(1, 11)]
+    assert all(a > b for a, b in zip(vals, vals[1:], strict=False)) and vals[-1] > 0
+    assert vals[-1] == pytest.approx(0.05 * (1 + math.cos(math.pi * 9 / 10)))
+    with pytest.raises(ValueError, match="server_round=11"):
+        cosine_lr(0.1, 11, 10)
+
+
+def test_results_path_is_absolute(tmp_path: Path) -> None:
+    cfg = RunConfig(results_dir=str(tmp_path), run_name="x")
+    assert cfg.results_path == tmp_path / "x"
+    assert RunConfig().results_path.is_absolute()
