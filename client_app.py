@@ -1,5 +1,7 @@
 """fedshard ClientApp: declares its keep ratio, trains the shard it receives (thin)."""
 
+from dataclasses import replace
+
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
@@ -12,6 +14,8 @@ app = ClientApp()
 
 def _node(context: Context) -> tuple[RunConfig, int, int]:
     cfg = RunConfig.from_mapping(context.run_config)
+    if "data-dir" in context.node_config:  # a deployed node's own data location wins
+        cfg = replace(cfg, data_dir=str(context.node_config["data-dir"]))
     pid = int(context.node_config.get("partition-id", 0))
     num = int(context.node_config.get("num-partitions", cfg.num_partitions))
     return cfg, pid, num

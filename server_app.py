@@ -16,12 +16,15 @@ def main(grid: Grid, context: Context) -> None:
     model = build_model(cfg)
     strategy = build_strategy(cfg, model)
     recorder = RunRecorder(cfg.results_path, cfg.as_dict(), cfg.num_server_rounds)
+    initial = ArrayRecord(model.state_dict())
     result = strategy.start(
         grid=grid,
-        initial_arrays=ArrayRecord(model.state_dict()),
+        initial_arrays=initial,
         num_rounds=cfg.num_server_rounds,
         timeout=cfg.round_timeout,
         train_config=ConfigRecord(),
         evaluate_fn=central_evaluate_fn(cfg, model, strategy, recorder),
     )
-    recorder.finish(result.arrays.to_torch_state_dict())
+    # Flower's Result holds no arrays when no round produced an update: the model is unchanged.
+    final = result.arrays if len(result.arrays) > 0 else initial
+    recorder.finish(final.to_torch_state_dict())

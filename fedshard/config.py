@@ -155,7 +155,7 @@ class RunConfig:
     min_available_nodes: int = 2
     round_timeout: float = 600.0
     num_partitions: int = 10
-    dirichlet_alpha: float = 1.0
+    dirichlet_alpha: float = 0.0
     model: str = "resnet18"
     model_width: int = 16
     dataset: str = "fashion-mnist"
@@ -279,12 +279,20 @@ class RunConfig:
         need(self.round_timeout > 0, f"round-timeout={self.round_timeout}: expected > 0 seconds")
         need(self.num_partitions >= 1, f"num-partitions={self.num_partitions}: expected ≥ 1")
         need(
-            math.isfinite(self.dirichlet_alpha) and self.dirichlet_alpha > 0,
-            f"dirichlet-alpha={self.dirichlet_alpha}: expected > 0",
+            math.isfinite(self.dirichlet_alpha) and self.dirichlet_alpha >= 0,
+            f"dirichlet-alpha={self.dirichlet_alpha}: expected > 0, or 0 for the data set's "
+            "paper value",
         )
         need(self.model in MODELS, f"model={self.model!r}: expected one of {MODELS}")
         need(self.model_width >= 1, f"model-width={self.model_width}: expected ≥ 1")
         need(self.dataset in DATASETS, f"dataset={self.dataset!r}: expected one of {DATASETS}")
+        if self.dataset in DATASETS and self.model in MODELS:
+            text = self.dataset == "shakespeare"
+            need(
+                text == (self.model == "chargpt"),
+                f"model={self.model!r} with dataset={self.dataset!r}: 'chargpt' is the model for "
+                "'shakespeare' (next-character prediction), the others are image models",
+            )
         need(self.test_max_examples >= 0, f"test-max-examples={self.test_max_examples}: expected ≥ 0 (0 = all)")
         need(self.eval_every >= 0, f"eval-every={self.eval_every}: expected ≥ 0 (0 = never)")
         need(self.seed >= 0, f"seed={self.seed}: expected a non-negative integer")

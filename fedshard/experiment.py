@@ -113,10 +113,13 @@ def build_strategy(cfg: RunConfig, model: nn.Module) -> SpectralSharding:
 
 
 def client_dataset(cfg: RunConfig, partition_id: int, num_partitions: int) -> Dataset[Any]:
-    """This node's training partition."""
+    """This node's training partition (``dirichlet-alpha = 0``: the data set's paper α;
+    Shakespeare is split by speaking role and takes no α)."""
+    info = dataset_info(cfg.dataset)
+    alpha = None if info.task == "next-char" or cfg.dirichlet_alpha == 0 else cfg.dirichlet_alpha
     return load_partition(
         cfg.dataset, partition_id, num_partitions, data_dir=cfg.data_dir or None,
-        alpha=cfg.dirichlet_alpha, seed=cfg.seed,
+        alpha=alpha, seed=cfg.seed,
     )
 
 

@@ -20,21 +20,22 @@ from flwr.serverapp.strategy import FedAvg
 
 from fedshard import protocol as P
 from fedshard.config import cosine_lr
-from fedshard.sampling import anme, draw_subsets, inclusion_probabilities, scaled_multipliers
-from fedshard.spectral import decompose
+from fedshard.sampling import (
+    anme,
+    default_prism_exponent,
+    draw_subsets,
+    inclusion_probabilities,
+    scaled_multipliers,
+)
+from fedshard.spectral import decompose, num_terms
 
-__all__ = ["SHARDING_METHODS", "SpectralSharding", "num_terms"]
+__all__ = ["SHARDING_METHODS", "SpectralSharding"]
 
 SHARDING_METHODS = ("unbiased", "collective", "top-n", "prism", "prism-wallenius", "none")
 SAMPLING_DESIGNS = ("cps", "brewer", "min-support")
 
 # Tags that make the strategy's random streams independent: default_rng([seed, round, TAG, ...]).
 _STREAM_NODES, _STREAM_TERMS, _STREAM_TRAIN = 0, 1, 2
-
-
-def num_terms(total: int, keep_ratio: float) -> int:
-    """n = ⌈r·N⌉ terms kept of N (guarding float error such as 0.1·30 = 3.0000000000000004)."""
-    return min(total, max(1, math.ceil(keep_ratio * total - 1e-9)))
 
 
 @dataclass
@@ -356,8 +357,7 @@ class SpectralSharding(FedAvg):
                 pis.append(pi)
                 for node, subset in zip(members, subsets, strict=True):
                     if self.scaled:
-                        w = np.asarray(scaled_multipliers(spec.lam, subset), dtype=np.float64)
-                        omega_sub = np.broadcast_to(w, subset.shape).copy()
+                        omega_sub = np.asarray(scaled_multipliers(spec.lam, subset), np.float64)
                     else:
                         omega_sub = omega[subset]
                     plan[node][layer] = (subset, omega_sub)
@@ -375,7 +375,7 @@ class SpectralSharding(FedAvg):
         """Subsets (C, n), ω (N,) and π (N,) of one layer for one keep-ratio group."""
         n = num_terms(lam.size, ratio)
         if self.method in ("prism", "prism-wallenius"):
-            k = self.prism_exponent or (4.0 if n / lam.size <= 0.2 else 2.5)
+            k = self.prism_exponent or default_prism_exponent(n, lam.size)
             pi, omega = inclusion_probabilities(lam, n, self.method, prism_exponent=k)
             # PriSM draws with numpy's choice ∝ λ^k (scaled by max λ so λ^k cannot underflow
             # for the leading terms).

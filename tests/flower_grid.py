@@ -31,8 +31,10 @@ class InProcessGrid(Grid):
         }
         self._replies: dict[str, Message] = {}
         self.sent: list[Message] = []          # every message the server pushed
-        self.silent: set[int] = set()          # nodes that never reply
-        self.tamper: dict[int, Callable[[Message], Message]] = {}  # node -> reply rewrite
+        self.silent: set[int] = set()   # nodes that answer queries but never a train message
+        self.offline: set[int] = set()  # nodes that answer nothing
+        # node -> rewrite of its train replies
+        self.tamper: dict[int, Callable[[Message], Message]] = {}
 
     def set_run(self, run_id: int) -> None:
         pass
@@ -58,14 +60,16 @@ class InProcessGrid(Grid):
             self.sent.append(msg)
             node = msg.metadata.dst_node_id
             ids.append(mid)
-            if node in self.silent:
+            if node in self.offline or (
+                node in self.silent and msg.metadata.message_type == "train"
+            ):
                 continue
             try:
                 reply = copy.deepcopy(self._app(copy.deepcopy(msg), self.contexts[node]))
             except Exception as ex:  # a ClientApp exception is an error reply in Flower
                 reply = Message(Error(code=0, reason=repr(ex)), reply_to=msg)
             reply.metadata.__dict__["_src_node_id"] = node
-            if node in self.tamper:
+            if node in self.tamper and msg.metadata.message_type == "train":
                 reply = self.tamper[node](reply)
             self._replies[mid] = reply
         return ids

@@ -54,7 +54,7 @@ def test_all_problems_reported_at_once() -> None:
      ({"fraction-train": 0.0}, r"fraction-train=0.0: expected in \(0, 1\]"),
      ({"method": "unbiased", "scaled": True}, "scaled=true with method='unbiased'"),
      ({"momentum": 1.0}, "momentum=1.0"),
-     ({"dirichlet-alpha": 0.0}, "dirichlet-alpha=0.0"),
+     ({"dirichlet-alpha": -1.0}, "dirichlet-alpha=-1.0"),
      ({"scaled": "yes"}, "scaled='yes': expected bool")],
 )
 def test_single_problems(overrides: dict, match: str) -> None:

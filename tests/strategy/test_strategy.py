@@ -9,15 +9,24 @@ import numpy as np
 import pytest
 import torch
 from flower_grid import InProcessGrid
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Error,
+    Message,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.clientapp import ClientApp
 from torch import nn
 from torch.utils.data import TensorDataset
 
 from fedshard import protocol as P
 from fedshard.client import handle_query, handle_train
-from fedshard.spectral import sharded_layer_names
-from fedshard.strategy import SpectralSharding, num_terms
+from fedshard.spectral import num_terms, sharded_layer_names
+from fedshard.strategy import SpectralSharding
 
 
 # --------------------------------------------------------------------------- a user's project
@@ -153,8 +162,8 @@ def _echo_factory(shift: dict[int, float]):
                 x = (x * (1.0 + shift[context.node_id])).astype(x.dtype)
             out[k] = Array(x)
         n = 10 * (context.node_id - 999)
-        return Message({P.ARRAYS: ArrayRecord(out),
-                        P.METRICS: MetricRecord({P.NUM_EXAMPLES: n})}, reply_to=msg)
+        return Message(RecordDict({P.ARRAYS: ArrayRecord(out),
+                        P.METRICS: MetricRecord({P.NUM_EXAMPLES: n})}), reply_to=msg)
 
     return app
 
@@ -305,9 +314,19 @@ def test_all_nodes_fail_keeps_model_unchanged() -> None:
     s = strategy()
     arrays = initial()
     before = weights(arrays)
-    result = s.start(grid=grid, initial_arrays=arrays, num_rounds=2, timeout=5)
-    for k, v in before.items():
-        np.testing.assert_array_equal(result.arrays[k].numpy(), v)
+    seen: list[dict[str, np.ndarray]] = []
+
+    def evaluate_fn(rnd: int, current: ArrayRecord) -> None:
+        seen.append(weights(current))
+
+    result = s.start(grid=grid, initial_arrays=arrays, num_rounds=2, timeout=5,
+                     evaluate_fn=evaluate_fn)
+    assert len(result.arrays) == 0  # Flower's Result: no round produced arrays
+    assert len(seen) == 3
+    for state in seen:  # the global model after rounds 0, 1, 2: bitwise the initial one
+        for k, v in before.items():
+            np.testing.assert_array_equal(state[k], v)
+    assert result.train_metrics_clientapp[2]["replies-missing"] == 2
 
 
 def test_node_without_capability_is_skipped_then_asked_again(caplog) -> None:

@@ -1,0 +1,39 @@
+"""The paper's data sets and their splits over simulated clients (paper, Sec. 4.1).
+
+- :mod:`~fedshard.data.registry` - names, :class:`DatasetInfo`, where files are looked for.
+- :mod:`~fedshard.data.partition` - Dir(α·p) and Pachinko splits (pure numpy).
+- :mod:`~fedshard.data.images`, :mod:`~fedshard.data.image_files` - image arrays, per-image
+  standardization, the idx / CIFAR-pickle / TinyImageNet readers.
+- :mod:`~fedshard.data.shakespeare` - LEAF's Shakespeare JSON, next-character samples.
+- :mod:`~fedshard.data.loading` - :func:`load_partition` and :func:`load_test_set`.
+"""
+
+from fedshard.data.images import ImageDataset, per_image_standardization
+from fedshard.data.loading import clear_cache, load_partition, load_test_set
+from fedshard.data.partition import dirichlet_partition, pachinko_partition, partition_sizes
+from fedshard.data.registry import (
+    DATASETS,
+    DataNotFoundError,
+    DatasetInfo,
+    dataset_info,
+    default_cache_dir,
+)
+from fedshard.data.shakespeare import VOCAB_SIZE, ShakespeareDataset
+
+__all__ = [
+    "DATASETS",
+    "VOCAB_SIZE",
+    "DataNotFoundError",
+    "DatasetInfo",
+    "ImageDataset",
+    "ShakespeareDataset",
+    "clear_cache",
+    "dataset_info",
+    "default_cache_dir",
+    "dirichlet_partition",
+    "load_partition",
+    "load_test_set",
+    "pachinko_partition",
+    "partition_sizes",
+    "per_image_standardization",
+]

@@ -1,0 +1,127 @@
+"""Image arrays, per-image standardization and the torch ``Dataset`` that serves them.
+
+Images are kept in memory as ``uint8`` arrays of shape ``(N, C, H, W)`` (a quarter of the
+float32 size: 1.2 GB instead of 4.9 GB for TinyImageNet's training set) and standardized one
+image at a time when an item is read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+__all__ = ["ImageArrays", "ImageDataset", "per_image_standardization"]
+
+
+def per_image_standardization(images: torch.Tensor) -> torch.Tensor:
+    """Standardize every image to zero mean and unit variance over all its pixels and channels.
+
+    Parameters
+    ----------
+    images : torch.Tensor
+        One image ``(C, H, W)`` or a batch ``(B, C, H, W)``; any real dtype (``uint8`` pixel
+        values are fine).
+
+    Returns
+    -------
+    torch.Tensor
+        Same shape, ``float32`` (``float64`` if the input is ``float64``):
+        ``(x - mean(x)) / max(std(x), 1 / sqrt(numel(x)))`` per image.
+
+    Raises
+    ------
+    ValueError
+        If ``images`` does not have 3 or 4 dimensions or an image is empty.
+
+    Notes
+    -----
+    This is ``tf.image.per_image_standardization``: the standard deviation is the population
+    one (divide by ``numel``), and its floor ``1 / sqrt(numel)`` keeps a constant image finite
+    (it becomes all zeros). The paper (Sec. 4.1) standardizes every image this way, following
+    Reddi et al. (2021), and applies no random cropping.
+    """
+    if images.ndim not in (3, 4):
+        raise ValueError(
+            f"per_image_standardization expects (C, H, W) or (B, C, H, W), got shape "
+            f"{tuple(images.shape)}; nothing was standardized."
+        )
+    numel = images.shape[-3] * images.shape[-2] * images.shape[-1]
+    if numel == 0:
+        raise ValueError(f"Cannot standardize empty images of shape {tuple(images.shape)}.")
+    dtype = torch.float64 if images.dtype == torch.float64 else torch.float32
+    x = images.to(dtype)
+    dims = (-3, -2, -1)
+    mean = x.mean(dim=dims, keepdim=True)
+    std = x.std(dim=dims, keepdim=True, correction=0)
+    return (x - mean) / std.clamp_min(1.0 / math.sqrt(numel))
+
+
+@dataclass(frozen=True)
+class ImageArrays:
+    """Raw images and labels of one split of an image data set.
+
+    Attributes
+    ----------
+    images : numpy.ndarray
+        ``(N, C, H, W)`` ``uint8`` pixel values.
+    labels : numpy.ndarray
+        ``(N,)`` ``int64`` class indices.
+    coarse_labels : numpy.ndarray or None
+        ``(N,)`` ``int64`` super-class indices (CIFAR-100 only).
+    """
+
+    images: np.ndarray
+    labels: np.ndarray
+    coarse_labels: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.images.ndim != 4 or self.images.dtype != np.uint8:
+            raise ValueError(
+                f"images must be a uint8 (N, C, H, W) array, got {self.images.dtype} "
+                f"{self.images.shape}."
+            )
+        n = self.images.shape[0]
+        for name, arr in (("labels", self.labels), ("coarse_labels", self.coarse_labels)):
+            if arr is not None and arr.shape != (n,):
+                raise ValueError(
+                    f"{name} must have shape ({n},) to match {n} images, got {arr.shape}."
+                )
+
+    def __len__(self) -> int:
+        return int(self.images.shape[0])
+
+    def subset(self, indices: np.ndarray) -> ImageArrays:
+        """Copy of the examples at ``indices`` (in that order)."""
+        coarse = None if self.coarse_labels is None else self.coarse_labels[indices]
+        return ImageArrays(self.images[indices], self.labels[indices], coarse)
+
+
+class ImageDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Map-style dataset of ``(x, y)`` with ``x`` a standardized ``float32`` ``(C, H, W)``.
+
+    Parameters
+    ----------
+    arrays : ImageArrays
+        The examples; copied into torch tensors, so later changes to the arrays do not leak in.
+
+    Attributes
+    ----------
+    targets : numpy.ndarray
+        ``(N,)`` ``int64`` labels, e.g. for class histograms.
+    """
+
+    def __init__(self, arrays: ImageArrays) -> None:
+        # (N, C, H, W) uint8; torch.tensor copies, so read-only cached arrays are fine.
+        self._images = torch.tensor(arrays.images)
+        self._labels = torch.tensor(arrays.labels, dtype=torch.int64)
+        self.targets: np.ndarray = np.array(arrays.labels, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return int(self._images.shape[0])
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return per_image_standardization(self._images[index]), self._labels[index]

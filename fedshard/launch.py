@@ -1,0 +1,184 @@
+"""Launch ``flwr run`` simulations in isolation, and stop every process they start.
+
+``flwr run`` (Flower 1.42) starts a detached local SuperLink that outlives it. This module gives
+each launch its own ``FLWR_HOME`` and ports, runs the app with ``--stream``, and afterwards
+terminates that SuperLink and all its descendants (SuperExec, the simulation process, Ray) by PID.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SimulationRun", "free_port", "kill_tree", "processes_matching",
+           "processes_with_env", "run_simulation",
+           "toml_value"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SimulationRun:
+    """Outcome of one ``flwr run``: exit code, combined output, wall time."""
+
+    returncode: int
+    output: str
+    wall_s: float
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def toml_value(value: Any) -> str:
+    """``value`` as a TOML literal (strings quoted, bools lower-case)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    raise TypeError(f"run-config value {value!r}: expected bool, int, float or str")
+
+
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        tree.setdefault(ppid, []).append(int(entry.name))
+    return tree
+
+
+def processes_matching(*needles: str) -> list[int]:
+    """PIDs whose command line contains every one of ``needles``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if all(n in cmd for n in needles):
+            pids.append(int(entry.name))
+    return pids
+
+
+def processes_with_env(name: str, value: str) -> list[int]:
+    """PIDs whose environment has ``name=value`` (inherited by every descendant of a launch)."""
+    needle = f"{name}={value}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if needle in env:
+            pids.append(int(entry.name))
+    return pids
+
+
+def kill_tree(pid: int, *, grace_s: float = 5.0) -> None:
+    """SIGTERM ``pid`` and all its descendants, SIGKILL what is left after ``grace_s``."""
+    tree = _children()
+    family, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        family.append(p)
+        todo.extend(tree.get(p, []))
+    for p in family:
+        try:
+            os.kill(p, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in family):
+        time.sleep(0.1)
+    for p in family:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def run_simulation(
+    app_dir: Path,
+    run_config: Mapping[str, Any],
+    *,
+    num_supernodes: int,
+    flwr_home: Path | None = None,
+    client_num_cpus: int = 1,
+    timeout_s: float = 3600.0,
+    on_line: Callable[[str], None] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> SimulationRun:
+    """``flwr run <app_dir> --stream`` with its own FLWR_HOME and ports; always cleans up.
+
+    The run-config overrides are written to a TOML file next to ``flwr_home``. Each line of
+    output is passed to ``on_line`` as it arrives. The local SuperLink started for this run,
+    and everything under it, is stopped by PID before returning, also on error or timeout.
+    """
+    home = Path(flwr_home) if flwr_home else Path(tempfile.mkdtemp(prefix="fedshard-flwr-"))
+    home.mkdir(parents=True, exist_ok=True)
+    overrides = home / "run-config.toml"
+    overrides.write_text("".join(f"{k} = {toml_value(v)}\n" for k, v in run_config.items()))
+    http_port, control_port = free_port(), free_port()
+    child_env = dict(os.environ)
+    child_env.update({
+        "FLWR_HOME": str(home),
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http_port),
+        "FLWR_LOCAL_CONTROL_API_PORT": str(control_port),
+        "FLWR_DISABLE_UPDATE_CHECK": "1",
+    })
+    child_env.update(env or {})
+    flwr = str(Path(sys.executable).with_name("flwr"))
+    cmd = [flwr, "run", str(app_dir), "--stream", "--run-config", str(overrides),
+           "--federation-config",
+           f"num-supernodes={num_supernodes} client-resources-num-cpus={client_num_cpus} "
+           "client-resources-num-gpus=0.0"]
+    logger.info("launching: %s (FLWR_HOME=%s, port %d)", " ".join(cmd), home, http_port)
+    start = time.monotonic()
+    lines: list[str] = []
+    proc = subprocess.Popen(cmd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, bufsize=1, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if on_line is not None:
+                on_line(line.rstrip("\n"))
+            if time.monotonic() - start > timeout_s:
+                raise TimeoutError(f"flwr run exceeded {timeout_s:.0f} s")
+        returncode = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+        for pid in processes_matching("flower-superlink", str(home)):
+            kill_tree(pid)
+        # Anything else started for this launch (Ray workers re-parented to init, say) still
+        # carries its FLWR_HOME in the environment.
+        for pid in processes_with_env("FLWR_HOME", str(home)):
+            kill_tree(pid)
+    return SimulationRun(returncode, "".join(lines), time.monotonic() - start)
