@@ -24,7 +24,8 @@ def _node(context: Context) -> tuple[RunConfig, int, int]:
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     cfg, _, _ = _node(context)
-    return handle_query(msg, declared_keep_ratio(cfg, dict(context.node_config)))
+    key = context.node_config.get("partition-id")  # stable across launches (node ids are not)
+    return handle_query(msg, declared_keep_ratio(cfg, dict(context.node_config)), key)
 
 
 @app.train()

@@ -25,8 +25,12 @@ __all__ = ["handle_evaluate", "handle_query", "handle_train", "submodel_from_rec
 logger = logging.getLogger(__name__)
 
 
-def handle_query(msg: Message, keep_ratio: float) -> Message:
-    """Answer a capability query with this node's keep ratio ``0 < r ≤ 1``."""
+def handle_query(msg: Message, keep_ratio: float, node_key: str | int | None = None) -> Message:
+    """Answer a capability query with this node's keep ratio ``0 < r ≤ 1``.
+
+    ``node_key`` is an optional stable identity (e.g. the partition id) that makes the
+    server's sampling reproducible across launches; Flower's node ids are random.
+    """
     if isinstance(keep_ratio, bool) or not (
         isinstance(keep_ratio, (int, float)) and math.isfinite(keep_ratio) and 0 < keep_ratio <= 1
     ):
@@ -35,6 +39,8 @@ def handle_query(msg: Message, keep_ratio: float) -> Message:
             "until it declares one (e.g. --node-config \"keep-ratio=0.2\")"
         )
     caps = ConfigRecord({P.KEEP_RATIO: float(keep_ratio)})
+    if node_key is not None:
+        caps[P.NODE_KEY] = str(node_key)
     return Message(RecordDict({P.CAPABILITIES: caps}), reply_to=msg)
 
 

@@ -7,6 +7,7 @@ terminates that SuperLink and all its descendants (SuperExec, the simulation pro
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -14,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -99,6 +101,15 @@ def processes_with_env(name: str, value: str) -> list[int]:
     return pids
 
 
+def _alive(pid: int) -> bool:
+    """Running or stopped, not gone and not a zombie (a zombie only waits to be reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def kill_tree(pid: int, *, grace_s: float = 5.0) -> None:
     """SIGTERM ``pid`` and all its descendants, SIGKILL what is left after ``grace_s``."""
     tree = _children()
@@ -108,18 +119,14 @@ def kill_tree(pid: int, *, grace_s: float = 5.0) -> None:
         family.append(p)
         todo.extend(tree.get(p, []))
     for p in family:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(p, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in family):
+    while time.monotonic() < deadline and any(_alive(p) for p in family):
         time.sleep(0.1)
     for p in family:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def run_simulation(
@@ -152,6 +159,10 @@ def run_simulation(
         "FLWR_LOCAL_CONTROL_API_PORT": str(control_port),
         "FLWR_DISABLE_UPDATE_CHECK": "1",
     })
+    # `flwr run` starts `flower-superlink` by name: find it in this environment's bin/ even
+    # when the environment is not activated (`/path/to/venv/bin/python -m ...`).
+    bin_dir = str(Path(sys.executable).parent)
+    child_env["PATH"] = os.pathsep.join([bin_dir, child_env.get("PATH", "")]).rstrip(os.pathsep)
     child_env.update(env or {})
     flwr = str(Path(sys.executable).with_name("flwr"))
     cmd = [flwr, "run", str(app_dir), "--stream", "--run-config", str(overrides),
@@ -163,16 +174,8 @@ def run_simulation(
     lines: list[str] = []
     proc = subprocess.Popen(cmd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, bufsize=1, start_new_session=True)
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if on_line is not None:
-                on_line(line.rstrip("\n"))
-            if time.monotonic() - start > timeout_s:
-                raise TimeoutError(f"flwr run exceeded {timeout_s:.0f} s")
-        returncode = proc.wait(timeout=60)
-    finally:
+
+    def stop_all() -> None:
         if proc.poll() is None:
             kill_tree(proc.pid)
         for pid in processes_matching("flower-superlink", str(home)):
@@ -181,4 +184,30 @@ def run_simulation(
         # carries its FLWR_HOME in the environment.
         for pid in processes_with_env("FLWR_HOME", str(home)):
             kill_tree(pid)
+
+    # A run that hangs without printing must time out too: the watchdog stops every process
+    # of the launch, which closes the pipe and ends the read loop below.
+    expired = threading.Event()
+
+    def expire() -> None:
+        expired.set()
+        stop_all()
+
+    watchdog = threading.Timer(timeout_s, expire)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if on_line is not None:
+                on_line(line.rstrip("\n"))
+            if expired.is_set():
+                break
+        if expired.is_set():
+            raise TimeoutError(f"flwr run exceeded {timeout_s:.0f} s; its processes were stopped")
+        returncode = proc.wait(timeout=60)
+    finally:
+        watchdog.cancel()
+        stop_all()
     return SimulationRun(returncode, "".join(lines), time.monotonic() - start)

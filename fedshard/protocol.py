@@ -6,8 +6,11 @@ them. Keys are kebab-case (Flower's convention), array keys follow ``state_dict`
 Messages
 --------
 ``query`` (server → node, :data:`flwr.app.MessageType.QUERY`)
-    ``RecordDict({"query": ConfigRecord({"want": ["keep-ratio"]})})``. The node answers
-    ``RecordDict({"capabilities": ConfigRecord({"keep-ratio": r})})`` with ``0 < r ≤ 1``.
+    ``RecordDict({"query": ConfigRecord({"want": ["keep-ratio", "node-key"]})})``. The node
+    answers ``RecordDict({"capabilities": ConfigRecord({"keep-ratio": r, "node-key": k})})``
+    with ``0 < r ≤ 1`` and an optional stable key ``k`` (a string; the simulation uses the
+    partition id). Flower draws new node ids at every launch; the key keeps node sampling,
+    term sampling and training seeds reproducible across launches (and across a resume).
 ``train`` (server → node)
     ``"arrays"`` (:class:`~flwr.app.ArrayRecord`): for each sharded layer ``L`` (a ``Linear`` or
     ``Conv2d`` module name) ``L.u`` (c_out, n), ``L.v`` (c_in·k·k, n), ``L.omega`` (n,) and
@@ -35,6 +38,7 @@ __all__ = [
     "EVAL_LOSS",
     "KEEP_RATIO",
     "METRICS",
+    "NODE_KEY",
     "NUM_EXAMPLES",
     "QUERY",
     "TRAIN_ACCURACY",
@@ -54,6 +58,7 @@ CAPABILITIES = "capabilities"
 
 # Capability / metric keys
 KEEP_RATIO = "keep-ratio"
+NODE_KEY = "node-key"
 NUM_EXAMPLES = "num-examples"
 TRAIN_LOSS = "train-loss"
 TRAIN_ACCURACY = "train-accuracy"

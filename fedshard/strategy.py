@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+import zlib
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,19 @@ SAMPLING_DESIGNS = ("cps", "brewer", "min-support")
 
 # Tags that make the strategy's random streams independent: default_rng([seed, round, TAG, ...]).
 _STREAM_NODES, _STREAM_TERMS, _STREAM_TRAIN = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class _Node:
+    """What a node declared: its keep ratio and a stable key (survives node-id changes)."""
+
+    keep_ratio: float
+    key: str
+
+    @property
+    def stream(self) -> int:
+        """Integer identity of the node for its random stream."""
+        return int(self.key) if self.key.isdigit() else zlib.crc32(self.key.encode())
 
 
 @dataclass
@@ -203,7 +217,7 @@ class SpectralSharding(FedAvg):
         self.node_wait_timeout = node_wait_timeout
         # node_id -> declared keep ratio; pruned to the connected nodes every round, so a node
         # that restarts (new node id) is asked again.
-        self.capabilities: dict[int, float] = {}
+        self.capabilities: dict[int, _Node] = {}
         # server_round -> the round's training metrics (also returned to Flower per round).
         self.history: dict[int, dict[str, float]] = {}
         self._round: _RoundState | None = None
@@ -221,8 +235,15 @@ class SpectralSharding(FedAvg):
         super().summary()
 
     # ------------------------------------------------------------------ nodes
-    def _sample_nodes(self, grid: Grid, server_round: int, fraction: float, minimum: int) -> list[int]:
-        """Wait for enough nodes, then sample ``max(⌊fraction·K⌋, minimum)`` of the K connected."""
+    def _sample_nodes(
+        self, grid: Grid, server_round: int, fraction: float, minimum: int
+    ) -> dict[int, _Node]:
+        """Wait for enough nodes, learn the capabilities of new ones, then sample
+        ``max(⌊fraction·K⌋, minimum)`` of the K connected among those with a keep ratio.
+
+        Nodes are ordered by their stable key (``node-key``, e.g. the partition id) before the
+        draw, so a run is reproducible although Flower gives nodes random ids at every launch.
+        """
         need = max(self.min_available_nodes, minimum)
         start = time.monotonic()
         while len(node_ids := sorted(grid.get_node_ids())) < need:
@@ -239,37 +260,44 @@ class SpectralSharding(FedAvg):
         # Forget capabilities of nodes that are gone (a restarted node gets a new id).
         for gone in set(self.capabilities) - set(node_ids):
             del self.capabilities[gone]
-        size = min(len(node_ids), max(int(len(node_ids) * fraction), minimum))
-        rng = np.random.default_rng([self.seed, server_round, _STREAM_NODES])
-        chosen = rng.choice(len(node_ids), size=size, replace=False)
-        return sorted(node_ids[i] for i in chosen)
+        self._query_capabilities(grid, node_ids)
+        eligible = sorted((n for n in node_ids if n in self.capabilities),
+                          key=lambda n: (self.capabilities[n].key, n))
+        size = min(len(eligible), max(int(len(node_ids) * fraction), minimum))
+        if size < len(eligible):
+            rng = np.random.default_rng([self.seed, server_round, _STREAM_NODES])
+            eligible = [eligible[i] for i in sorted(rng.choice(len(eligible), size, replace=False))]
+        if len(eligible) < min(len(node_ids), max(int(len(node_ids) * fraction), minimum)):
+            log(WARNING, "Round %d: only %d of %d connected nodes declared a usable keep ratio.",
+                server_round, len(self.capabilities), len(node_ids))
+        return {n: self.capabilities[n] for n in eligible}
 
-    def _query_capabilities(self, grid: Grid, node_ids: list[int]) -> dict[int, float]:
-        """Keep ratios of ``node_ids``: cached, or asked with a ``query`` message."""
+    def _query_capabilities(self, grid: Grid, node_ids: list[int]) -> None:
+        """Ask every node not in the cache for its keep ratio (a ``query`` message)."""
         unknown = [n for n in node_ids if n not in self.capabilities]
-        if unknown:
-            messages = [
-                Message(
-                    RecordDict({P.QUERY: ConfigRecord({"want": [P.KEEP_RATIO]})}),
-                    dst_node_id=node,
-                    message_type=MessageType.QUERY,
-                )
-                for node in unknown
-            ]
-            answered: set[int] = set()
-            for reply in grid.send_and_receive(messages, timeout=self.query_timeout):
-                node = reply.metadata.src_node_id
-                answered.add(node)
-                ratio, reason = _read_keep_ratio(reply)
-                if reason is not None:
-                    log(WARNING, "Node %d gave no usable keep ratio (%s); it is skipped this "
-                        "round and asked again next time it is sampled.", node, reason)
-                    continue
-                self.capabilities[node] = ratio
-            for node in set(unknown) - answered:
-                log(WARNING, "Node %d did not answer the capability query within %.0f s; it is "
-                    "skipped this round.", node, self.query_timeout)
-        return {n: self.capabilities[n] for n in node_ids if n in self.capabilities}
+        if not unknown:
+            return
+        messages = [
+            Message(
+                RecordDict({P.QUERY: ConfigRecord({"want": [P.KEEP_RATIO, P.NODE_KEY]})}),
+                dst_node_id=node,
+                message_type=MessageType.QUERY,
+            )
+            for node in unknown
+        ]
+        answered: set[int] = set()
+        for reply in grid.send_and_receive(messages, timeout=self.query_timeout):
+            node = reply.metadata.src_node_id
+            answered.add(node)
+            caps, reason = _read_capabilities(reply)
+            if caps is None:
+                log(WARNING, "Node %d gave no usable keep ratio (%s); it is skipped this "
+                    "round and asked again next round.", node, reason)
+                continue
+            self.capabilities[node] = caps
+        for node in set(unknown) - answered:
+            log(WARNING, "Node %d did not answer the capability query within %.0f s; it is "
+                "skipped this round and asked again next round.", node, self.query_timeout)
 
     # ------------------------------------------------------------------ train
     def configure_train(
@@ -279,24 +307,24 @@ class SpectralSharding(FedAvg):
         self._round = None
         if self.fraction_train == 0.0:
             return []
-        node_ids = self._sample_nodes(grid, server_round, self.fraction_train, self.min_train_nodes)
-        ratios = self._query_capabilities(grid, node_ids)
-        if not ratios:
-            log(WARNING, "Round %d: none of the %d sampled nodes declared a keep ratio; no "
-                "training this round.", server_round, len(node_ids))
+        nodes = self._sample_nodes(grid, server_round, self.fraction_train, self.min_train_nodes)
+        if not nodes:
+            log(WARNING, "Round %d: no connected node declared a keep ratio; no training this "
+                "round.", server_round)
             return []
+        ratios = {n: c.keep_ratio for n, c in nodes.items()}
 
         t0 = time.perf_counter()
         spectra = self._decompose(arrays)
         t1 = time.perf_counter()
-        plan, anme_metrics = self._plan(server_round, spectra, ratios)
+        plan, anme_metrics = self._plan(server_round, spectra, nodes)
         t2 = time.perf_counter()
         lr = cosine_lr(self.lr, server_round, self.num_rounds)
         dense_bytes = sum(len(a.data) for a in arrays.values())
         messages, sent = [], {}
         for node, terms in plan.items():
             record, info = self._pack(arrays, spectra, terms, ratios[node])
-            cfg = self._node_config(config, server_round, node, ratios[node], lr)
+            cfg = self._node_config(config, server_round, nodes[node], lr)
             messages.append(
                 Message(RecordDict({P.ARRAYS: record, P.CONFIG: cfg}), dst_node_id=node,
                         message_type=MessageType.TRAIN, group_id=str(server_round))
@@ -305,7 +333,7 @@ class SpectralSharding(FedAvg):
         t3 = time.perf_counter()
 
         metrics: dict[str, float] = {
-            "nodes-sampled": float(len(node_ids)),
+            "nodes-sampled": float(len(nodes)),
             "nodes-sent": float(len(sent)),
             "lr": lr,
             "svd-s": t1 - t0,
@@ -341,15 +369,17 @@ class SpectralSharding(FedAvg):
         return spectra
 
     def _plan(
-        self, server_round: int, spectra: dict[str, _Spectrum], ratios: dict[int, float]
+        self, server_round: int, spectra: dict[str, _Spectrum], nodes: dict[int, _Node]
     ) -> tuple[dict[int, dict[str, tuple[np.ndarray, np.ndarray]]], dict[str, float]]:
         """Per node and layer: (sorted term indices, their ω). Also the ANME per group."""
+        ratios = {n: c.keep_ratio for n, c in nodes.items()}
         plan: dict[int, dict[str, tuple[np.ndarray, np.ndarray]]] = {n: {} for n in ratios}
         groups = sorted(set(ratios.values()))
         anme_metrics: dict[str, float] = {}
         weighted_anme = 0.0
         for g, ratio in enumerate(groups):
-            members = sorted(n for n, r in ratios.items() if r == ratio)
+            members = sorted((n for n, r in ratios.items() if r == ratio),
+                             key=lambda n: (nodes[n].key, n))
             pis = []
             for li, (layer, spec) in enumerate(spectra.items()):
                 rng = np.random.default_rng([self.seed, server_round, _STREAM_TERMS, li, g])
@@ -426,10 +456,11 @@ class SpectralSharding(FedAvg):
         return record, _Sent(keep_ratio, indices, expected, sum(len(a.data) for a in out.values()))
 
     def _node_config(
-        self, base: ConfigRecord, server_round: int, node: int, keep_ratio: float, lr: float
+        self, base: ConfigRecord, server_round: int, node: _Node, lr: float
     ) -> ConfigRecord:
         cfg = ConfigRecord(dict(base))  # own copy: never write into the caller's record
-        seed_rng = np.random.default_rng([self.seed, server_round, _STREAM_TRAIN, node])
+        seed_rng = np.random.default_rng([self.seed, server_round, _STREAM_TRAIN, node.stream])
+        keep_ratio = node.keep_ratio
         cfg.update({
             "server-round": server_round,
             "lr": lr,
@@ -598,9 +629,9 @@ class SpectralSharding(FedAvg):
         """Client-side evaluation of the dense global model (off when fraction_evaluate = 0)."""
         if self.fraction_evaluate == 0.0:
             return []
-        node_ids = self._sample_nodes(
+        node_ids = list(self._sample_nodes(
             grid, server_round, self.fraction_evaluate, self.min_evaluate_nodes
-        )
+        ))
         messages = []
         for node in node_ids:
             cfg = ConfigRecord(dict(config))
@@ -639,16 +670,20 @@ class SpectralSharding(FedAvg):
         return MetricRecord(out)
 
 
-def _read_keep_ratio(reply: Message) -> tuple[float, str | None]:
-    """The keep ratio in a capability reply, or a reason why there is none."""
+def _read_capabilities(reply: Message) -> tuple[_Node | None, str]:
+    """The node's declared capabilities, or ``None`` and the reason there are none."""
     if reply.has_error():
-        return 0.0, f"error reply: {reply.error.reason}"
+        return None, f"error reply: {reply.error.reason}"
     caps = reply.content.config_records.get(P.CAPABILITIES)
     if caps is None or P.KEEP_RATIO not in caps:
-        return 0.0, f"no {P.CAPABILITIES!r} record with {P.KEEP_RATIO!r}"
+        return None, f"no {P.CAPABILITIES!r} record with {P.KEEP_RATIO!r}"
     value = caps[P.KEEP_RATIO]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return 0.0, f"{P.KEEP_RATIO}={value!r} is not a number"
+        return None, f"{P.KEEP_RATIO}={value!r} is not a number"
     if not (math.isfinite(value) and 0.0 < value <= 1.0):
-        return 0.0, f"{P.KEEP_RATIO}={value!r} is outside (0, 1]"
-    return float(value), None
+        return None, f"{P.KEEP_RATIO}={value!r} is outside (0, 1]"
+    key = caps.get(P.NODE_KEY, "")
+    if not isinstance(key, str):
+        return None, f"{P.NODE_KEY}={key!r} is not a string"
+    # Without a declared key the node id is the key (stable within one launch only).
+    return _Node(float(value), key or str(reply.metadata.src_node_id)), ""

@@ -66,12 +66,14 @@ client = ClientApp()
 
 @client.query()
 def _query(msg: Message, context: Context) -> Message:
-    return handle_query(msg, context.node_config["keep-ratio"])
+    return handle_query(msg, context.node_config["keep-ratio"],
+                        context.node_config.get("partition-id"))
 
 
 @client.train()
 def _train(msg: Message, context: Context) -> Message:
-    return handle_train(msg, make_net(), local_data(context.node_id))
+    data_id = context.node_config.get("partition-id", context.node_id)
+    return handle_train(msg, make_net(), local_data(data_id))
 
 
 LAYERS = ["body", "hidden"]
@@ -448,3 +450,42 @@ def test_callers_records_are_not_modified() -> None:
     assert dict(config) == {"a": 1}
     for k, v in before.items():
         np.testing.assert_array_equal(arrays[k].numpy(), v)
+
+
+def test_runs_reproduce_across_launches_despite_random_node_ids() -> None:
+    """Flower draws new node ids per launch; with partition ids as node keys the sampled
+    nodes, their terms and their training are the same, so the model is bitwise equal."""
+    configs = [{"keep-ratio": r, "partition-id": i}
+               for i, r in enumerate([0.25, 0.5, 0.25, 0.5, 1.0, 0.25])]
+
+    def launch(first_id: int, reverse: bool) -> tuple[ArrayRecord, list[int]]:
+        grid = InProcessGrid(client, configs, first_node_id=first_id)
+        if reverse:  # node ids in the opposite order of the partitions
+            ids = sorted(grid.contexts)
+            grid.contexts = {i: grid.contexts[j] for i, j in zip(ids, reversed(ids), strict=True)}
+        s = strategy(fraction_train=0.5, num_rounds=2)
+        result = s.start(grid=grid, initial_arrays=initial(), num_rounds=2, timeout=5)
+        trained = [grid.contexts[m.metadata.dst_node_id].node_config["partition-id"]
+                   for m in grid.sent if m.metadata.message_type == "train"]
+        return result.arrays, trained
+
+    a, parts_a = launch(1000, reverse=False)
+    b, parts_b = launch(77_000, reverse=True)
+    assert parts_a == parts_b and len(parts_a) == 6  # 3 nodes per round, 2 rounds
+    for key in a:
+        np.testing.assert_array_equal(a[key].numpy(), b[key].numpy())
+
+
+def test_restarted_node_is_asked_again_with_its_new_keep_ratio() -> None:
+    grid = grid_with([0.5, 0.25])
+    s = strategy()
+    list(s.configure_train(1, initial(), ConfigRecord(), grid))
+    assert s.capabilities[1001].keep_ratio == 0.25
+    # node 1001 restarts: Flower gives it a new id; it now declares 0.5
+    ctx = grid.contexts.pop(1001)
+    ctx.node_config["keep-ratio"] = 0.5
+    grid.contexts[2001] = ctx
+    msgs = list(s.configure_train(2, initial(), ConfigRecord(), grid))
+    assert 1001 not in s.capabilities and s.capabilities[2001].keep_ratio == 0.5
+    cfg = {m.metadata.dst_node_id: m.content[P.CONFIG]["keep-ratio"] for m in msgs}
+    assert cfg == {1000: 0.5, 2001: 0.5}

@@ -1,0 +1,51 @@
+"""Experiment suites: run many ``flwr run`` simulations, resume them, report the results.
+
+- :mod:`~fedshard.experiments.suite` - the suite TOML file, validated up front.
+- :mod:`~fedshard.experiments.runner` - runs a suite (skips finished runs, re-runs partial
+  ones), with progress lines and an ETA; Ctrl-C/SIGTERM stop the current simulation cleanly.
+- :mod:`~fedshard.experiments.report` - ``table.md``, ``accuracy.png``, ``anme.png``,
+  ``results.json``.
+
+Command line: ``python -m fedshard.experiments {run,status,report} SUITE``.
+"""
+
+from fedshard.experiments.report import Cell, ReportFiles, collect, write_report
+from fedshard.experiments.runner import (
+    RunState,
+    RunStatus,
+    StaleRunsError,
+    SuiteOutcome,
+    run_status,
+    run_suite,
+    suite_status,
+)
+from fedshard.experiments.suite import (
+    RunSpec,
+    Suite,
+    SuiteError,
+    TableSpec,
+    load_suite,
+    parse_suite,
+    run_name,
+)
+
+__all__ = [
+    "Cell",
+    "ReportFiles",
+    "RunSpec",
+    "RunState",
+    "RunStatus",
+    "StaleRunsError",
+    "Suite",
+    "SuiteError",
+    "SuiteOutcome",
+    "TableSpec",
+    "collect",
+    "load_suite",
+    "parse_suite",
+    "run_name",
+    "run_status",
+    "run_suite",
+    "suite_status",
+    "write_report",
+]

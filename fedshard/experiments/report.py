@@ -1,0 +1,417 @@
+"""A suite's report: Markdown table, accuracy and ANME plots, and the numbers as JSON.
+
+Only *finished* runs count (see :mod:`fedshard.experiments.runner`). Written into the suite's
+results folder:
+
+- ``table.md`` - rows = labels, columns = column labels (suite order); each cell the final
+  test accuracy in %, "mean ± std" over seeds (sample standard deviation, ddof = 1), the best
+  cell of each column in bold, cells with fewer seeds or other rounds than the main setting
+  marked with † and explained in a footnote, missing cells "—"; reference rows (runs
+  without a column, such as r = 1) in a table of their own.
+- ``accuracy.png`` - test accuracy against round, one panel per column, mean over seeds with
+  a ±1 std band (the paper's Fig. 1a); reference rows dashed in every panel.
+- ``anme.png`` - average normalized marginal entropy per strategy and column, mean over
+  rounds and seeds, with the std over seeds (the paper's Fig. 1b, Sec. 4.3).
+- ``results.json`` - every cell's per-seed numbers.
+
+Plots need matplotlib (``pip install 'fedshard[plots]'``); it is imported only here, with the
+Agg canvas (no display, no global backend switch).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedshard.experiments.runner import RunState, run_status
+from fedshard.experiments.suite import RunSpec, Suite
+
+__all__ = [
+    "Cell",
+    "ReportFiles",
+    "RunResult",
+    "collect",
+    "markdown_report",
+    "plot_accuracy",
+    "plot_anme",
+    "results_json",
+    "write_report",
+]
+
+logger = logging.getLogger(__name__)
+
+DAGGER = "†"
+MISSING = "—"
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """The numbers of one finished run (accuracies in %)."""
+
+    spec: RunSpec
+    final_accuracy: float
+    best_accuracy: float | None
+    wall_s: float | None
+    curve: tuple[tuple[int, float], ...]  # (round, test accuracy %) where evaluated
+    anme_mean: float | None  # mean over rounds ≥ 1 of "anme"; None where not reported
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One table cell: a row label and column over the seeds that finished.
+
+    ``mean``/``std`` are over ``runs`` (std: sample standard deviation, ``None`` with fewer
+    than two seeds). ``marked``: fewer finished seeds than the suite's main setting, or a
+    number of rounds other than the main setting's.
+    """
+
+    label: str
+    column: str | None
+    planned: tuple[RunSpec, ...]
+    runs: tuple[RunResult, ...]
+    num_rounds: int
+    mean: float | None
+    std: float | None
+    marked: bool
+    note: str
+
+    @property
+    def reference(self) -> bool:
+        """A run without a column (valid for every column, not ranked)."""
+        return self.column is None
+
+
+@dataclass(frozen=True)
+class ReportFiles:
+    """Paths written by :func:`write_report`."""
+
+    table: Path
+    results: Path
+    accuracy_plot: Path
+    anme_plot: Path
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _read_rows(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            rows.append(json.loads(line))
+    return rows
+
+
+def _run_result(spec: RunSpec, summary: dict[str, Any]) -> RunResult | None:
+    final: Any = summary.get("final-test-accuracy")
+    if not _finite(final):
+        logger.warning("%s: finished without a test accuracy (eval-every=0?); left out",
+                       spec.directory)
+        return None
+    try:
+        rows = _read_rows(spec.directory / "metrics.jsonl")
+    except (OSError, ValueError) as err:
+        logger.warning("%s: unreadable metrics.jsonl (%s); no curve", spec.directory, err)
+        rows = []
+    curve = tuple((int(r["round"]), 100.0 * float(r["test-accuracy"])) for r in rows
+                  if _finite(r.get("test-accuracy")))
+    anme = [float(r["anme"]) for r in rows
+            if int(r.get("round", 0)) >= 1 and _finite(r.get("anme"))]
+    best: Any = summary.get("best-test-accuracy")
+    wall: Any = summary.get("wall-s")
+    return RunResult(
+        spec=spec,
+        final_accuracy=100.0 * float(final),
+        best_accuracy=100.0 * float(best) if _finite(best) else None,
+        wall_s=float(wall) if _finite(wall) else None,
+        curve=curve,
+        anme_mean=sum(anme) / len(anme) if anme else None,
+    )
+
+
+def collect(suite: Suite) -> list[Cell]:
+    """Every cell of ``suite`` (in run order of first appearance) from its finished runs."""
+    keys = list(dict.fromkeys((spec.label, spec.column) for spec in suite.runs))
+    cells = []
+    for label, column in keys:
+        planned = suite.cell(label, column)
+        results = []
+        for spec in planned:
+            status = run_status(spec)
+            if status.state is RunState.FINISHED and status.summary is not None:
+                result = _run_result(spec, status.summary)
+                if result is not None:
+                    results.append(result)
+            elif status.state is RunState.STALE:
+                logger.warning("%s is stale (%s); left out of the report", spec.directory,
+                               status.detail)
+        accs = [r.final_accuracy for r in results]
+        rounds = planned[0].num_rounds
+        notes = []
+        if len(results) < len(suite.seeds):
+            notes.append(f"{len(results)} seed{'s' if len(results) != 1 else ''}")
+        if rounds != suite.main_rounds:
+            notes.append(f"{rounds} rounds")
+        cells.append(Cell(
+            label=label, column=column, planned=planned, runs=tuple(results), num_rounds=rounds,
+            mean=statistics.fmean(accs) if accs else None,
+            std=statistics.stdev(accs) if len(accs) >= 2 else None,
+            marked=bool(accs) and bool(notes), note=", ".join(notes),
+        ))
+    return cells
+
+
+def _format(cell: Cell | None, bold: bool = False) -> str:
+    if cell is None or cell.mean is None:
+        return MISSING
+    text = f"{cell.mean:.2f}" + (f" ± {cell.std:.2f}" if cell.std is not None else "")
+    if bold:
+        text = f"**{text}**"
+    return text + (DAGGER if cell.marked else "")
+
+
+def _best(cells: Sequence[Cell], main_rounds: int) -> set[tuple[str, str | None]]:
+    """Keys of the best cell(s) of one column (ties by the displayed 2 decimals)."""
+    valued = [c for c in cells if c.mean is not None]
+    full = [c for c in valued if c.num_rounds == main_rounds]
+    pool = full or valued
+    if not pool:
+        return set()
+    top = max(round(c.mean, 2) for c in pool if c.mean is not None)
+    return {(c.label, c.column) for c in pool if c.mean is not None and round(c.mean, 2) == top}
+
+
+def markdown_report(suite: Suite, cells: Sequence[Cell]) -> str:
+    """``table.md``: the suite's tables, reference rows and footnotes."""
+    by_key = {(c.label, c.column): c for c in cells}
+    seeds = ", ".join(str(s) for s in suite.seeds)
+    finished = sum(len(c.runs) for c in cells)
+    lines = [
+        f"# {suite.name}",
+        "",
+        f"Final test accuracy (%) of the global model, mean ± std over seeds (main setting: "
+        f"{suite.main_rounds} rounds, seeds {seeds}). {finished} of {len(suite.runs)} runs "
+        "finished.",
+        "",
+    ]
+    for table in suite.tables:
+        lines += [f"## {table.title}", ""]
+        lines.append("| Strategy | " + " | ".join(table.columns) + " |")
+        lines.append("|---|" + "---|" * len(table.columns))
+        best = {}
+        for column in table.columns:
+            column_cells = [by_key[label, column] for label in table.rows
+                            if (label, column) in by_key]
+            best[column] = _best(column_cells, suite.main_rounds)
+        for label in table.rows:
+            cells_text = [_format(by_key.get((label, column)), (label, column) in best[column])
+                          for column in table.columns]
+            lines.append(f"| {label} | " + " | ".join(cells_text) + " |")
+        lines.append("")
+    if suite.reference_rows:
+        lines += ["## Reference (one setting for every column)", "",
+                  "| Reference | Accuracy (%) |", "|---|---|"]
+        for label in suite.reference_rows:
+            lines.append(f"| {label} | {_format(by_key.get((label, None)))} |")
+        lines.append("")
+    marked = [c for c in cells if c.marked]
+    if marked:
+        where = "; ".join(
+            (f"{c.label}, {c.column}" if c.column is not None else c.label) + f": {c.note}"
+            for c in marked
+        )
+        lines.append(f"{DAGGER} Fewer seeds or other rounds than the main setting "
+                     f"({suite.main_rounds} rounds, {len(suite.seeds)} seeds): {where}.")
+        lines.append("")
+    lines += [
+        f"Std: sample standard deviation (ddof = 1) over seeds; none with one seed. "
+        f"**Bold**: best mean in its column among cells trained for {suite.main_rounds} rounds. "
+        f"{MISSING}: no finished run.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def results_json(suite: Suite, cells: Sequence[Cell]) -> dict[str, Any]:
+    """``results.json``: the numbers behind the table and plots (accuracies in %)."""
+    return {
+        "suite": suite.name,
+        "suite-file": suite.source,
+        "generated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "main-setting": {"num-server-rounds": suite.main_rounds, "seeds": list(suite.seeds)},
+        "runs-total": len(suite.runs),
+        "runs-finished": sum(len(c.runs) for c in cells),
+        "cells": [
+            {
+                "label": c.label,
+                "column": c.column,
+                "reference": c.reference,
+                "num-server-rounds": c.num_rounds,
+                "seeds-planned": [s.seed for s in c.planned],
+                "seeds-finished": [r.spec.seed for r in c.runs],
+                "runs": [r.spec.name for r in c.runs],
+                "final-test-accuracy": [r.final_accuracy for r in c.runs],
+                "best-test-accuracy": [r.best_accuracy for r in c.runs],
+                "anme-mean": [r.anme_mean for r in c.runs],
+                "wall-s": [r.wall_s for r in c.runs],
+                "mean": c.mean,
+                "std": c.std,
+                "marked": c.marked,
+                "note": c.note,
+            }
+            for c in cells
+        ],
+    }
+
+
+# ---------------------------------------------------------------------- plots
+def _matplotlib() -> Any:
+    try:
+        import matplotlib
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as err:
+        raise ModuleNotFoundError(
+            f"the report's plots need matplotlib, which cannot be imported ({err}); install "
+            "it with `pip install 'fedshard[plots]'`. table.md and results.json do not need it."
+        ) from err
+    return matplotlib, Figure, FigureCanvasAgg
+
+
+def _colors(labels: Sequence[str]) -> dict[str, Any]:
+    matplotlib, _, _ = _matplotlib()
+    cmap = matplotlib.colormaps["tab10" if len(labels) <= 10 else "tab20"]
+    return {label: cmap(i % cmap.N) for i, label in enumerate(labels)}
+
+
+def _mean_curve(cell: Cell) -> tuple[list[int], list[float], list[float] | None]:
+    """Rounds evaluated in every seed, mean accuracy, and std (``None`` with one seed)."""
+    per_seed = [dict(r.curve) for r in cell.runs]
+    common = sorted(set.intersection(*(set(c) for c in per_seed))) if per_seed else []
+    means = [statistics.fmean(c[r] for c in per_seed) for r in common]
+    stds = ([statistics.stdev(c[r] for c in per_seed) for r in common]
+            if len(per_seed) >= 2 else None)
+    return common, means, stds
+
+
+def _table_labels(suite: Suite) -> list[str]:
+    return list(dict.fromkeys(label for t in suite.tables for label in t.rows))
+
+
+def plot_accuracy(suite: Suite, cells: Sequence[Cell], path: Path) -> Path:
+    """``accuracy.png``: test accuracy vs round, one panel per column of the main table."""
+    _, Figure, FigureCanvasAgg = _matplotlib()
+    from matplotlib.ticker import MaxNLocator
+
+    by_key = {(c.label, c.column): c for c in cells}
+    columns = list(suite.tables[0].columns) or ["(no columns)"]
+    labels = _table_labels(suite)
+    colors = _colors(labels + list(suite.reference_rows))
+    fig = Figure(figsize=(4.8 * len(columns), 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(columns), squeeze=False, sharey=True)[0]
+    for ax, column in zip(axes, columns, strict=True):
+        drawn = 0
+        lines = [(lb, "-") for lb in labels] + [(lb, "--") for lb in suite.reference_rows]
+        for label, style in lines:
+            cell = by_key.get((label, None if style == "--" else column))
+            if cell is None or not cell.runs:
+                continue
+            rounds, mean, std = _mean_curve(cell)
+            if not rounds:
+                continue
+            ax.plot(rounds, mean, style, color=colors[label], lw=1.5,
+                    label=f"{label} ({len(cell.runs)} seed{'s' if len(cell.runs) > 1 else ''})")
+            if std is not None:
+                lo = [m - s for m, s in zip(mean, std, strict=True)]
+                hi = [m + s for m, s in zip(mean, std, strict=True)]
+                ax.fill_between(rounds, lo, hi, color=colors[label], alpha=0.2, lw=0)
+            drawn += 1
+        ax.set_title(column)
+        ax.set_xlabel("round")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        if drawn:
+            ax.legend(fontsize="small")
+        else:
+            ax.text(0.5, 0.5, "no finished runs", ha="center", va="center",
+                    transform=ax.transAxes)
+    axes[0].set_ylabel("test accuracy (%)")
+    fig.suptitle(f"{suite.name}: test accuracy (mean over seeds, ±1 std)")
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def plot_anme(suite: Suite, cells: Sequence[Cell], path: Path) -> Path:
+    """``anme.png``: ANME per strategy (bars) and column (groups), mean over rounds and seeds."""
+    _, Figure, FigureCanvasAgg = _matplotlib()
+    by_key = {(c.label, c.column): c for c in cells}
+    columns = list(suite.tables[0].columns)
+    labels = _table_labels(suite)
+    colors = _colors(labels + list(suite.reference_rows))
+    series: dict[str, list[tuple[int, float, float]]] = {}
+    for j, column in enumerate(columns):
+        for label in labels:
+            cell = by_key.get((label, column))
+            values = [r.anme_mean for r in cell.runs if r.anme_mean is not None] if cell else []
+            if values:
+                std = statistics.stdev(values) if len(values) >= 2 else 0.0
+                series.setdefault(label, []).append((j, statistics.fmean(values), std))
+    fig = Figure(figsize=(max(6.0, 2.4 * len(columns) + 2.0), 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    width = 0.8 / max(len(series), 1)
+    for k, (label, points) in enumerate(series.items()):
+        xs = [j - 0.4 + width * (k + 0.5) for j, _, _ in points]
+        bars = ax.bar(xs, [m for _, m, _ in points], width, yerr=[s for _, _, s in points],
+                      color=colors[label], label=label, capsize=2)
+        # Top-n's ANME is 0: label the bars so that an empty spot reads as 0, not as missing.
+        ax.bar_label(bars, fmt="%.2f", fontsize="x-small", padding=2)
+    ax.set_xticks(range(len(columns)), columns)
+    ax.set_xlim(-0.5, len(columns) - 0.5)
+    ax.set_ylabel("ANME (mean over rounds)")
+    ax.set_ylim(0, 1.05)
+    ax.grid(axis="y", alpha=0.3)
+    if series:
+        ax.legend(fontsize="small", ncols=2)
+    else:
+        ax.text(0.5, 0.5, "no finished run reports ANME", ha="center", va="center",
+                transform=ax.transAxes)
+    ax.set_title(f"{suite.name}: average normalized marginal entropy")
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def write_report(suite: Suite, out_dir: Path | None = None) -> ReportFiles:
+    """Write ``table.md``, ``results.json``, ``accuracy.png`` and ``anme.png``.
+
+    Parameters
+    ----------
+    suite : Suite
+        The suite whose finished runs are read.
+    out_dir : Path, optional
+        Where to write (default: the suite's results folder).
+
+    Raises
+    ------
+    ModuleNotFoundError
+        When matplotlib is missing; ``table.md`` and ``results.json`` are written first.
+    """
+    out = Path(out_dir) if out_dir is not None else suite.results_dir
+    out.mkdir(parents=True, exist_ok=True)
+    cells = collect(suite)
+    table = out / "table.md"
+    table.write_text(markdown_report(suite, cells))
+    results = out / "results.json"
+    results.write_text(json.dumps(results_json(suite, cells), indent=2))
+    accuracy = plot_accuracy(suite, cells, out / "accuracy.png")
+    anme = plot_anme(suite, cells, out / "anme.png")
+    return ReportFiles(table=table, results=results, accuracy_plot=accuracy, anme_plot=anme)

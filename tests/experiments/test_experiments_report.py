@@ -1,0 +1,184 @@
+"""The report from fake run folders: table numbers against hand-computed means and sample
+standard deviations, bold and dagger rules, results.json, and valid PNG plots."""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fedshard.experiments import Suite, parse_suite, write_report
+from fedshard.experiments.suite import RunSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def make_suite(tmp_path: Path) -> Suite:
+    data: dict[str, Any] = {
+        "suite": {"name": "t", "results-dir": str(tmp_path / "res"), "num-supernodes": 3,
+                  "seeds": [0, 1]},
+        "defaults": {"model": "mlp", "num-server-rounds": 3, "min-available-nodes": 3},
+        "runs": [
+            {"label": "A", "column": "c1", "method": "top-n"},
+            {"label": "B", "column": "c1", "method": "collective"},
+            {"label": "A", "column": "c2", "method": "top-n"},
+            {"label": "B", "column": "c2", "method": "collective"},
+            {"label": "C", "column": "c2", "method": "unbiased", "num-server-rounds": 2,
+             "seeds": [0]},
+            {"label": "Ref", "method": "top-n", "keep-ratios": "1.0"},
+        ],
+        "tables": [{"title": "A against C", "rows": ["A", "C"], "columns": ["c2"]}],
+    }
+    data["suite"]["rows"] = ["A", "B", "C"]
+    return parse_suite(data, app_dir=ROOT, source="t.toml")
+
+
+def finish(spec: RunSpec, final: float, anme: list[float] | None = None, *,
+           summary: bool = True) -> None:
+    """A finished run folder in RunRecorder's documented format; accuracies rise linearly
+    from 0.1 at round 0 to ``final`` at the last round."""
+    rounds = spec.num_rounds
+    rows: list[dict[str, Any]] = []
+    for r in range(rounds + 1):
+        row: dict[str, Any] = {"round": r, "round-s": 1.0,
+                               "test-accuracy": 0.1 + (final - 0.1) * r / rounds}
+        if anme is not None:
+            row["anme"] = anme[r]
+        rows.append(row)
+    spec.directory.mkdir(parents=True)
+    (spec.directory / "config.json").write_text(json.dumps({"config": spec.config.as_dict()}))
+    (spec.directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if summary:
+        (spec.directory / "summary.json").write_text(json.dumps({
+            "rounds-completed": rounds, "final-test-accuracy": final,
+            "best-test-accuracy": final, "wall-s": 12.5}))
+
+
+def populate(suite: Suite) -> None:
+    runs = {(r.label, r.column, r.seed): r for r in suite.runs}
+    finish(runs["A", "c1", 0], 0.80, [float("nan"), 0.0, 0.0, 0.0])
+    finish(runs["A", "c1", 1], 0.84, [float("nan"), 0.0, 0.0, 0.0])
+    finish(runs["B", "c1", 0], 0.85, [float("nan"), 0.4, 0.6, 0.8])  # ANME mean 0.6
+    finish(runs["B", "c1", 1], 0.86, [float("nan"), 0.5, 0.5, 0.5])  # ANME mean 0.5
+    finish(runs["A", "c2", 0], 0.70)
+    finish(runs["A", "c2", 1], 0.74)
+    finish(runs["B", "c2", 0], 0.75)
+    finish(runs["B", "c2", 1], 0.99, summary=False)  # interrupted: not counted
+    finish(runs["C", "c2", 0], 0.90)  # best number, but 2 rounds instead of 3
+    finish(runs["Ref", None, 0], 0.90)
+    finish(runs["Ref", None, 1], 0.92)
+
+
+def table_rows(text: str, header: str) -> dict[str, list[str]]:
+    """Rows of the Markdown table after ``## header``: label -> cells."""
+    lines = text.split(f"## {header}\n", 1)[1].strip().splitlines()
+    rows = {}
+    for line in lines[2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0]] = cells[1:]
+    return rows
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert data.endswith(b"IEND\xaeB`\x82"), f"{path} is truncated"
+    return width, height
+
+
+@pytest.fixture
+def report(tmp_path: Path) -> tuple[Suite, Any]:
+    suite = make_suite(tmp_path)
+    populate(suite)
+    return suite, write_report(suite)
+
+
+def test_table_cells_are_mean_and_sample_std_over_seeds(report: tuple[Suite, Any]) -> None:
+    _, files = report
+    text = files.table.read_text()
+    main = table_rows(text, "t: final test accuracy (%)")
+    # A/c1: mean(80, 84) = 82, stdev = sqrt(((80-82)² + (84-82)²) / 1) = sqrt(8) = 2.828
+    # B/c1: mean(85, 86) = 85.5, stdev = sqrt(0.5) = 0.707  -> best of c1
+    # A/c2: 72 ± 2.83; B/c2: one finished seed (75) -> †, but best among 3-round cells;
+    # C/c2: 90 but 2 rounds -> † and not bold; C/c1: no run
+    assert main == {
+        "A": ["82.00 ± 2.83", "72.00 ± 2.83"],
+        "B": ["**85.50 ± 0.71**", "**75.00**†"],
+        "C": ["—", "90.00†"],
+    }
+    extra = table_rows(text, "A against C")
+    assert extra == {"A": ["**72.00 ± 2.83**"], "C": ["90.00†"]}
+    ref = table_rows(text, "Reference (one setting for every column)")
+    assert ref == {"Ref": ["91.00 ± 1.41"]}  # stdev(90, 92) = sqrt(2)
+    assert "† Fewer seeds or other rounds than the main setting (3 rounds, 2 seeds): " \
+           "B, c2: 1 seed; C, c2: 1 seed, 2 rounds." in text
+    assert "10 of 11 runs finished" in text
+
+
+def test_results_json_has_the_per_seed_numbers(report: tuple[Suite, Any]) -> None:
+    _, files = report
+    data = json.loads(files.results.read_text())
+    cells = {(c["label"], c["column"]): c for c in data["cells"]}
+    b1 = cells["B", "c1"]
+    assert b1["final-test-accuracy"] == pytest.approx([85.0, 86.0])
+    assert b1["mean"] == pytest.approx(85.5)
+    assert b1["std"] == pytest.approx(0.5**0.5)
+    assert b1["anme-mean"] == pytest.approx([0.6, 0.5])  # rounds 1..3, round 0 left out
+    assert b1["wall-s"] == [12.5, 12.5] and not b1["marked"]
+    b2 = cells["B", "c2"]
+    assert b2["seeds-planned"] == [0, 1] and b2["seeds-finished"] == [0]
+    assert b2["std"] is None and b2["marked"] and b2["note"] == "1 seed"
+    assert cells["Ref", None]["reference"] is True
+    assert data["main-setting"] == {"num-server-rounds": 3, "seeds": [0, 1]}
+    assert (data["runs-finished"], data["runs-total"]) == (10, 11)
+
+
+def test_plots_are_png_with_one_panel_per_column(report: tuple[Suite, Any]) -> None:
+    _, files = report
+    # figure sizes in inches × 120 dpi: accuracy 4.8 per column × 4.2; anme max(6, 2.4·2+2) × 4.2
+    assert png_size(files.accuracy_plot) == (1152, 504)
+    assert png_size(files.anme_plot) == (816, 504)
+
+
+def test_report_of_a_suite_without_finished_runs(tmp_path: Path) -> None:
+    suite = make_suite(tmp_path)
+    files = write_report(suite)
+    main = table_rows(files.table.read_text(), "t: final test accuracy (%)")
+    assert main == {"A": ["—", "—"], "B": ["—", "—"], "C": ["—", "—"]}
+    assert "†" not in files.table.read_text()
+    png_size(files.accuracy_plot)
+    png_size(files.anme_plot)
+
+
+def test_stale_runs_are_left_out(tmp_path: Path) -> None:
+    suite = make_suite(tmp_path)
+    populate(suite)
+    spec = suite.cell("A", "c1")[0]
+    config = json.loads((spec.directory / "config.json").read_text())
+    config["config"]["lr"] = 0.5
+    (spec.directory / "config.json").write_text(json.dumps(config))
+    files = write_report(suite)
+    main = table_rows(files.table.read_text(), "t: final test accuracy (%)")
+    assert main["A"][0] == "84.00†"
+
+
+def test_missing_matplotlib_is_a_clear_error(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    suite = make_suite(tmp_path)
+    populate(suite)
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(ModuleNotFoundError,
+                       match=r"report's plots need matplotlib.*pip install 'fedshard\[plots\]'"):
+        write_report(suite)
+    # the table and the numbers do not need it and were written first
+    assert (suite.results_dir / "table.md").is_file()
+    assert (suite.results_dir / "results.json").is_file()

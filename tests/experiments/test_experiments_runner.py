@@ -1,0 +1,338 @@
+"""The suite runner with a fake launcher: skip/re-run logic, stale runs, failures, progress,
+interrupts (Ctrl-C, SIGTERM) and the run folder's bookkeeping. No Flower process is started."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fedshard.config import RunConfig
+from fedshard.experiments import (
+    RunState,
+    StaleRunsError,
+    Suite,
+    load_suite,
+    parse_suite,
+    run_suite,
+    suite_status,
+)
+from fedshard.experiments import runner as runner_module
+from fedshard.experiments.__main__ import main
+from fedshard.experiments.suite import app_defaults
+from fedshard.launch import SimulationRun
+
+ROOT = Path(__file__).resolve().parents[2]
+APP_DEFAULTS = app_defaults(ROOT)
+
+
+def make_suite(tmp_path: Path, *, rounds: int = 2, seeds: tuple[int, ...] = (0, 1)) -> Suite:
+    data = {
+        "suite": {"name": "t", "results-dir": str(tmp_path / "res"), "num-supernodes": 3,
+                  "seeds": list(seeds)},
+        "defaults": {"model": "mlp", "num-server-rounds": rounds, "min-available-nodes": 3},
+        "runs": [
+            {"label": "Top-n", "column": "r = 0.25", "method": "top-n", "keep-ratios": "0.25"},
+            {"label": "Collective", "column": "r = 0.25", "method": "collective",
+             "keep-ratios": "0.25"},
+        ],
+    }
+    return parse_suite(data, app_dir=ROOT, source="t.toml")
+
+
+def write_run(folder: Path, config: Mapping[str, Any], rows: list[dict[str, Any]], *,
+              summary: bool = True) -> None:
+    """A run folder as fedshard.results.RunRecorder documents it (written independently)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"config": dict(config)}))
+    with (folder / "metrics.jsonl").open("a") as fh:
+        for row in rows:
+            fh.write(json.dumps(row) + "\n")
+    if summary:
+        accs = [r["test-accuracy"] for r in rows if "test-accuracy" in r]
+        (folder / "summary.json").write_text(json.dumps({
+            "rounds-completed": max(r["round"] for r in rows),
+            "final-test-accuracy": accs[-1], "best-test-accuracy": max(accs), "wall-s": 1.0}))
+
+
+def rows_for(rounds: int, *, round_s: float = 10.0) -> list[dict[str, Any]]:
+    return [{"round": r, "wall-s": round_s * r, "round-s": round_s if r else 0.5,
+             "test-accuracy": 0.5 + 0.1 * r} for r in range(rounds + 1)]
+
+
+class FakeLauncher:
+    """Stands in for run_simulation: writes the run folder round by round, printing a line
+    per round, and records what it was called with."""
+
+    def __init__(self, *, returncode: int = 0, fail: frozenset[str] = frozenset(),
+                 during: Callable[[str, int], None] | None = None, wall_s: float = 40.0) -> None:
+        self.calls: list[dict[str, Any]] = []
+        self.returncode = returncode
+        self.fail = fail
+        self.during = during
+        self.wall_s = wall_s
+
+    def __call__(self, app_dir: Path, run_config: Mapping[str, Any], *, num_supernodes: int,
+                 flwr_home: Path | None = None, client_num_cpus: int = 1,
+                 timeout_s: float = 3600.0,
+                 on_line: Callable[[str], None] | None = None) -> SimulationRun:
+        name = run_config["run-name"]
+        self.calls.append({"app_dir": app_dir, "run_config": dict(run_config),
+                           "num_supernodes": num_supernodes, "flwr_home": flwr_home,
+                           "client_num_cpus": client_num_cpus, "timeout_s": timeout_s})
+        assert on_line is not None
+        folder = Path(run_config["results-dir"]) / name
+        config = RunConfig.from_mapping({**APP_DEFAULTS, **run_config}).as_dict()
+        rows = rows_for(int(run_config["num-server-rounds"]))
+        write_run(folder, config, [], summary=False)
+        for row in rows:
+            if name in self.fail and row["round"] == 1:
+                on_line("Traceback: boom")
+                return SimulationRun(1, "line a\nTraceback: boom\n", 3.0)
+            write_run(folder, config, [row], summary=False)
+            on_line(f"INFO : round {row['round']}")
+            if self.during is not None:
+                self.during(name, row["round"])
+        accs = [r["test-accuracy"] for r in rows]
+        (folder / "summary.json").write_text(json.dumps({
+            "rounds-completed": rows[-1]["round"], "final-test-accuracy": accs[-1],
+            "best-test-accuracy": max(accs), "wall-s": self.wall_s}))
+        return SimulationRun(self.returncode, "ok\n", self.wall_s)
+
+
+def finish_directly(suite: Suite, index: int) -> None:
+    spec = suite.runs[index]
+    write_run(spec.directory, spec.config.as_dict(), rows_for(spec.num_rounds))
+
+
+def test_finished_runs_are_skipped_and_partial_ones_rerun_from_scratch(tmp_path: Path) -> None:
+    suite = make_suite(tmp_path)
+    finish_directly(suite, 0)
+    partial = suite.runs[2].directory
+    write_run(partial, suite.runs[2].config.as_dict(), rows_for(1), summary=False)
+    (partial / "leftover.txt").write_text("from the interrupted attempt")
+    assert [s.state for s in suite_status(suite)] == [
+        RunState.FINISHED, RunState.PENDING, RunState.PARTIAL, RunState.PENDING]
+
+    launch = FakeLauncher()
+    lines: list[str] = []
+    outcome = run_suite(suite, launch=launch, emit=lines.append)
+
+    assert [c["run_config"]["run-name"] for c in launch.calls] == [
+        "top-n__r-0-25__seed1", "collective__r-0-25__seed0", "collective__r-0-25__seed1"]
+    assert outcome.skipped == ["top-n__r-0-25__seed0"]
+    assert outcome.finished == [c["run_config"]["run-name"] for c in launch.calls]
+    assert outcome.ok
+    assert not (partial / "leftover.txt").exists()
+    assert [s.state for s in suite_status(suite)] == [RunState.FINISHED] * 4
+    call = launch.calls[0]
+    assert call["app_dir"] == ROOT and call["num_supernodes"] == 3
+    assert call["run_config"] == suite.runs[1].run_config
+    assert any(re.search(r"run 3/4 Collective / r = 0.25 / seed 0: deleting partial run folder "
+                         r"\(no summary.json", line) for line in lines)
+
+    # a second invocation launches nothing
+    again = FakeLauncher()
+    outcome = run_suite(suite, launch=again, emit=lines.append)
+    assert again.calls == [] and len(outcome.skipped) == 4 and outcome.finished == []
+
+
+def test_runner_json_records_overrides_wall_time_and_output(tmp_path: Path) -> None:
+    suite = make_suite(tmp_path, seeds=(0,))
+    run_suite(suite, launch=FakeLauncher(wall_s=42.0), emit=lambda _: None)
+    spec = suite.runs[0]
+    record = json.loads((spec.directory / "runner.json").read_text())
+    assert record["run-config"] == spec.run_config
+    assert (record["label"], record["column"], record["seed"]) == ("Top-n", "r = 0.25", 0)
+    assert record["wall-s"] == 42.0 and record["status"] == "finished"
+    assert record["returncode"] == 0
+    log = (spec.directory / "flwr-output.log").read_text().splitlines()
+    assert log == ["INFO : round 0", "INFO : round 1", "INFO : round 2"]
+    # the per-run FLWR_HOME is a fresh temporary folder, removed afterwards
+    assert not Path(record["flwr-home"]).exists()
+
+
+def test_progress_lines_and_eta(tmp_path: Path) -> None:
+    suite = make_suite(tmp_path, rounds=3, seeds=(0,))
+    lines: list[str] = []
+    run_suite(suite, launch=FakeLauncher(wall_s=40.0), emit=lines.append)
+    rounds = [line for line in lines if " | " in line and ": round " in line]
+    assert rounds[0] == ("[t] run 1/2 Top-n / r = 0.25 / seed 0: round 0/3 | test acc 50.00% | "
+                         "suite ETA ?")
+    # after round 1 of run 1: 2 + 3 rounds left at 10 s each, launch overhead not known yet
+    assert rounds[1] == ("[t] run 1/2 Top-n / r = 0.25 / seed 0: round 1/3 | test acc 60.00% | "
+                         "10.0 s/round | suite ETA 50s")
+    # run 1 took 40 s for 30 s of rounds: 10 s overhead per launch; after run 2's round 1 only
+    # 2 rounds are left and no launch
+    assert rounds[5] == ("[t] run 2/2 Collective / r = 0.25 / seed 0: round 1/3 | "
+                         "test acc 60.00% | 10.0 s/round | suite ETA 20s")
+    done = [line for line in lines if ": done in " in line]
+    assert done[0] == ("[t] run 1/2 Top-n / r = 0.25 / seed 0: done in 40s "
+                       "(final test acc 80.00%, 3 rounds) | suite ETA 30s")
+    assert re.search(r"^\[t\] done in .*: 2 run\(s\) finished now, 0 skipped, 0 failed$",
+                     lines[-1])
+
+
+def test_failed_run_is_reported_and_the_next_one_still_runs(tmp_path: Path) -> None:
+    suite = make_suite(tmp_path, seeds=(0,))
+    launch = FakeLauncher(fail=frozenset({"top-n__r-0-25__seed0"}))
+    lines: list[str] = []
+    outcome = run_suite(suite, launch=launch, emit=lines.append)
+    assert not outcome.ok
+    assert outcome.failed == [("top-n__r-0-25__seed0", "flwr run exited with code 1")]
+    assert outcome.finished == ["collective__r-0-25__seed0"]
+    assert "    | Traceback: boom" in lines
+    record = json.loads((suite.runs[0].directory / "runner.json").read_text())
+    assert record["status"] == "failed" and record["returncode"] == 1
+    assert suite_status(suite)[0].state is RunState.PARTIAL
+    # the next invocation re-runs only the failed one
+    retry = FakeLauncher()
+    assert run_suite(suite, launch=retry, emit=lambda _: None).ok
+    assert [c["run_config"]["run-name"] for c in retry.calls] == ["top-n__r-0-25__seed0"]
+
+
+def test_fail_fast_stops_at_the_first_failure(tmp_path: Path) -> None:
+    suite = make_suite(tmp_path, seeds=(0,))
+    launch = FakeLauncher(fail=frozenset({"top-n__r-0-25__seed0"}))
+    outcome = run_suite(suite, launch=launch, emit=lambda _: None, fail_fast=True)
+    assert len(launch.calls) == 1 and outcome.finished == []
+
+
+def test_zero_exit_without_summary_is_a_failure(tmp_path: Path) -> None:
+    suite = make_suite(tmp_path, seeds=(0,))
+
+    def launch(app_dir: Path, run_config: Mapping[str, Any], **kwargs: Any) -> SimulationRun:
+        return SimulationRun(0, "", 1.0)
+
+    outcome = run_suite(suite, launch=launch, emit=lambda _: None)
+    assert outcome.failed[0] == ("top-n__r-0-25__seed0",
+                                 "flwr run returned but the run is partial: no summary.json "
+                                 "(interrupted or failed)")
+
+
+def test_stale_finished_runs_stop_the_suite_unless_asked(tmp_path: Path) -> None:
+    suite = make_suite(tmp_path, seeds=(0,))
+    spec = suite.runs[1]
+    write_run(spec.directory, {**spec.config.as_dict(), "lr": 0.1}, rows_for(spec.num_rounds))
+    assert suite_status(suite)[1].state is RunState.STALE
+    launch = FakeLauncher()
+    with pytest.raises(StaleRunsError, match=r"(?s)no run was started.*collective__r-0-25__seed0: "
+                       r"finished with lr=0.1 \(suite: 0.05\)"):
+        run_suite(suite, launch=launch, emit=lambda _: None)
+    assert launch.calls == []
+    outcome = run_suite(suite, launch=launch, emit=lambda _: None, rerun_stale=True)
+    assert outcome.finished == ["top-n__r-0-25__seed0", "collective__r-0-25__seed0"]
+    assert suite_status(suite)[1].state is RunState.FINISHED
+
+
+def test_moved_results_folder_is_not_stale(tmp_path: Path) -> None:
+    suite = make_suite(tmp_path, seeds=(0,))
+    spec = suite.runs[0]
+    write_run(spec.directory, {**spec.config.as_dict(), "results-dir": "/elsewhere",
+                               "run-name": "old"}, rows_for(spec.num_rounds))
+    assert suite_status(suite)[0].state is RunState.FINISHED
+
+
+def test_changed_rounds_make_a_finished_run_stale_not_partial(tmp_path: Path) -> None:
+    suite = make_suite(tmp_path, rounds=3, seeds=(0,))
+    spec = suite.runs[0]
+    write_run(spec.directory, {**spec.config.as_dict(), "num-server-rounds": 2}, rows_for(2))
+    status = suite_status(suite)[0]
+    assert status.state is RunState.STALE
+    assert "num-server-rounds=2 (suite: 3)" in status.detail
+
+
+def test_keyboard_interrupt_reaches_the_launcher_and_marks_the_run(tmp_path: Path) -> None:
+    suite = make_suite(tmp_path, seeds=(0,))
+
+    def interrupt(name: str, server_round: int) -> None:
+        if server_round == 1:
+            raise KeyboardInterrupt
+
+    lines: list[str] = []
+    with pytest.raises(KeyboardInterrupt):
+        run_suite(suite, launch=FakeLauncher(during=interrupt), emit=lines.append)
+    record = json.loads((suite.runs[0].directory / "runner.json").read_text())
+    assert record["status"] == "interrupted"
+    assert suite_status(suite)[0].state is RunState.PARTIAL
+    assert re.search(r"seed 0: interrupted; the run's processes are stopped", lines[-1])
+
+
+def test_sigterm_unwinds_through_the_launcher_and_restores_handlers(tmp_path: Path) -> None:
+    suite = make_suite(tmp_path, seeds=(0,))
+    cleaned: list[str] = []
+    before = signal.getsignal(signal.SIGTERM)
+
+    def launch(app_dir: Path, run_config: Mapping[str, Any], **kwargs: Any) -> SimulationRun:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)  # interrupted at once by the handler
+            raise AssertionError("SIGTERM did not interrupt the launcher")
+        finally:
+            # a second signal during cleanup is ignored, so cleanup runs to the end
+            os.kill(os.getpid(), signal.SIGINT)
+            cleaned.append(run_config["run-name"])
+
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+        run_suite(suite, launch=launch, emit=lambda _: None)
+    assert time.monotonic() - start < 5
+    assert cleaned == ["top-n__r-0-25__seed0"]
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_second_runner_on_the_same_results_is_refused(tmp_path: Path) -> None:
+    suite = make_suite(tmp_path, seeds=(0,))
+    launch = FakeLauncher()
+    with runner_module._suite_lock(suite.results_dir), pytest.raises(
+        RuntimeError, match=rf"another runner \(pid {os.getpid()}\) is working in"
+    ):
+        run_suite(suite, launch=launch, emit=lambda _: None)
+    assert launch.calls == []
+
+
+def test_real_recorder_output_counts_as_finished(tmp_path: Path) -> None:
+    from fedshard.results import RunRecorder
+
+    suite = make_suite(tmp_path, seeds=(0,))
+    spec = suite.runs[0]
+    recorder = RunRecorder(spec.config.results_path, spec.config.as_dict(), spec.num_rounds)
+    for r in range(spec.num_rounds):
+        recorder.record_round(r, {"test-accuracy": 0.5})
+        assert suite_status(suite)[0].state is RunState.PARTIAL
+    recorder.record_round(spec.num_rounds, {"test-accuracy": 0.7})
+    recorder.finish({})
+    status = suite_status(suite)[0]
+    assert status.state is RunState.FINISHED, status.detail
+    assert status.detail == "final test acc 70.00%, 2 rounds"
+
+
+def test_cli_status_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    results = tmp_path / "res"
+    suite_file = ROOT / "experiments" / "smoke.toml"
+    smoke = load_suite(suite_file, results_dir=results)
+    spec = smoke.runs[0]
+    write_run(spec.directory, spec.config.as_dict(), rows_for(spec.num_rounds))
+    assert main(["status", str(suite_file), "--results-dir", str(results)]) == 0
+    out = capsys.readouterr().out
+    assert f"[smoke] 2 run(s) in {results}: 1 finished, 0 partial, 0 stale, 1 pending;" \
+           " 2 rounds to run" in out
+    assert re.search(r"1 finished\s+Top-n / r = 0.25 / seed 0\s+final test acc 70.00%", out)
+    assert re.search(r"2 pending\s+Collective / r = 0.25 / seed 0\s+not started", out)
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text(suite_file.read_text().replace('model = "mlp"', 'model = "mlpp"'))
+    assert main(["run", str(bad), "--app-dir", str(ROOT)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"error: Invalid experiment suite .*bad.toml \(1 problem\(s\)\); no run was "
+                     r"started", err)
+    assert "  - [defaults] model='mlpp': expected one of" in err
+    assert main(["status", "no-such-suite"]) == 2
+    assert "suite 'no-such-suite': no such file" in capsys.readouterr().err

@@ -1,0 +1,215 @@
+"""Suite files: parsing, validation (every problem at once), and the repository's suites."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fedshard.config import RunConfig
+from fedshard.experiments import SuiteError, load_suite, parse_suite, run_name
+from fedshard.experiments.suite import app_defaults
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def suite_data(**changes: Any) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "suite": {"name": "t", "results-dir": "results/t", "num-supernodes": 4, "seeds": [0, 1]},
+        "defaults": {"model": "mlp", "num-server-rounds": 3, "min-available-nodes": 4},
+        "runs": [
+            {"label": "Top-n", "column": "r = 0.1", "method": "top-n", "keep-ratios": "0.1"},
+            {"label": "Collective", "column": "r = 0.1", "method": "collective",
+             "keep-ratios": "0.1", "seeds": [5]},
+            {"label": "r = 1", "method": "top-n", "keep-ratios": "1.0",
+             "num-server-rounds": 2},
+        ],
+    }
+    data.update(changes)
+    return data
+
+
+def parse(data: dict[str, Any], tmp_path: Path | None = None) -> Any:
+    return parse_suite(data, app_dir=ROOT, source="test.toml",
+                       results_dir=None if tmp_path is None else tmp_path / "res")
+
+
+def problems(data: dict[str, Any]) -> list[str]:
+    with pytest.raises(SuiteError) as info:
+        parse(data)
+    return info.value.problems
+
+
+def test_runs_are_entries_times_seeds_in_file_order() -> None:
+    suite = parse(suite_data())
+    assert [(r.label, r.column, r.seed) for r in suite.runs] == [
+        ("Top-n", "r = 0.1", 0), ("Top-n", "r = 0.1", 1), ("Collective", "r = 0.1", 5),
+        ("r = 1", None, 0), ("r = 1", None, 1),
+    ]
+    assert [r.index for r in suite.runs] == [0, 1, 2, 3, 4]
+    assert [r.name for r in suite.runs] == [
+        "top-n__r-0-1__seed0", "top-n__r-0-1__seed1", "collective__r-0-1__seed5",
+        "r-1__seed0", "r-1__seed1",
+    ]
+    # relative results-dir is taken from the app directory, not the working directory
+    assert suite.results_dir == ROOT / "results" / "t"
+    assert suite.runs[0].directory == ROOT / "results" / "t" / "top-n__r-0-1__seed0"
+    assert suite.main_rounds == 3 and suite.seeds == (0, 1)
+    assert suite.reference_rows == ("r = 1",)
+    assert suite.tables[0].rows == ("Top-n", "Collective")
+    assert suite.tables[0].columns == ("r = 0.1",)
+
+
+def test_run_config_is_defaults_then_entry_then_runner_keys(tmp_path: Path) -> None:
+    suite = parse(suite_data(), tmp_path)
+    run = suite.runs[1]
+    assert run.run_config == {
+        "model": "mlp", "num-server-rounds": 3, "min-available-nodes": 4,
+        "method": "top-n", "keep-ratios": "0.1",
+        "seed": 1, "results-dir": str(tmp_path / "res"), "run-name": "top-n__r-0-1__seed1",
+        "num-partitions": 4,
+    }
+    # the entry overrides [defaults]; the full config starts from pyproject's app defaults
+    ref = suite.runs[3]
+    assert ref.num_rounds == 2 and ref.config.keep_ratios == "1.0"
+    app = app_defaults(ROOT)
+    assert app["lr"] == 0.05 and "lr" not in ref.run_config  # from pyproject.toml
+    assert ref.config == RunConfig.from_mapping({**app, **ref.run_config})
+    assert ref.config.results_path == tmp_path / "res" / "r-1__seed0"
+
+
+def test_run_name_is_a_slug_of_label_column_and_seed() -> None:
+    assert run_name("PriSM + Wallenius + ClipLR", "60 % r = 0.2 / 40 % r = 0.4", 1) == (
+        "prism-wallenius-cliplr__60-r-0-2-40-r-0-4__seed1")
+    assert run_name("No sharding", None, 0) == "no-sharding__seed0"
+
+
+def test_unknown_run_config_key_is_reported() -> None:
+    data = suite_data()
+    data["runs"][0]["learning-rate"] = 0.1
+    (msg,) = problems(data)
+    assert re.search(r"runs\[0\] \(Top-n / r = 0.1\): unknown key 'learning-rate'", msg)
+
+
+def test_bad_values_and_types_are_all_reported_at_once() -> None:
+    data = suite_data()
+    data["runs"][0]["method"] = "topn"
+    data["runs"][1]["lr"] = "fast"
+    data["defaults"]["local-epochs"] = 0
+    with pytest.raises(SuiteError, match=r"\(3 problem\(s\)\); no run was started") as info:
+        parse(data)
+    found = info.value.problems
+    assert re.search(r"^\[defaults\] local-epochs=0: expected ≥ 1", found[0])
+    # the entries inherit local-epochs=0, but it is reported once, for [defaults]
+    assert re.search(r"^runs\[0\] \(Top-n / r = 0.1\): method='topn': expected one of", found[1])
+    assert re.search(r"^runs\[1\] \(Collective / r = 0.1\): lr='fast': expected float", found[2])
+
+
+def test_duplicate_run_names_are_rejected() -> None:
+    data = suite_data()
+    data["runs"].append({"label": "top n", "column": "R = 0.1", "method": "top-n",
+                         "keep-ratios": "0.1"})
+    found = problems(data)
+    assert len(found) == 2  # seeds 0 and 1
+    assert re.search(r"runs\[3\] \(top n / R = 0.1\): run name 'top-n__r-0-1__seed0' \(seed 0\) "
+                     r"is also the name of a run of runs\[0\]", found[0])
+
+
+def test_duplicate_cell_is_rejected() -> None:
+    data = suite_data()
+    data["runs"].append({"label": "Top-n", "column": "r = 0.1", "method": "top-n",
+                         "seeds": [7]})
+    (msg,) = problems(data)
+    assert re.search(r"row 'Top-n' and column 'r = 0.1' are already defined by runs\[0\]", msg)
+
+
+def test_runner_keys_and_structure_errors() -> None:
+    data = suite_data()
+    data["defaults"]["seed"] = 3
+    data["runs"][0]["results-dir"] = "/tmp/x"
+    data["suite"]["seeds"] = [0, 0]
+    data["suite"]["colour"] = "blue"
+    data["suite"].pop("name")
+    data["extra"] = {}
+    found = "\n".join(problems(data))
+    for pattern in [
+        r"\[defaults\] sets 'seed': the runner sets num-partitions, results-dir, run-name, seed",
+        r"runs\[0\] \(Top-n / r = 0.1\) sets 'results-dir'",
+        r"\[suite\] seeds=\[0, 0\]: a seed is listed twice",
+        r"\[suite\] unknown key 'colour'",
+        r"\[suite\]: missing 'name' \(str\)",
+        r"unknown table \[extra\]",
+    ]:
+        assert re.search(pattern, found), pattern
+
+
+def test_min_available_nodes_above_supernodes_is_rejected() -> None:
+    data = suite_data()
+    data["runs"][1]["min-available-nodes"] = 10
+    (msg,) = problems(data)
+    assert re.search(r"runs\[1\] \(Collective / r = 0.1\): min-available-nodes=10 exceeds "
+                     r"num-supernodes=4", msg)
+
+
+def test_tables_must_name_existing_rows_and_columns() -> None:
+    data = suite_data(tables=[{"title": "x", "rows": ["Top-n", "Unbiased"],
+                               "columns": ["r = 0.2"]}])
+    data["suite"]["rows"] = ["Collective", "r = 1"]
+    found = "\n".join(problems(data))
+    assert re.search(r"tables\[0\] rows names 'Unbiased', which no \[\[runs\]\] entry", found)
+    assert re.search(r"tables\[0\] columns names 'r = 0.2'", found)
+    assert re.search(r"\[suite\] rows names 'r = 1'", found)  # a reference row has no column
+
+
+def test_invalid_toml_file(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text("[suite\nname = 1\n")
+    with pytest.raises(SuiteError, match=r"(?s)bad.toml .*not valid TOML: Expected ']'"):
+        load_suite(path, app_dir=ROOT)
+
+
+# ---------------------------------------------------------------------- the repository's suites
+def test_smoke_suite_is_valid() -> None:
+    suite = load_suite(ROOT / "experiments" / "smoke.toml")
+    assert suite.app_dir == ROOT
+    assert len(suite.runs) == 2
+    assert {r.config.method for r in suite.runs} == {"top-n", "collective"}
+    assert all(r.config.model == "mlp" and r.num_rounds == 2 for r in suite.runs)
+
+
+def test_fmnist_table_suite_matches_issue_6() -> None:
+    suite = load_suite(ROOT / "experiments" / "fmnist-table.toml")
+    paper_rows = ("Top-n", "Top-n + Scaled", "PriSM", "PriSM + Scaled", "PriSM + Wallenius",
+                  "PriSM + Wallenius + ClipLR", "Unbiased", "Collective")
+    columns = ("r = 0.1", "r = 0.2", "60 % r = 0.2 / 40 % r = 0.4")
+    main = suite.tables[0]
+    assert main.rows == paper_rows and main.columns == columns
+    assert set(suite.reference_rows) == {"r = 1", "No sharding"}
+    for label in paper_rows:
+        for column in columns:
+            assert suite.cell(label, column), (label, column)
+    for column in ("r = 0.1", "r = 0.2"):
+        assert suite.cell("Unbiased w/o ClipLR", column)
+    # the priority cells come first, with 100 rounds and 2 seeds
+    priority = {("Top-n", "r = 0.1"), ("PriSM", "r = 0.1"),
+                ("PriSM + Wallenius + ClipLR", "r = 0.1"), ("Unbiased", "r = 0.1"),
+                ("Collective", "r = 0.1"), ("r = 1", None)}
+    first = suite.runs[: 2 * len(priority)]
+    assert {(r.label, r.column) for r in first} == priority
+    assert all(r.num_rounds >= 100 and r.config.model == "resnet18" for r in first)
+    assert all(len(suite.cell(r.label, r.column)) == 2 for r in first)
+    # setup of section 2
+    cfg = first[0].config
+    assert (suite.num_supernodes, cfg.fraction_train, cfg.dirichlet_alpha, cfg.local_epochs,
+            cfg.dataset) == (100, 0.1, 1.0, 2, "fashion-mnist")
+    # ClipLR only where the paper uses it; +Scaled only on Top-n and PriSM rows
+    for r in suite.runs:
+        assert r.config.clip_lr == (r.label in ("PriSM + Wallenius + ClipLR", "Unbiased",
+                                                "Collective")), r.name
+        assert r.config.scaled == r.label.endswith("+ Scaled"), r.name
+    # the budget arithmetic stated in the file's comments: ≤ 8 h
+    seconds = sum(r.num_rounds * (13 if r.config.keep_ratios == "1.0" else 11) + 30
+                  for r in suite.runs)
+    assert seconds == 27_880 and seconds <= 8 * 3600
