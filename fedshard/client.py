@@ -25,6 +25,17 @@ __all__ = ["handle_evaluate", "handle_query", "handle_train", "submodel_from_rec
 logger = logging.getLogger(__name__)
 
 
+def _number(cfg: ConfigRecord, key: str) -> float:
+    """A numeric train-config entry; a missing or non-numeric one is an error reply."""
+    value = cfg.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(
+            f"train config {key}={value!r}: expected a number; the server and this node speak "
+            "different versions of the fedshard protocol, so this round is not trained"
+        )
+    return float(value)
+
+
 def handle_query(msg: Message, keep_ratio: float, node_key: str | int | None = None) -> Message:
     """Answer a capability query with this node's keep ratio ``0 < r ≤ 1``.
 
@@ -84,24 +95,24 @@ def handle_train(
     device: str = "cpu",
 ) -> Message:
     """Train the received shard of ``model`` on ``dataset``; reply with the trained factors."""
-    record = msg.content[P.ARRAYS]
-    cfg = msg.content[P.CONFIG]
+    record = msg.content.array_records[P.ARRAYS]
+    cfg = msg.content.config_records[P.CONFIG]
     sub, layers = submodel_from_record(model, record)
-    tau = float(cfg["clip-lr-tau"])
-    seed = int(cfg["train-seed"])
+    tau = _number(cfg, "clip-lr-tau")
+    seed = int(_number(cfg, "train-seed"))
     train_cfg = TrainConfig(
-        epochs=int(cfg["local-epochs"]),
-        lr=float(cfg["lr"]),
-        momentum=float(cfg["momentum"]),
-        frobenius_decay=float(cfg["frobenius-decay"]),
+        epochs=int(_number(cfg, "local-epochs")),
+        lr=_number(cfg, "lr"),
+        momentum=_number(cfg, "momentum"),
+        frobenius_decay=_number(cfg, "frobenius-decay"),
         clip_tau=tau if tau > 0 else None,
-        weight_decay=float(cfg["weight-decay"]),
+        weight_decay=_number(cfg, "weight-decay"),
         device=device,
         seed=seed,
     )
     loader = DataLoader(
         dataset,
-        batch_size=int(cfg["batch-size"]),
+        batch_size=int(_number(cfg, "batch-size")),
         shuffle=True,
         generator=torch.Generator().manual_seed(seed),
     )
@@ -133,7 +144,8 @@ def handle_evaluate(
     device: str = "cpu",
 ) -> Message:
     """Evaluate the received dense global model on ``dataset``."""
-    state = {k: torch.as_tensor(np.array(a.numpy())) for k, a in msg.content[P.ARRAYS].items()}
+    record = msg.content.array_records[P.ARRAYS]
+    state = {k: torch.as_tensor(np.array(a.numpy())) for k, a in record.items()}
     model.load_state_dict(state, strict=True)
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False)
     result = evaluate(model, loader, device=device)

@@ -60,7 +60,9 @@ class KeepRatioMixture:
         shares: list[float] = []
         parts = [p.strip() for p in str(text).split(",") if p.strip()]
         if not parts:
-            raise ValueError(f"keep-ratios={text!r}: expected 'ratio:share,...' such as '0.2:0.6,0.4:0.4'")
+            raise ValueError(
+                f"keep-ratios={text!r}: expected 'ratio:share,...' such as '0.2:0.6,0.4:0.4'"
+            )
         for part in parts:
             ratio_s, _, share_s = part.partition(":")
             try:
@@ -165,6 +167,7 @@ class RunConfig:
     seed: int = 0
     results_dir: str = ""
     run_name: str = ""
+    resume: bool = False
 
     def __post_init__(self) -> None:
         problems = self._problems()
@@ -216,7 +219,8 @@ class RunConfig:
         base = Path(self.results_dir).expanduser() if self.results_dir else default_results_dir()
         name = self.run_name or (
             f"{self.dataset}-{self.model}{self.model_width}-{self.method}"
-            f"{'-scaled' if self.scaled else ''}-{self.design}-r{self.keep_ratios.replace(':', '_')}"
+            f"{'-scaled' if self.scaled else ''}-{self.design}"
+            f"-r{self.keep_ratios.replace(':', '_')}"
             f"-seed{self.seed}"
         )
         return (base / name).resolve()
@@ -252,7 +256,8 @@ class RunConfig:
             "to disable ClipLR)",
         )
         need(
-            self.prism_exponent == 0.0 or (math.isfinite(self.prism_exponent) and self.prism_exponent > 0),
+            self.prism_exponent == 0.0
+            or (math.isfinite(self.prism_exponent) and self.prism_exponent > 0),
             f"prism-exponent={self.prism_exponent}: expected > 0, or 0 for the paper's default "
             "(4 if r ≤ 0.2 else 2.5)",
         )
@@ -263,7 +268,8 @@ class RunConfig:
         need(0 <= self.momentum < 1, f"momentum={self.momentum}: expected in [0, 1)")
         need(self.batch_size >= 1, f"batch-size={self.batch_size}: expected ≥ 1")
         need(self.local_epochs >= 1, f"local-epochs={self.local_epochs}: expected ≥ 1")
-        need(self.num_server_rounds >= 1, f"num-server-rounds={self.num_server_rounds}: expected ≥ 1")
+        need(self.num_server_rounds >= 1,
+             f"num-server-rounds={self.num_server_rounds}: expected ≥ 1")
         need(
             0 < self.fraction_train <= 1,
             f"fraction-train={self.fraction_train}: expected in (0, 1]",
@@ -293,7 +299,8 @@ class RunConfig:
                 f"model={self.model!r} with dataset={self.dataset!r}: 'chargpt' is the model for "
                 "'shakespeare' (next-character prediction), the others are image models",
             )
-        need(self.test_max_examples >= 0, f"test-max-examples={self.test_max_examples}: expected ≥ 0 (0 = all)")
+        need(self.test_max_examples >= 0,
+             f"test-max-examples={self.test_max_examples}: expected ≥ 0 (0 = all)")
         need(self.eval_every >= 0, f"eval-every={self.eval_every}: expected ≥ 0 (0 = never)")
         need(self.seed >= 0, f"seed={self.seed}: expected a non-negative integer")
         return p

@@ -13,10 +13,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.serverapp import Grid
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from fedshard.checkpoint import Checkpoint
 from fedshard.config import RunConfig
 from fedshard.data import dataset_info, load_partition, load_test_set
 from fedshard.results import RunRecorder
@@ -31,6 +33,7 @@ __all__ = [
     "client_dataset",
     "declared_keep_ratio",
     "example_input",
+    "run_server",
 ]
 
 logger = logging.getLogger(__name__)
@@ -145,6 +148,56 @@ def declared_keep_ratio(cfg: RunConfig, node_config: dict[str, Any]) -> float:
                                  int(node_config["num-partitions"]))
 
 
+def run_server(grid: Grid, cfg: RunConfig, *, device: str = "cpu") -> dict[str, Any]:
+    """The ServerApp's whole job: model, strategy, rounds, results, checkpoints, resume.
+
+    With ``resume`` and a checkpoint in the run's results folder, the run continues after the
+    checkpoint's round with the checkpoint's model, capability cache and history; the config
+    must be the one the checkpoint was written with (``resume`` and ``round-timeout`` aside).
+    """
+    model = build_model(cfg)
+    strategy = build_strategy(cfg, model)
+    directory = cfg.results_path
+    initial = ArrayRecord(model.state_dict())
+    done = 0
+    checkpoint = Checkpoint.load(directory) if cfg.resume else None
+    if cfg.resume and checkpoint is None:
+        logger.warning("resume=true but %s holds no checkpoint: starting from round 1",
+                       directory)
+    if checkpoint is not None:
+        checkpoint.check_config(cfg.as_dict(), ignore=("resume", "round-timeout"))
+        done = checkpoint.server_round
+        if done >= cfg.num_server_rounds:
+            logger.info("Run %s already finished (%d rounds); nothing to do.", directory, done)
+            return {"rounds-completed": done}
+        model.load_state_dict({k: torch.from_numpy(v) for k, v in checkpoint.arrays.items()})
+        initial = ArrayRecord(model.state_dict())
+        strategy.resume(done, checkpoint.capabilities, checkpoint.history)
+        logger.info("Resuming %s after round %d of %d", directory, done, cfg.num_server_rounds)
+    recorder = RunRecorder(directory, cfg.as_dict(), cfg.num_server_rounds,
+                           resume_round=done if checkpoint is not None else None)
+    config = {k: v for k, v in cfg.as_dict().items() if k != "resume"}
+    latest: list[ArrayRecord] = [initial]
+
+    def on_round(server_round: int, arrays: ArrayRecord) -> None:
+        latest[0] = arrays
+        Checkpoint(server_round, {k: a.numpy() for k, a in arrays.items()}, config,
+                   strategy.capability_table(), strategy.history).save(directory)
+
+    result = strategy.start(
+        grid=grid,
+        initial_arrays=initial,
+        num_rounds=cfg.num_server_rounds - done,
+        timeout=cfg.round_timeout,
+        train_config=ConfigRecord(),
+        evaluate_fn=central_evaluate_fn(cfg, model, strategy, recorder, device=device,
+                                        on_round=on_round),
+    )
+    # Flower's Result holds no arrays when no round produced an update: use the latest model.
+    final = result.arrays if len(result.arrays) > 0 else latest[0]
+    return recorder.finish(final.to_torch_state_dict())
+
+
 def central_evaluate_fn(
     cfg: RunConfig,
     model: nn.Module,
@@ -152,14 +205,20 @@ def central_evaluate_fn(
     recorder: RunRecorder,
     *,
     device: str = "cpu",
+    on_round: Callable[[int, ArrayRecord], None] | None = None,
 ) -> Callable[[int, ArrayRecord], MetricRecord | None]:
     """``evaluate_fn`` for ``Strategy.start``: test-set evaluation of the dense global model
-    every ``eval-every`` rounds (and the last), plus writing the round's metrics."""
+    every ``eval-every`` rounds (and the last), writing the round's metrics, then
+    ``on_round(round, arrays)`` (the checkpoint). Rounds are the run's own (a resumed run's
+    Flower round r is round r + strategy.round_offset)."""
     test = load_test_set(cfg.dataset, data_dir=cfg.data_dir or None,
                          max_examples=cfg.test_max_examples or None)
     loader = DataLoader(test, batch_size=256, shuffle=False)
 
-    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+    def evaluate_fn(flower_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        server_round = flower_round + strategy.round_offset
+        if flower_round == 0 and strategy.round_offset > 0:
+            return None  # the resumed model was evaluated and recorded before the crash
         metrics: dict[str, float] = dict(strategy.history.get(server_round, {}))
         due = cfg.eval_every > 0 and (
             server_round % cfg.eval_every == 0 or server_round == cfg.num_server_rounds
@@ -170,6 +229,8 @@ def central_evaluate_fn(
             metrics.update({"test-loss": res.loss, "test-accuracy": res.accuracy,
                             "test-examples": float(res.num_examples)})
         recorder.record_round(server_round, metrics)
+        if on_round is not None and server_round > 0:
+            on_round(server_round, arrays)
         if not due:
             return None
         return MetricRecord({k: metrics[k] for k in ("test-loss", "test-accuracy")})

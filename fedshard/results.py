@@ -54,7 +54,10 @@ def _atomic_write(path: Path, text: str) -> None:
 class RunRecorder:
     """Writes one run's results; every file is written atomically or appended line by line."""
 
-    def __init__(self, directory: Path, config: Mapping[str, Any], num_rounds: int) -> None:
+    def __init__(self, directory: Path, config: Mapping[str, Any], num_rounds: int,
+                 *, resume_round: int | None = None) -> None:
+        """Start recording a run, or continue one after ``resume_round`` completed rounds
+        (rows of later rounds, written before a crash, are dropped)."""
         if not directory.is_absolute():
             raise ValueError(f"results directory {directory} must be absolute (Flower apps do not "
                              "run in your working directory)")
@@ -62,11 +65,20 @@ class RunRecorder:
         self.num_rounds = num_rounds
         self.directory.mkdir(parents=True, exist_ok=True)
         self.metrics_path = directory / "metrics.jsonl"
-        self.metrics_path.write_text("")
-        self._start = time.time()
-        self._last = self._start
         self.rows: list[dict[str, Any]] = []
-        info = {
+        resumed: list[dict[str, Any]] = []
+        if resume_round is not None and self.metrics_path.is_file():
+            rows = [json.loads(x) for x in self.metrics_path.read_text().splitlines() if x]
+            self.rows = [r for r in rows if r["round"] <= resume_round]
+            old = json.loads((directory / "config.json").read_text())
+            resumed = [*old.get("resumed", []), {"after-round": resume_round,
+                                                 "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}]
+        _atomic_write(self.metrics_path,
+                      "".join(json.dumps(r, sort_keys=True) + "\n" for r in self.rows))
+        # wall-s continues across a resume (time lost in the crash is not counted)
+        self._start = time.time() - (self.rows[-1]["wall-s"] if self.rows else 0.0)
+        self._last = time.time()
+        info: dict[str, Any] = {
             "config": dict(config),
             "git-commit": git_commit(),
             "python": platform.python_version(),
@@ -74,6 +86,8 @@ class RunRecorder:
             "host": platform.node(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self._start)),
         }
+        if resumed:
+            info["resumed"] = resumed
         try:
             import flwr
 

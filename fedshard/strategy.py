@@ -186,7 +186,9 @@ class SpectralSharding(FedAvg):
         if design not in SAMPLING_DESIGNS:
             problems.append(f"design={design!r}: expected one of {SAMPLING_DESIGNS}")
         if scaled and method not in ("top-n", "prism"):
-            problems.append(f"scaled=True with method={method!r}: +Scaled is for 'top-n' or 'prism'")
+            problems.append(
+                f"scaled=True with method={method!r}: +Scaled is for 'top-n' or 'prism'"
+            )
         if prism_exponent is not None and not prism_exponent > 0:
             problems.append(f"prism_exponent={prism_exponent}: expected > 0 or None")
         if clip_lr_tau is not None and not clip_lr_tau >= 1:
@@ -220,7 +222,28 @@ class SpectralSharding(FedAvg):
         self.capabilities: dict[int, _Node] = {}
         # server_round -> the round's training metrics (also returned to Flower per round).
         self.history: dict[int, dict[str, float]] = {}
+        # Rounds already completed before this start() (a resumed run): Flower's round r is
+        # this run's round r + round_offset, for the schedule, the random streams and history.
+        self.round_offset = 0
         self._round: _RoundState | None = None
+
+    def resume(self, completed_rounds: int, capabilities: dict[int, tuple[float, str]],
+               history: dict[int, dict[str, float]]) -> None:
+        """Continue a run after ``completed_rounds`` rounds (see :mod:`fedshard.checkpoint`).
+
+        Call ``start(initial_arrays=<checkpoint arrays>, num_rounds=num_rounds -
+        completed_rounds)`` afterwards; every random stream continues as if uninterrupted.
+        """
+        if not 0 <= completed_rounds < self.num_rounds:
+            raise ValueError(f"completed_rounds={completed_rounds}: expected in "
+                             f"[0, num_rounds={self.num_rounds})")
+        self.round_offset = completed_rounds
+        self.capabilities = {n: _Node(r, k) for n, (r, k) in capabilities.items()}
+        self.history = {int(r): dict(m) for r, m in history.items()}
+
+    def capability_table(self) -> dict[int, tuple[float, str]]:
+        """The capability cache as plain values (for checkpoints)."""
+        return {n: (c.keep_ratio, c.key) for n, c in self.capabilities.items()}
 
     # ------------------------------------------------------------------ summary
     def summary(self) -> None:
@@ -304,6 +327,7 @@ class SpectralSharding(FedAvg):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Sample nodes, shard every sharded layer per keep-ratio group, one message per node."""
+        server_round += self.round_offset
         self._round = None
         if self.fraction_train == 0.0:
             return []
@@ -415,9 +439,7 @@ class SpectralSharding(FedAvg):
             pi, omega = inclusion_probabilities(lam, n, "top-n")
             subsets = draw_subsets(pi, num_clients, design="top-n", rng=rng)
         else:
-            pi, omega = inclusion_probabilities(
-                lam, n, self.method, num_clients=num_clients if self.method == "collective" else None
-            )
+            pi, omega = inclusion_probabilities(lam, n, self.method, num_clients=num_clients)
             subsets = draw_subsets(pi, num_clients, design=self.design, rng=rng)
         return np.asarray(subsets, dtype=np.int64), np.asarray(omega, dtype=np.float64), pi
 
@@ -480,6 +502,7 @@ class SpectralSharding(FedAvg):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Validate every reply, average each term over its holders, rebuild W."""
+        server_round += self.round_offset
         state = self._round
         if state is None or state.server_round != server_round:
             return None, None
@@ -512,7 +535,7 @@ class SpectralSharding(FedAvg):
                 "kept unchanged.", server_round, sum(dropped.values()), missing)
             metrics_out["aggregate-s"] = time.perf_counter() - t0
             self.history[server_round] = metrics_out
-            return None, MetricRecord(metrics_out)
+            return None, _metric_record(metrics_out)
 
         new_arrays = self._aggregate(state, accepted)
         total = sum(w for _, w, _, _ in accepted)
@@ -529,7 +552,7 @@ class SpectralSharding(FedAvg):
         metrics_out["aggregate-s"] = time.perf_counter() - t0
         self.history[server_round] = metrics_out
         self._round = None
-        return new_arrays, MetricRecord(metrics_out)
+        return new_arrays, _metric_record(metrics_out)
 
     def _check_reply(
         self, msg: Message, state: _RoundState, seen: set[int]
@@ -560,7 +583,8 @@ class SpectralSharding(FedAvg):
         keys, want = set(record.keys()), set(sent.expected)
         if keys != want:
             return (
-                f"bad-keys: missing {sorted(want - keys)[:5]}, unexpected {sorted(keys - want)[:5]}",
+                f"bad-keys: missing {sorted(want - keys)[:5]}, "
+                f"unexpected {sorted(keys - want)[:5]}",
                 None,
             )
         values: dict[str, np.ndarray] = {}
@@ -578,7 +602,8 @@ class SpectralSharding(FedAvg):
             values[key] = x
         for layer, idx in sent.indices.items():
             if not np.array_equal(values[P.factor_key(layer, "indices")], idx):
-                return f"bad-indices: {layer}.indices differ from the terms this node was sent", None
+                return (f"bad-indices: {layer}.indices differ from the terms this node was "
+                        "sent", None)
         return None, (float(weight), values, metrics)
 
     def _aggregate(
@@ -627,6 +652,7 @@ class SpectralSharding(FedAvg):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Client-side evaluation of the dense global model (off when fraction_evaluate = 0)."""
+        server_round += self.round_offset
         if self.fraction_evaluate == 0.0:
             return []
         node_ids = list(self._sample_nodes(
@@ -644,6 +670,7 @@ class SpectralSharding(FedAvg):
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
         """Weighted mean of valid evaluation replies; invalid ones are logged and dropped."""
+        server_round += self.round_offset
         rows: list[tuple[float, Any]] = []
         for msg in replies:
             node = msg.metadata.src_node_id
@@ -667,7 +694,14 @@ class SpectralSharding(FedAvg):
             vals = [(w, float(m[key])) for w, m in rows if key in m]
             if vals:
                 out[key] = sum(w * x for w, x in vals) / sum(w for w, _ in vals)
-        return MetricRecord(out)
+        return _metric_record(out)
+
+
+def _metric_record(values: dict[str, float]) -> MetricRecord:
+    data: dict[str, int | float | list[int] | list[float]] = {
+        k: float(v) for k, v in values.items()
+    }
+    return MetricRecord(data)
 
 
 def _read_capabilities(reply: Message) -> tuple[_Node | None, str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 from torch import Tensor, nn
 
 __all__ = ["mlp"]
@@ -21,7 +23,7 @@ class MLP(nn.Module):
             raise ValueError(f"depth={depth}: expected ≥ 2 hidden layers so that one is sharded")
         layers: list[nn.Module] = [nn.Flatten()]
         dims = [in_features] + [width] * depth
-        for a, b in zip(dims[:-1], dims[1:], strict=True):
+        for a, b in pairwise(dims):
             layers += [nn.Linear(a, b), nn.LayerNorm(b), nn.ReLU()]
         layers.append(nn.Linear(width, num_classes))
         self.net = nn.Sequential(*layers)
