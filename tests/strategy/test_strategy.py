@@ -489,3 +489,34 @@ def test_restarted_node_is_asked_again_with_its_new_keep_ratio() -> None:
     assert 1001 not in s.capabilities and s.capabilities[2001].keep_ratio == 0.5
     cfg = {m.metadata.dst_node_id: m.content[P.CONFIG]["keep-ratio"] for m in msgs}
     assert cfg == {1000: 0.5, 2001: 0.5}
+
+
+def test_ten_clients_with_faults_aggregate_only_the_valid_replies() -> None:
+    """One raises, one never answers (round timeout), three send garbage: the round completes
+    with the other five; the metrics count each reason; the model equals the five's aggregate."""
+    ratios = [0.25, 0.5] * 5
+
+    faulty = InProcessGrid(client, [{"keep-ratio": r} for r in ratios])
+    faulty.tamper.update({1001: _nan, 1002: _wrong_shape, 1003: _wrong_indices})
+    faulty.silent.add(1004)
+    original_app = faulty._app
+
+    def app(msg: Message, context: Context) -> Message:
+        if context.node_id == 1005 and msg.metadata.message_type == "train":
+            raise RuntimeError("out of memory on device")
+        return original_app(msg, context)
+
+    faulty._app = app
+    clean = InProcessGrid(client, [{"keep-ratio": r} for r in ratios])
+    clean.silent.update({1001, 1002, 1003, 1004, 1005})
+    got, metrics = _run_round(faulty, strategy(fraction_train=1.0))
+    want, _ = _run_round(clean, strategy(fraction_train=1.0))
+    assert got is not None and want is not None and metrics is not None
+    for key in want:
+        np.testing.assert_array_equal(got[key].numpy(), want[key].numpy())
+    assert metrics["replies-used"] == 5
+    assert metrics["replies-missing"] == 1
+    assert metrics["dropped-error-reply"] == 1
+    assert metrics["dropped-non-finite"] == 1
+    assert metrics["dropped-bad-shape"] == 1
+    assert metrics["dropped-bad-indices"] == 1
