@@ -510,6 +510,7 @@ class SpectralSharding(FedAvg):
         accepted: list[tuple[int, float, dict[str, np.ndarray], Any]] = []
         dropped: Counter[str] = Counter()
         seen: set[int] = set()
+        received: list[int] = []
         for msg in replies:
             node = msg.metadata.src_node_id
             reason, parsed = self._check_reply(msg, state, seen)
@@ -521,8 +522,9 @@ class SpectralSharding(FedAvg):
                     "the global model.", server_round, node, reason)
                 continue
             assert parsed is not None
-            weight, values, metrics = parsed
+            weight, values, metrics, nbytes = parsed
             accepted.append((node, weight, values, metrics))
+            received.append(nbytes)
         missing = len(state.sent) - len(seen & set(state.sent))
         metrics_out = dict(state.metrics)
         metrics_out["replies-used"] = float(len(accepted))
@@ -544,7 +546,6 @@ class SpectralSharding(FedAvg):
             if vals:
                 metrics_out[key] = sum(w * x for w, x in vals) / sum(w for w, _ in vals)
         metrics_out[P.NUM_EXAMPLES] = float(total)
-        received = [sum(v.nbytes for v in values.values()) for _, _, values, _ in accepted]
         metrics_out["bytes-received-mean"] = float(np.mean(received))
         metrics_out["bytes-received-ratio-mean"] = float(
             np.mean(received) / metrics_out["dense-bytes"]
@@ -556,8 +557,9 @@ class SpectralSharding(FedAvg):
 
     def _check_reply(
         self, msg: Message, state: _RoundState, seen: set[int]
-    ) -> tuple[str | None, tuple[float, dict[str, np.ndarray], Any] | None]:
-        """``(None, (weight, arrays, metrics))`` for a valid reply, else ``(reason, None)``."""
+    ) -> tuple[str | None, tuple[float, dict[str, np.ndarray], Any, int] | None]:
+        """``(None, (weight, arrays, metrics, bytes))`` for a valid reply, else
+        ``(reason, None)``."""
         node = msg.metadata.src_node_id
         if msg.has_error():
             return f"error-reply: code {msg.error.code}, {msg.error.reason}", None
@@ -604,7 +606,9 @@ class SpectralSharding(FedAvg):
             if not np.array_equal(values[P.factor_key(layer, "indices")], idx):
                 return (f"bad-indices: {layer}.indices differ from the terms this node was "
                         "sent", None)
-        return None, (float(weight), values, metrics)
+        # bytes on the wire, counted as for the sent records (serialized Array data)
+        nbytes = sum(len(a.data) for a in record.values())
+        return None, (float(weight), values, metrics, nbytes)
 
     def _aggregate(
         self, state: _RoundState, accepted: list[tuple[int, float, dict[str, np.ndarray], Any]]
