@@ -140,7 +140,7 @@ class RunConfig:
 
     method: str = "collective"
     design: str = "cps"
-    keep_ratios: str = "0.1:0.5,0.2:0.5"
+    keep_ratios: str = "0.2:0.6,0.4:0.4"
     scaled: bool = False
     clip_lr: bool = True
     clip_lr_tau: float = 10.0

@@ -18,10 +18,12 @@ import platform
 import subprocess
 import time
 from collections.abc import Mapping
+from logging import INFO
 from pathlib import Path
 from typing import Any
 
 import torch
+from flwr.common.logger import log as flwr_log
 
 __all__ = ["RunRecorder", "git_commit"]
 
@@ -107,7 +109,8 @@ class RunRecorder:
         self.rows.append(row)
         with self.metrics_path.open("a") as fh:
             fh.write(json.dumps(row, sort_keys=True) + "\n")
-        logger.info("%s", self.summary_line(row))
+        # Flower's logger: the line shows in `flwr run --stream` and the SuperLink's run log.
+        flwr_log(INFO, "%s", self.summary_line(row))
         return row
 
     def summary_line(self, row: Mapping[str, Any]) -> str:

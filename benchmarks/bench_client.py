@@ -1,0 +1,245 @@
+"""Client-side cost of a training step: ResNet-18 sub-models at keep ratio r vs the dense model.
+
+Prints one JSON object with, for each r in ``--ratios`` (sub-model = top ``ceil(rN)`` terms of
+every sharded layer, ω between 1 and 20 so that ClipLR does real work):
+
+* ``step_time_ratio_r{r}``: median time of one training step (forward + backward + SGD step,
+  run through :func:`fedshard.training.train`, Frobenius decay and ClipLR included) over the
+  dense model's; all configurations live in this process and are timed round-robin, so load
+  from other processes hits them alike;
+* ``flop_ratio_r{r}``: forward + backward FLOPs (``torch.utils.flop_counter``: convolutions
+  and matrix products) over the dense model's, the ratio a step could reach if only those
+  operations cost time;
+* ``bytes_ratio_r{r}``: bytes of the sub-model's state dict (``u``, ``v``, ``omega``, biases,
+  the dense stem / classifier / GroupNorm parameters: everything a client receives) over the
+  dense model's;
+* ``peak_memory_ratio_r{r}``: peak bytes of live tensors during two training steps
+  (parameters + gradients + momentum + activations + temporaries), from ``torch.profiler``'s
+  memory timeline (``profile_memory=True``), over the dense model's;
+* ``rss_peak_ratio_r{r}``: the same seen by the OS: each model is loaded by a fresh subprocess,
+  the kernel's RSS high-water mark is reset (``/proc/self/clear_refs`` = 5), and ``VmHWM``
+  minus the RSS before loading is taken (adds allocator caching; tracemalloc does not see
+  torch's allocations). On CUDA both use ``torch.cuda.max_memory_allocated``.
+
+``time_split_ms`` splits one profiled step into convolution / matmul kernels and everything
+else (GroupNorm, ReLU, additions, optimizer): the second part does not shrink with r.
+
+Usage: ``python benchmarks/bench_client.py [--width 64] [--batch 32] [--steps 3] [--repeats 5]
+[--channels-last] [--device cpu]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.flop_counter import FlopCounterMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fedshard.models import resnet18
+from fedshard.spectral import (
+    decompose,
+    num_terms,
+    shard_model,
+    sharded_layer_names,
+)
+from fedshard.training import TrainConfig, train
+
+
+def config(device: str, channels_last: bool) -> TrainConfig:
+    return TrainConfig(
+        epochs=1, lr=0.01, log_every_epoch=False, seed=0, device=device,
+        channels_last=channels_last,
+    )
+
+
+def build(width: int, ratio: float | None) -> nn.Module:
+    """Dense ResNet-18 (``ratio=None``) or its sub-model with the top ``ceil(rN)`` terms."""
+    dense = resnet18(num_classes=10, in_channels=3, width=width, seed=0)
+    if ratio is None:
+        return dense
+    indices, omegas = {}, {}
+    for name in sharded_layer_names(dense):
+        _, _, lam = decompose(dense.get_submodule(name).weight)
+        n = num_terms(len(lam), ratio)
+        indices[name] = list(range(n))
+        # ω = 1/π-like multipliers > τ for some terms so that ClipLR does real work.
+        omegas[name] = torch.linspace(1.0, 20.0, n)
+    sub, _ = shard_model(dense, indices, omegas)
+    return sub
+
+
+def loader(batch: int, steps: int) -> DataLoader[tuple[torch.Tensor, ...]]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch * steps, 3, 32, 32, generator=g)
+    y = torch.randint(0, 10, (batch * steps,), generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=False)
+
+
+def state_bytes(model: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def step_flops(model: nn.Module, batch: int) -> int:
+    model = copy.deepcopy(model)
+    x = torch.randn(batch, 3, 32, 32)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(x).sum().backward()
+    return int(counter.get_total_flops())
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not found in /proc/self/status")
+
+
+def rss_worker(path: str, batch: int, steps: int, cfg: TrainConfig) -> int:
+    """In a fresh subprocess: peak memory (bytes) of ``steps`` steps of the model in ``path``."""
+    data = loader(batch, steps)
+    next(iter(data))  # touch the data set before the baseline
+    cuda = torch.device(cfg.device).type == "cuda"
+    base = torch.cuda.memory_allocated() if cuda else _status_kib("VmRSS") * 1024
+    model = torch.load(path, weights_only=False)  # the only model ever allocated here
+    gc.collect()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    train(model, data, cfg)
+    peak = torch.cuda.max_memory_allocated() if cuda else _status_kib("VmHWM") * 1024
+    return peak - base
+
+
+def rss_peak(model: nn.Module, args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "model.pt")
+        torch.save(model, path)
+        cmd = [sys.executable, __file__, "--rss-worker", path, "--batch", str(args.batch),
+               "--steps", str(args.steps), "--device", args.device]
+        if args.channels_last:
+            cmd.append("--channels-last")
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return int(out)
+
+
+def tensor_peak_and_split(
+    model: nn.Module, batch: int, cfg: TrainConfig
+) -> tuple[int, dict[str, float]]:
+    """Peak live-tensor bytes of two steps, and one step's time split (ms), via torch.profiler."""
+    model = copy.deepcopy(model)
+    data = loader(batch, 2)
+    train(model, data, cfg)  # momentum buffers exist from here on, as in a running client
+    device = torch.device(cfg.device)
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities, profile_memory=True, record_shapes=True,
+                 with_stack=True) as prof:
+        train(model, data, cfg)
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # deprecated, still the CPU-capable API
+        path = Path(tmp) / "timeline.json"
+        dev = "cpu" if device.type == "cpu" else f"cuda:{device.index or 0}"
+        prof.export_memory_timeline(str(path), device=dev)
+        _, sizes = json.loads(path.read_text())
+    peak = max(sum(row) for row in sizes)
+    split = {"conv_mm": 0.0, "other": 0.0}
+    for event in prof.key_averages():
+        if event.key.startswith(("ProfilerStep", "enumerate(DataLoader)", "[memory]")):
+            continue
+        cuda = device.type == "cuda"
+        time_us = event.self_device_time_total if cuda else event.self_cpu_time_total
+        kind = "conv_mm" if any(k in event.key for k in ("conv", "mm", "matmul")) else "other"
+        split[kind] += time_us / 1e3 / 2  # two steps profiled
+    return int(peak), {k: round(v, 1) for k, v in split.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=3, help="training steps per timed call")
+    ap.add_argument("--repeats", type=int, default=5, help="timed calls per configuration")
+    ap.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.2, 0.4, 1.0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--channels-last", action="store_true", help="TrainConfig.channels_last")
+    ap.add_argument("--rss-worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    cfg = config(args.device, args.channels_last)
+    if args.rss_worker is not None:
+        print(rss_worker(args.rss_worker, args.batch, args.steps, cfg))
+        return
+
+    configs: dict[str, float | None] = {"dense": None}
+    configs.update({f"r{r:g}": r for r in args.ratios})
+    models = {key: build(args.width, r) for key, r in configs.items()}
+    data = loader(args.batch, args.steps)
+    times: dict[str, list[float]] = {key: [] for key in configs}
+    for model in models.values():  # warm-up (allocator, oneDNN kernel selection)
+        train(model, data, cfg)
+    for _ in range(args.repeats):
+        for key, model in models.items():
+            start = time.perf_counter()
+            train(model, data, cfg)  # ends with .item(): synchronizes a GPU
+            times[key].append((time.perf_counter() - start) / args.steps)
+
+    step = {key: statistics.median(t) for key, t in times.items()}
+    profiled = {key: tensor_peak_and_split(m, args.batch, cfg) for key, m in models.items()}
+    models = {key: m.cpu() for key, m in models.items()}
+    flops = {key: step_flops(m, args.batch) for key, m in models.items()}
+    size = {key: state_bytes(m) for key, m in models.items()}
+    rss = {key: rss_peak(m, args) for key, m in models.items()}
+
+    result: dict[str, object] = {}
+    for key in configs:
+        if key == "dense":
+            continue
+        result[f"step_time_ratio_{key}"] = round(step[key] / step["dense"], 4)
+        result[f"flop_ratio_{key}"] = round(flops[key] / flops["dense"], 4)
+        result[f"bytes_ratio_{key}"] = round(size[key] / size["dense"], 4)
+        result[f"peak_memory_ratio_{key}"] = round(profiled[key][0] / profiled["dense"][0], 4)
+        result[f"rss_peak_ratio_{key}"] = round(rss[key] / rss["dense"], 4)
+    result["step_time_s"] = {key: round(v, 4) for key, v in step.items()}
+    result["step_time_range_s"] = {
+        key: [round(min(t), 4), round(max(t), 4)] for key, t in times.items()
+    }
+    result["gflops_per_step"] = {key: round(v / 1e9, 3) for key, v in flops.items()}
+    result["gflops_per_s"] = {key: round(flops[key] / step[key] / 1e9, 1) for key in configs}
+    result["time_split_ms"] = {key: p[1] for key, p in profiled.items()}
+    result["state_mib"] = {key: round(v / 2**20, 3) for key, v in size.items()}
+    result["peak_tensor_mib"] = {key: round(p[0] / 2**20, 1) for key, p in profiled.items()}
+    result["rss_peak_mib"] = {key: round(v / 2**20, 1) for key, v in rss.items()}
+    result["setup"] = {
+        "model": f"resnet18(width={args.width})",
+        "input": [args.batch, 3, 32, 32],
+        "steps_per_call": args.steps,
+        "repeats": args.repeats,
+        "torch": torch.__version__,
+        "device": args.device,
+        "channels_last": args.channels_last,
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+    }
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,493 @@
+"""Factorized affine layers ``W_hat = U Ω V^T`` applied without forming ``W_hat``.
+
+Modelled on PEFT's ``SVDLinear``: the forward pass applies the factors, and
+``from_dense`` / ``to_dense`` are an exact (float64) or float32-round-off round trip.
+State-dict names: ``<layer>.u`` ``(c_out, n)``, ``<layer>.v`` ``(c_in*k_h*k_w, n)``,
+``<layer>.omega`` ``(n,)`` (a buffer) and ``<layer>.bias`` ``(c_out,)`` or absent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedshard.spectral.decompose import decompose, take_terms
+
+__all__ = ["SpectralConv2d", "SpectralLayer", "SpectralLinear"]
+
+PaddingMode = Literal["zeros", "reflect", "replicate", "circular"]
+
+
+def _pair(value: int | Sequence[int], what: str) -> tuple[int, int]:
+    if isinstance(value, int):
+        return (value, value)
+    pair = tuple(int(x) for x in value)
+    if len(pair) != 2:
+        raise ValueError(f"{what} must be an int or a pair of ints, got {value!r}.")
+    return (pair[0], pair[1])
+
+
+class SpectralLayer(nn.Module):
+    """Common base of :class:`SpectralLinear` and :class:`SpectralConv2d`.
+
+    Holds the trainable factors ``u`` ``(c_out, n)`` and ``v`` ``(fan_in, n)``, the frozen
+    auxiliary multipliers ``omega`` ``(n,)`` (a buffer, so the optimizer never sees it) and the
+    optional dense ``bias`` ``(c_out,)``. Use ``isinstance(m, SpectralLayer)`` to find the
+    factorized layers of a sub-model.
+
+    Parameters
+    ----------
+    u, v, omega, bias : torch.Tensor
+        See above. They are copied; ``omega`` and ``bias`` are cast to ``u``'s dtype and device.
+
+    Raises
+    ------
+    ValueError
+        On inconsistent shapes, a non-floating ``u``, or ``omega`` entries that are not finite
+        and positive.
+    """
+
+    u: nn.Parameter
+    v: nn.Parameter
+    omega: torch.Tensor
+    bias: nn.Parameter | None
+
+    def __init__(
+        self,
+        u: torch.Tensor,
+        v: torch.Tensor,
+        omega: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        name = type(self).__name__
+        if u.ndim != 2 or v.ndim != 2 or u.shape[1] != v.shape[1]:
+            raise ValueError(
+                f"{name} expects u of shape (c_out, n) and v of shape (fan_in, n) with the same "
+                f"n, got u {tuple(u.shape)} and v {tuple(v.shape)}; the layer was not built."
+            )
+        if not u.is_floating_point():
+            raise ValueError(f"{name} expects floating-point factors, got dtype {u.dtype}.")
+        rank = u.shape[1]
+        if rank < 1:
+            raise ValueError(f"{name} needs at least one term (n >= 1), got n = 0.")
+        if omega.shape != (rank,):
+            raise ValueError(
+                f"{name} expects omega of shape ({rank},) (one multiplier per term), got "
+                f"{tuple(omega.shape)}; the layer was not built."
+            )
+        if not bool(torch.isfinite(omega).all()) or not bool((omega > 0).all()):
+            raise ValueError(
+                f"{name} expects finite positive multipliers omega, got {omega.tolist()}; "
+                "ω_i = 1/π_i or C/(1+π_i(C-1)) is always > 0. The layer was not built."
+            )
+        if bias is not None and bias.shape != (u.shape[0],):
+            raise ValueError(
+                f"{name} expects bias of shape ({u.shape[0]},), got {tuple(bias.shape)}; "
+                "the layer was not built."
+            )
+        self.u = nn.Parameter(u.detach().clone())
+        self.v = nn.Parameter(_like(v, u, copy=True))
+        self.register_buffer("omega", _like(omega, u, copy=True))
+        if bias is None:
+            self.register_parameter("bias", None)
+        else:
+            self.bias = nn.Parameter(_like(bias, u, copy=True))
+
+    @property
+    def rank(self) -> int:
+        """Number of terms ``n`` of this sub-layer."""
+        return int(self.u.shape[1])
+
+    def dense_weight(self) -> torch.Tensor:
+        """Effective weight ``U Ω V^T`` as a ``(c_out, fan_in)`` float64 matrix (for checks)."""
+        u = self.u.detach().to(torch.float64)
+        v = self.v.detach().to(torch.float64)
+        return (u * self.omega.to(torch.float64)) @ v.mT
+
+    def frobenius_norm_sq(self) -> torch.Tensor:
+        """Differentiable ``‖U Ω V^T‖_F^2`` computed from ``n x n`` Gram matrices.
+
+        Returns
+        -------
+        torch.Tensor
+            Scalar in the factors' dtype.
+
+        Notes
+        -----
+        ``‖U Ω V^T‖_F^2 = tr(Ω U^T U Ω V^T V) = Σ_ij (U^T U)_ij (V^T V)_ij ω_i ω_j``, which
+        costs ``O((c_out + fan_in) n^2)`` instead of ``O(c_out fan_in n)`` and never builds the
+        ``(c_out, fan_in)`` matrix. This is the Frobenius decay term of the paper (Sec. 3.3).
+        """
+        gram_u = self.u.mT @ self.u  # (n, n)
+        gram_v = self.v.mT @ self.v  # (n, n)
+        return (gram_u * gram_v * torch.outer(self.omega, self.omega)).sum()
+
+
+class SpectralLinear(SpectralLayer):
+    """Linear layer ``y = ((x V) ⊙ ω) U^T + b`` with ``n`` terms.
+
+    Parameters
+    ----------
+    u : torch.Tensor
+        ``(out_features, n)``, trainable.
+    v : torch.Tensor
+        ``(in_features, n)``, trainable.
+    omega : torch.Tensor
+        ``(n,)`` auxiliary multipliers, frozen buffer.
+    bias : torch.Tensor, optional
+        ``(out_features,)``.
+
+    Notes
+    -----
+    Applies ``W_hat = U Ω V^T`` (paper Eq. 1 restricted to the selected terms) as two skinny
+    matrix products, ``O(B n (in + out))`` instead of ``O(B in out)``.
+    """
+
+    def __init__(
+        self,
+        u: torch.Tensor,
+        v: torch.Tensor,
+        omega: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__(u, v, omega, bias)
+        self.in_features = int(v.shape[0])
+        self.out_features = int(u.shape[0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the layer to ``x`` of shape ``(..., in_features)``."""
+        hidden = torch.matmul(x, self.v)  # (..., n)
+        # ω folded into U: (out, n) is cheaper to scale than the (..., n) activations.
+        return F.linear(hidden, self.u * self.omega, self.bias)  # (..., out)
+
+    @classmethod
+    def from_dense(
+        cls,
+        layer: nn.Linear,
+        indices: Sequence[int] | None = None,
+        omega: torch.Tensor | None = None,
+    ) -> SpectralLinear:
+        """Factorize a dense ``nn.Linear``, keeping the terms ``indices`` (default: all).
+
+        Parameters
+        ----------
+        layer : nn.Linear
+            The dense layer (not modified).
+        indices : sequence of int, optional
+            Term indices in ``[0, N)`` in the order they become columns; ``None`` keeps all
+            ``N = min(out, in)`` terms in order of decreasing singular value.
+        omega : torch.Tensor, optional
+            ``(n,)`` multipliers; default ones.
+
+        Returns
+        -------
+        SpectralLinear
+            Factors and bias in ``layer.weight``'s dtype and device.
+
+        Raises
+        ------
+        TypeError
+            If ``layer`` is not an ``nn.Linear``.
+        """
+        if not isinstance(layer, nn.Linear):
+            raise TypeError(
+                f"SpectralLinear.from_dense() expects an nn.Linear, got {type(layer).__name__}; "
+                "use SpectralConv2d.from_dense() for nn.Conv2d."
+            )
+        u, v, omega = _factors_of(layer.weight, indices, omega)
+        return cls.from_factors(layer, u, v, omega)
+
+    @classmethod
+    def from_factors(
+        cls, layer: nn.Linear, u: torch.Tensor, v: torch.Tensor, omega: torch.Tensor
+    ) -> SpectralLinear:
+        """Replacement for ``layer`` with the given factors and a copy of ``layer.bias``.
+
+        Parameters
+        ----------
+        layer : nn.Linear
+            Source of the bias (not modified).
+        u, v, omega : torch.Tensor
+            ``(out_features, n)``, ``(in_features, n)``, ``(n,)``; cast to ``layer.weight``'s
+            dtype and device.
+
+        Returns
+        -------
+        SpectralLinear
+
+        Raises
+        ------
+        ValueError
+            If the factor shapes do not match ``layer``.
+        """
+        if u.shape[0] != layer.out_features or v.shape[0] != layer.in_features:
+            raise ValueError(
+                f"factors u {tuple(u.shape)}, v {tuple(v.shape)} do not fit {layer}: expected "
+                f"u ({layer.out_features}, n) and v ({layer.in_features}, n); "
+                "the layer was not replaced."
+            )
+        bias = None if layer.bias is None else layer.bias.detach()
+        w = layer.weight
+        out = cls(_like(u, w), _like(v, w), _like(omega, w), bias)
+        out.train(layer.training)
+        return out
+
+    def to_dense(self) -> nn.Linear:
+        """Equivalent ``nn.Linear`` with weight ``U Ω V^T`` (computed in float64, then cast)."""
+        layer = nn.Linear(
+            self.in_features,
+            self.out_features,
+            bias=self.bias is not None,
+            device=self.u.device,
+            dtype=self.u.dtype,
+        )
+        with torch.no_grad():
+            layer.weight.copy_(self.dense_weight())
+            if self.bias is not None and layer.bias is not None:
+                layer.bias.copy_(self.bias)
+        return layer
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"rank={self.rank}, bias={self.bias is not None}"
+        )
+
+
+class SpectralConv2d(SpectralLayer):
+    """2-D convolution factorized as a ``k x k`` conv to ``n`` channels and a ``1 x 1`` conv.
+
+    Parameters
+    ----------
+    u : torch.Tensor
+        ``(out_channels, n)``, trainable; with ``ω`` it forms the ``1 x 1`` conv.
+    v : torch.Tensor
+        ``(in_channels * k_h * k_w, n)``, trainable; column ``j`` reshaped to
+        ``(in_channels, k_h, k_w)`` is the kernel of the ``j``-th intermediate channel.
+    omega : torch.Tensor
+        ``(n,)`` auxiliary multipliers, frozen buffer.
+    bias : torch.Tensor, optional
+        ``(out_channels,)``, added by the ``1 x 1`` conv.
+    in_channels : int
+        Input channels ``c_in``.
+    kernel_size, stride, padding, dilation, padding_mode
+        As in ``nn.Conv2d``; the first conv uses them, the ``1 x 1`` conv has stride 1 and no
+        padding. ``groups`` is always 1.
+
+    Notes
+    -----
+    Decomposing a convolution into a regular convolution with ``n`` output channels followed by
+    a ``1 x 1`` convolution follows the paper (Sec. 4.1, after Niu et al. 2023 and Wang et al.
+    2023). Costs ``O(HW n (c_in k_h k_w + c_out))`` instead of ``O(HW c_in k_h k_w c_out)``.
+    """
+
+    def __init__(
+        self,
+        u: torch.Tensor,
+        v: torch.Tensor,
+        omega: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        in_channels: int,
+        kernel_size: int | Sequence[int],
+        stride: int | Sequence[int] = 1,
+        padding: int | Sequence[int] | str = 0,
+        dilation: int | Sequence[int] = 1,
+        padding_mode: PaddingMode = "zeros",
+    ) -> None:
+        super().__init__(u, v, omega, bias)
+        self.in_channels = int(in_channels)
+        self.out_channels = int(u.shape[0])
+        self.kernel_size = _pair(kernel_size, "kernel_size")
+        self.stride = _pair(stride, "stride")
+        self.dilation = _pair(dilation, "dilation")
+        self.padding: tuple[int, int] | str
+        if isinstance(padding, str):
+            if padding not in ("same", "valid"):
+                raise ValueError(f"padding must be 'same', 'valid' or ints, got {padding!r}.")
+            self.padding = padding
+        else:
+            self.padding = _pair(padding, "padding")
+        if padding_mode not in ("zeros", "reflect", "replicate", "circular"):
+            raise ValueError(
+                f"padding_mode must be 'zeros', 'reflect', 'replicate' or 'circular', got "
+                f"{padding_mode!r}; the layer was not built."
+            )
+        self.padding_mode = padding_mode
+        fan_in = self.in_channels * self.kernel_size[0] * self.kernel_size[1]
+        if v.shape[0] != fan_in:
+            raise ValueError(
+                f"SpectralConv2d expects v with in_channels*k_h*k_w = {self.in_channels}*"
+                f"{self.kernel_size[0]}*{self.kernel_size[1]} = {fan_in} rows, got "
+                f"{v.shape[0]}; the layer was not built."
+            )
+        # Explicit padding for non-"zeros" modes, in F.pad order (left, right, top, bottom),
+        # computed exactly as nn.Conv2d does.
+        self._pad: tuple[int, int, int, int]
+        if self.padding == "valid":
+            self._pad = (0, 0, 0, 0)
+        elif self.padding == "same":
+            total_h = self.dilation[0] * (self.kernel_size[0] - 1)
+            total_w = self.dilation[1] * (self.kernel_size[1] - 1)
+            self._pad = (total_w // 2, total_w - total_w // 2, total_h // 2, total_h - total_h // 2)
+        else:
+            assert isinstance(self.padding, tuple)
+            self._pad = (self.padding[1], self.padding[1], self.padding[0], self.padding[0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the layer to ``x`` of shape ``(B, in_channels, H, W)``."""
+        rank = self.rank
+        # (n, c_in, k_h, k_w): row-major reshape matches W.reshape(c_out, -1) in decompose().
+        kernel = self.v.mT.reshape(rank, self.in_channels, *self.kernel_size)
+        if self.padding_mode == "zeros":
+            hidden = F.conv2d(x, kernel, None, self.stride, self.padding, self.dilation)
+        else:
+            padded = F.pad(x, self._pad, mode=self.padding_mode)
+            hidden = F.conv2d(padded, kernel, None, self.stride, 0, self.dilation)
+        # hidden: (B, n, H', W'); 1x1 conv with U diag(ω): (c_out, n, 1, 1).
+        mixer = (self.u * self.omega)[:, :, None, None]
+        return F.conv2d(hidden, mixer, self.bias)
+
+    @classmethod
+    def from_dense(
+        cls,
+        layer: nn.Conv2d,
+        indices: Sequence[int] | None = None,
+        omega: torch.Tensor | None = None,
+    ) -> SpectralConv2d:
+        """Factorize a dense ``nn.Conv2d`` (``groups == 1``), keeping the terms ``indices``.
+
+        Parameters
+        ----------
+        layer : nn.Conv2d
+            The dense layer (not modified).
+        indices : sequence of int, optional
+            Term indices in ``[0, N)``, ``N = min(c_out, c_in k_h k_w)``; default all.
+        omega : torch.Tensor, optional
+            ``(n,)`` multipliers; default ones.
+
+        Returns
+        -------
+        SpectralConv2d
+            Same stride, padding, dilation and padding mode as ``layer``.
+
+        Raises
+        ------
+        TypeError
+            If ``layer`` is not an ``nn.Conv2d`` or has ``groups > 1``.
+        """
+        if not isinstance(layer, nn.Conv2d):
+            raise TypeError(
+                f"SpectralConv2d.from_dense() expects an nn.Conv2d, got {type(layer).__name__}; "
+                "transposed and 1-D/3-D convolutions are not supported."
+            )
+        if layer.groups != 1:
+            raise TypeError(
+                f"SpectralConv2d.from_dense() supports groups=1 only, got a Conv2d with "
+                f"groups={layer.groups}; leave this layer dense."
+            )
+        u, v, omega = _factors_of(layer.weight, indices, omega)
+        return cls.from_factors(layer, u, v, omega)
+
+    @classmethod
+    def from_factors(
+        cls, layer: nn.Conv2d, u: torch.Tensor, v: torch.Tensor, omega: torch.Tensor
+    ) -> SpectralConv2d:
+        """Replacement for ``layer`` with the given factors, its geometry and a copy of its bias.
+
+        Parameters
+        ----------
+        layer : nn.Conv2d
+            Source of geometry (stride, padding, dilation, padding mode) and bias; not modified.
+        u, v, omega : torch.Tensor
+            ``(c_out, n)``, ``(c_in k_h k_w, n)``, ``(n,)``; cast to ``layer.weight``'s dtype
+            and device.
+
+        Returns
+        -------
+        SpectralConv2d
+
+        Raises
+        ------
+        TypeError
+            If ``layer`` has ``groups > 1``.
+        ValueError
+            If the factor shapes do not match ``layer``.
+        """
+        if layer.groups != 1:
+            raise TypeError(
+                f"SpectralConv2d supports groups=1 only, got a Conv2d with "
+                f"groups={layer.groups}; leave this layer dense."
+            )
+        fan_in = layer.in_channels * layer.kernel_size[0] * layer.kernel_size[1]
+        if u.shape[0] != layer.out_channels or v.shape[0] != fan_in:
+            raise ValueError(
+                f"factors u {tuple(u.shape)}, v {tuple(v.shape)} do not fit {layer}: expected "
+                f"u ({layer.out_channels}, n) and v ({fan_in}, n); the layer was not replaced."
+            )
+        w = layer.weight
+        bias = None if layer.bias is None else layer.bias.detach()
+        padding = layer.padding if isinstance(layer.padding, str) else tuple(layer.padding)
+        out = cls(
+            _like(u, w),
+            _like(v, w),
+            _like(omega, w),
+            bias,
+            in_channels=layer.in_channels,
+            kernel_size=tuple(layer.kernel_size),
+            stride=tuple(layer.stride),
+            padding=padding,
+            dilation=tuple(layer.dilation),
+            padding_mode=layer.padding_mode,
+        )
+        out.train(layer.training)
+        return out
+
+    def to_dense(self) -> nn.Conv2d:
+        """Equivalent ``nn.Conv2d``, weight ``U Ω V^T`` reshaped to ``(c_out, c_in, k_h, k_w)``."""
+        layer = nn.Conv2d(
+            self.in_channels,
+            self.out_channels,
+            self.kernel_size,
+            stride=self.stride,
+            padding=self.padding,
+            dilation=self.dilation,
+            bias=self.bias is not None,
+            padding_mode=self.padding_mode,
+            device=self.u.device,
+            dtype=self.u.dtype,
+        )
+        with torch.no_grad():
+            layer.weight.copy_(self.dense_weight().reshape(layer.weight.shape))
+            if self.bias is not None and layer.bias is not None:
+                layer.bias.copy_(self.bias)
+        return layer
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+            f"stride={self.stride}, padding={self.padding}, dilation={self.dilation}, "
+            f"padding_mode={self.padding_mode}, rank={self.rank}, bias={self.bias is not None}"
+        )
+
+
+def _factors_of(
+    weight: torch.Tensor, indices: Sequence[int] | None, omega: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Selected ``(u, v, omega)`` of ``weight`` in ``weight``'s dtype and device."""
+    u, v, _ = decompose(weight)  # float64, (c_out, N), (fan_in, N)
+    if indices is not None:
+        u, v = take_terms(u, v, indices)
+    if omega is None:
+        omega = torch.ones(u.shape[1], dtype=weight.dtype, device=weight.device)
+    return _like(u, weight), _like(v, weight), _like(omega, weight)
+
+
+def _like(t: torch.Tensor, ref: torch.Tensor, copy: bool = False) -> torch.Tensor:
+    """``t`` detached, in ``ref``'s dtype and device (a fresh copy if ``copy``)."""
+    return t.detach().to(device=ref.device, dtype=ref.dtype, copy=copy)
