@@ -51,19 +51,19 @@ def build_model(cfg: RunConfig) -> nn.Module:
             return resnet18(num_classes=info.num_classes, in_channels=info.in_channels,
                             width=cfg.model_width)
         if cfg.model == "mlp":
-            from fedshard.models.mlp import mlp
+            from fedshard.models import mlp
 
             _need_images(cfg, info)
             return mlp(info.in_channels * info.image_size**2, info.num_classes,
                        width=cfg.model_width)
         if cfg.model == "cct":
-            from fedshard.models.cct import cct_6_3x2
+            from fedshard.models import cct_6_3x2
 
             _need_images(cfg, info)
             return cct_6_3x2(info.num_classes, in_channels=info.in_channels,
                              img_size=info.image_size)
         if cfg.model == "chargpt":
-            from fedshard.models.chargpt import char_transformer
+            from fedshard.models import char_transformer
 
             if info.task != "next-char":
                 raise ValueError(f"model='chargpt' needs a next-char data set, not {cfg.dataset!r}")

@@ -54,11 +54,16 @@ class _Node:
 
 @dataclass
 class _Spectrum:
-    """One sharded layer's decomposition for the current round (float64)."""
+    """One sharded layer's decomposition for the current round (float64).
 
-    u: np.ndarray  # (c_out, N) = U·diag(√λ)
-    v: np.ndarray  # (c_in·k·k, N) = V·diag(√λ)
+    Terms are stored term-major (one row per term) so that selecting, packing and averaging
+    a subset of terms touches contiguous rows.
+    """
+
+    ut: np.ndarray  # (N, c_out): row i = u'_i = √λ_i u_i
+    vt: np.ndarray  # (N, c_in·k·k): row i = v'_i = √λ_i v_i
     lam: np.ndarray  # (N,) descending singular values
+    w: np.ndarray  # (c_out, c_in·k·k) the weight the terms were taken from
     shape: tuple[int, ...]  # original weight shape
     dtype: np.dtype[Any]  # original weight dtype
 
@@ -389,7 +394,11 @@ class SpectralSharding(FedAvg):
                 )
             w = arrays[key].numpy()
             u, v, lam = decompose(torch.from_numpy(np.ascontiguousarray(w)))
-            spectra[layer] = _Spectrum(u.numpy(), v.numpy(), lam.numpy(), tuple(w.shape), w.dtype)
+            spectra[layer] = _Spectrum(
+                np.ascontiguousarray(u.numpy().T), np.ascontiguousarray(v.numpy().T),
+                lam.numpy(), w.reshape(w.shape[0], -1).astype(np.float64), tuple(w.shape),
+                w.dtype,
+            )
         return spectra
 
     def _plan(
@@ -463,8 +472,8 @@ class SpectralSharding(FedAvg):
         for layer, spec in spectra.items():
             idx, omega = terms[layer]
             parts = {
-                "u": np.ascontiguousarray(spec.u[:, idx], dtype=spec.dtype),
-                "v": np.ascontiguousarray(spec.v[:, idx], dtype=spec.dtype),
+                "u": np.ascontiguousarray(spec.ut[idx].T, dtype=spec.dtype),  # (c_out, n)
+                "v": np.ascontiguousarray(spec.vt[idx].T, dtype=spec.dtype),  # (c_in·k·k, n)
                 "omega": np.ascontiguousarray(omega, dtype=spec.dtype),
                 "indices": np.ascontiguousarray(idx, dtype=np.int64),
             }
@@ -634,22 +643,39 @@ class SpectralSharding(FedAvg):
     def _rebuild(
         layer: str, spec: _Spectrum, accepted: list[tuple[int, float, dict[str, np.ndarray], Any]]
     ) -> np.ndarray:
-        """Average u'_i, v'_i over the nodes that held term i (weights D); W = Σ u'_i v'_iᵀ."""
-        u_acc = np.zeros_like(spec.u)
-        v_acc = np.zeros_like(spec.v)
-        mass = np.zeros(spec.lam.shape, dtype=np.float64)
+        """Average u'_i, v'_i over the nodes that held term i (weights D); W = Σ u'_i v'_iᵀ.
+
+        Only the h held terms change: W_new = W + Σ_held (ū_i v̄_iᵀ − u'_i v'_iᵀ), a rank-2h
+        update, used when 2h < N; otherwise the full sum over N terms is cheaper.
+        """
         ku, kv, ki = (P.factor_key(layer, p) for p in ("u", "v", "indices"))
+        n_terms = spec.lam.size
+        mass = np.zeros(n_terms, dtype=np.float64)
         for _, w, values, _ in accepted:
-            idx = values[ki]
-            u_acc[:, idx] += w * values[ku]
-            v_acc[:, idx] += w * values[kv]
-            mass[idx] += w
-        held = mass > 0
-        u = spec.u.copy()
-        v = spec.v.copy()
-        u[:, held] = u_acc[:, held] / mass[held]
-        v[:, held] = v_acc[:, held] / mass[held]
-        return (u @ v.T).reshape(spec.shape).astype(spec.dtype)
+            mass[values[ki]] += w
+        held = np.flatnonzero(mass > 0)
+        row = np.full(n_terms, -1, dtype=np.int64)
+        row[held] = np.arange(held.size)
+        u_new = np.zeros((held.size, spec.ut.shape[1]))  # (h, c_out)
+        v_new = np.zeros((held.size, spec.vt.shape[1]))  # (h, c_in·k·k)
+        for _, w, values, _ in accepted:
+            rows = row[values[ki]]
+            u_new[rows] += w * values[ku].T
+            v_new[rows] += w * values[kv].T
+        u_new /= mass[held, None]
+        v_new /= mass[held, None]
+        # The products run in the weight's own precision when it is float32 (2x faster than
+        # float64; their rounding, ~1e-7 relative, is that of the float32 weight itself).
+        cdt = np.float32 if spec.dtype == np.float32 else np.float64
+        if 2 * held.size < n_terms:
+            ut, vt = spec.ut[held].astype(cdt), spec.vt[held].astype(cdt)
+            w_new = spec.w.astype(cdt)
+            w_new += u_new.astype(cdt).T @ v_new.astype(cdt)
+            w_new -= ut.T @ vt
+        else:  # in place: the round's spectrum is not used after its aggregation
+            spec.ut[held], spec.vt[held] = u_new, v_new
+            w_new = spec.ut.astype(cdt).T @ spec.vt.astype(cdt)
+        return w_new.reshape(spec.shape).astype(spec.dtype, copy=False)
 
     # ------------------------------------------------------------------ evaluate
     def configure_evaluate(

@@ -103,7 +103,7 @@ def draw_subsets(
         return np.tile(top.astype(np.int64), (num_samples, 1))
     sampler: ConditionalPoisson | Brewer | MinimumSupport
     if design == "cps":
-        sampler = ConditionalPoisson(target)
+        sampler = ConditionalPoisson(target, tol=1e-10)
     elif design == "brewer":
         sampler = Brewer(target)
     else:

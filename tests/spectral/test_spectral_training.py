@@ -10,7 +10,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from fedshard.spectral import SpectralConv2d, SpectralLayer, SpectralLinear
+from fedshard.models import resnet18
+from fedshard.spectral import SpectralConv2d, SpectralLayer, SpectralLinear, shard_model
 from fedshard.training import (
     TrainConfig,
     build_optimizer,
@@ -250,6 +251,23 @@ def test_train_reports_mean_loss_over_all_examples_and_learns() -> None:
     assert after.loss < 0.7 * before.loss
     assert after.accuracy > 0.8
     assert model.training  # train() leaves train mode; evaluate() restores it
+
+
+def test_channels_last_training_matches_default_layout() -> None:
+    dense = resnet18(num_classes=3, width=8, seed=0).double()
+    layers = {"layer1.0.conv1": [0, 2, 4], "layer3.0.downsample.0": [1, 5]}
+    omegas = {name: torch.full((len(i),), 12.0, dtype=torch.float64) for name, i in layers.items()}
+    g = _gen(10)
+    images = torch.randn(8, 3, 8, 8, generator=g, dtype=torch.float64)
+    data = TensorDataset(images, torch.randint(0, 3, (8,), generator=g))
+    results = []
+    for channels_last in (False, True):
+        sub, _ = shard_model(dense, layers, omegas)
+        cfg = TrainConfig(epochs=2, lr=0.05, channels_last=channels_last, log_every_epoch=False)
+        train(sub, DataLoader(data, batch_size=4), cfg)
+        results.append(sub.state_dict())
+    for key, value in results[0].items():
+        torch.testing.assert_close(results[1][key], value, rtol=1e-9, atol=1e-11)
 
 
 def test_train_logs_each_epoch(caplog: pytest.LogCaptureFixture) -> None:
