@@ -666,15 +666,16 @@ class SpectralSharding(FedAvg):
         v_new /= mass[held, None]
         # The products run in the weight's own precision when it is float32 (2x faster than
         # float64; their rounding, ~1e-7 relative, is that of the float32 weight itself).
-        cdt = np.float32 if spec.dtype == np.float32 else np.float64
+        cdt = np.dtype(np.float32) if spec.dtype == np.float32 else np.dtype(np.float64)
+        w_new: np.ndarray
         if 2 * held.size < n_terms:
             ut, vt = spec.ut[held].astype(cdt), spec.vt[held].astype(cdt)
             w_new = spec.w.astype(cdt)
-            w_new += u_new.astype(cdt).T @ v_new.astype(cdt)
-            w_new -= ut.T @ vt
+            w_new += np.matmul(u_new.astype(cdt).T, v_new.astype(cdt))
+            w_new -= np.matmul(ut.T, vt)
         else:  # in place: the round's spectrum is not used after its aggregation
             spec.ut[held], spec.vt[held] = u_new, v_new
-            w_new = spec.ut.astype(cdt).T @ spec.vt.astype(cdt)
+            w_new = np.matmul(spec.ut.astype(cdt).T, spec.vt.astype(cdt))
         return w_new.reshape(spec.shape).astype(spec.dtype, copy=False)
 
     # ------------------------------------------------------------------ evaluate

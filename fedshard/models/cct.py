@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedshard.models.attention import SelfAttention
+
 __all__ = ["CCT", "cct_6_3x2"]
 
 
@@ -52,35 +54,6 @@ class DropPath(nn.Module):
         return x * mask / keep
 
 
-class Attention(nn.Module):
-    """Multi-head self-attention with separate ``q``, ``k``, ``v`` and ``proj`` layers."""
-
-    def __init__(self, dim: int, num_heads: int, attention_dropout: float) -> None:
-        super().__init__()
-        if dim % num_heads:
-            raise ValueError(f"embedding dim {dim} must be divisible by num_heads={num_heads}.")
-        self.num_heads = num_heads
-        self.q = nn.Linear(dim, dim, bias=False)
-        self.k = nn.Linear(dim, dim, bias=False)
-        self.v = nn.Linear(dim, dim, bias=False)
-        self.attention_dropout = float(attention_dropout)
-        self.proj = nn.Linear(dim, dim)
-
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        return x.view(b, t, self.num_heads, c // self.num_heads).transpose(1, 2)  # (B, H, T, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        y = F.scaled_dot_product_attention(
-            self._heads(self.q(x)),
-            self._heads(self.k(x)),
-            self._heads(self.v(x)),
-            dropout_p=self.attention_dropout if self.training else 0.0,
-        )  # (B, H, T, D)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
-
-
 class EncoderLayer(nn.Module):
     """CCT encoder layer: ``x + attn(LN(x))``, then LN, then ``x + MLP(x)``."""
 
@@ -89,7 +62,8 @@ class EncoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.pre_norm = nn.LayerNorm(dim)
-        self.attn = Attention(dim, num_heads, attention_dropout)
+        self.attn = SelfAttention(dim, num_heads, qkv_bias=False,
+                                  attention_dropout=attention_dropout, causal=False)
         self.norm1 = nn.LayerNorm(dim)
         self.fc1 = nn.Linear(dim, hidden)
         self.fc2 = nn.Linear(hidden, dim)

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedshard.models.attention import SelfAttention
+
 __all__ = ["CharGPT", "CharGPTConfig", "char_transformer"]
 
 
@@ -55,36 +57,6 @@ class CharGPTConfig:
             raise ValueError(f"dropout={self.dropout}: expected 0 <= dropout < 1.")
 
 
-class CausalSelfAttention(nn.Module):
-    """Masked multi-head self-attention with separate ``q``, ``k``, ``v``, ``proj`` layers."""
-
-    def __init__(self, config: CharGPTConfig) -> None:
-        super().__init__()
-        d = config.n_embd
-        self.n_head = config.n_head
-        self.q = nn.Linear(d, d)
-        self.k = nn.Linear(d, d)
-        self.v = nn.Linear(d, d)
-        self.proj = nn.Linear(d, d)
-        self.dropout = config.dropout
-        self.resid_dropout = nn.Dropout(config.dropout)
-
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        return x.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)  # (B, H, T, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        y = F.scaled_dot_product_attention(
-            self._heads(self.q(x)),
-            self._heads(self.k(x)),
-            self._heads(self.v(x)),
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=True,
-        )  # (B, H, T, D)
-        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(b, t, c)))
-
-
 class Block(nn.Module):
     """GPT-2 block: ``x + attn(LN(x))``, then ``x + MLP(LN(x))``."""
 
@@ -92,7 +64,9 @@ class Block(nn.Module):
         super().__init__()
         d = config.n_embd
         self.ln_1 = nn.LayerNorm(d)
-        self.attn = CausalSelfAttention(config)
+        self.attn = SelfAttention(config.n_embd, config.n_head, qkv_bias=True,
+                                  attention_dropout=config.dropout, causal=True,
+                                  resid_dropout=config.dropout)
         self.ln_2 = nn.LayerNorm(d)
         self.fc = nn.Linear(d, 4 * d)
         self.fc_proj = nn.Linear(4 * d, d)

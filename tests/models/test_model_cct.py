@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from fedshard.models.cct import CCT, Attention, cct_6_3x2
+from fedshard.models.attention import SelfAttention
+from fedshard.models.cct import CCT, cct_6_3x2
 from fedshard.spectral import shard_model, sharded_layer_names
 
 
@@ -48,7 +49,8 @@ def test_output_shape(classes, channels, size):
 
 def test_attention_equals_torch_multihead_attention():
     torch.manual_seed(0)
-    ours = Attention(32, 4, attention_dropout=0.0).double().eval()
+    ours = SelfAttention(32, 4, qkv_bias=False, attention_dropout=0.0,
+                         causal=False).double().eval()
     ref = nn.MultiheadAttention(32, 4, bias=False, batch_first=True).double().eval()
     with torch.no_grad():
         ref.in_proj_weight.copy_(torch.cat([ours.q.weight, ours.k.weight, ours.v.weight]))

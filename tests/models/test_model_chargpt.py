@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from fedshard.models.chargpt import CausalSelfAttention, CharGPTConfig, char_transformer
+from fedshard.models.attention import SelfAttention
+from fedshard.models.chargpt import CharGPTConfig, char_transformer
 from fedshard.spectral import shard_model, sharded_layer_names
 
 
@@ -43,7 +44,8 @@ def test_changing_a_future_token_leaves_earlier_logits_unchanged():
 def test_attention_equals_masked_torch_multihead_attention():
     torch.manual_seed(1)
     config = CharGPTConfig(vocab_size=10, n_head=4, n_embd=32, dropout=0.0)
-    ours = CausalSelfAttention(config).double().eval()
+    ours = SelfAttention(config.n_embd, config.n_head, qkv_bias=True, attention_dropout=0.0,
+                         causal=True).double().eval()
     ref = nn.MultiheadAttention(32, 4, batch_first=True).double().eval()
     with torch.no_grad():
         for layer in (ours.q, ours.k, ours.v, ours.proj):
