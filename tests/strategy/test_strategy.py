@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from fedshard import protocol as P
-from fedshard.client import handle_query, handle_train
+from fedshard.client import handle_evaluate, handle_query, handle_train
 from fedshard.spectral import num_terms, sharded_layer_names
 from fedshard.strategy import SpectralSharding
 
@@ -74,6 +74,14 @@ def _query(msg: Message, context: Context) -> Message:
 def _train(msg: Message, context: Context) -> Message:
     data_id = context.node_config.get("partition-id", context.node_id)
     return handle_train(msg, make_net(), local_data(data_id))
+
+
+@client.evaluate()
+def _evaluate(msg: Message, context: Context) -> Message:
+    if context.node_config.get("broken-eval"):
+        return Message(RecordDict({P.METRICS: MetricRecord({"eval-accuracy": 1.0})}),
+                       reply_to=msg)
+    return handle_evaluate(msg, make_net(), local_data(context.node_id))
 
 
 LAYERS = ["body", "hidden"]
@@ -520,3 +528,25 @@ def test_ten_clients_with_faults_aggregate_only_the_valid_replies() -> None:
     assert metrics["dropped-non-finite"] == 1
     assert metrics["dropped-bad-shape"] == 1
     assert metrics["dropped-bad-indices"] == 1
+
+
+def test_client_side_evaluation_of_the_dense_model() -> None:
+    """fraction_evaluate > 0: nodes evaluate the dense global model on their data; a reply
+    without num-examples is dropped, the rest are averaged by their example counts."""
+    grid = grid_with([0.5, 0.25, 0.5])
+    grid.contexts[1002].node_config["broken-eval"] = True
+    s = strategy(num_rounds=1, fraction_evaluate=1.0)
+    result = s.start(grid=grid, initial_arrays=initial(), num_rounds=1, timeout=5)
+    m = result.evaluate_metrics_clientapp[1]
+    assert m["eval-nodes"] == 2 and m[P.NUM_EXAMPLES] == 48
+    # independent check: evaluate the final model on the two nodes' data by hand
+    net = make_net()
+    net.load_state_dict(result.arrays.to_torch_state_dict())
+    correct = 0
+    for node in (1000, 1001):
+        x, y = local_data(node).tensors
+        with torch.no_grad():
+            correct += int((net(x).argmax(1) == y).sum())
+    assert m["eval-accuracy"] == pytest.approx(correct / 48)
+    evals = [msg for msg in grid.sent if msg.metadata.message_type == "evaluate"]
+    assert len(evals) == 3 and "body.weight" in evals[0].content[P.ARRAYS]  # the dense model
