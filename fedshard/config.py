@@ -162,6 +162,7 @@ class RunConfig:
     model_width: int = 16
     dataset: str = "fashion-mnist"
     data_dir: str = ""
+    download: bool = False
     test_max_examples: int = 0
     eval_every: int = 1
     seed: int = 0

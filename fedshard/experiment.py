@@ -122,7 +122,7 @@ def client_dataset(cfg: RunConfig, partition_id: int, num_partitions: int) -> Da
     alpha = None if info.task == "next-char" or cfg.dirichlet_alpha == 0 else cfg.dirichlet_alpha
     return load_partition(
         cfg.dataset, partition_id, num_partitions, data_dir=cfg.data_dir or None,
-        alpha=alpha, seed=cfg.seed,
+        alpha=alpha, seed=cfg.seed, download=cfg.download,
     )
 
 
@@ -212,7 +212,7 @@ def central_evaluate_fn(
     ``on_round(round, arrays)`` (the checkpoint). Rounds are the run's own (a resumed run's
     Flower round r is round r + strategy.round_offset)."""
     test = load_test_set(cfg.dataset, data_dir=cfg.data_dir or None,
-                         max_examples=cfg.test_max_examples or None)
+                         max_examples=cfg.test_max_examples or None, download=cfg.download)
     loader = DataLoader(test, batch_size=256, shuffle=False)
 
     def evaluate_fn(flower_round: int, arrays: ArrayRecord) -> MetricRecord | None:

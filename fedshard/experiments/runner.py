@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from fedshard.config import RunConfig
 from fedshard.experiments.suite import RunSpec, Suite
 from fedshard.launch import SimulationRun, run_simulation
 
@@ -155,8 +156,10 @@ def run_status(spec: RunSpec) -> RunStatus:
         return RunStatus(spec, RunState.PARTIAL,
                          f"{done} of {used.get('num-server-rounds')} rounds completed")
     expected = spec.config.as_dict()
-    diffs = [f"{k}={used.get(k)!r} (suite: {v!r})" for k, v in expected.items()
-             if k not in _LOCATION_KEYS and used.get(k) != v]
+    # A key that a newer fedshard added is absent from older runs: they ran with its default.
+    defaults = RunConfig().as_dict()
+    diffs = [f"{k}={used.get(k, defaults.get(k))!r} (suite: {v!r})" for k, v in expected.items()
+             if k not in _LOCATION_KEYS and used.get(k, defaults.get(k)) != v]
     if diffs:
         return RunStatus(spec, RunState.STALE, "finished with " + ", ".join(diffs), summary)
     acc = summary.get("final-test-accuracy")

@@ -336,3 +336,29 @@ def test_cli_status_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "  - [defaults] model='mlpp': expected one of" in err
     assert main(["status", "no-such-suite"]) == 2
     assert "suite 'no-such-suite': no such file" in capsys.readouterr().err
+
+
+def test_a_key_added_later_with_its_default_does_not_make_a_run_stale(tmp_path: Path) -> None:
+    """Runs finished before fedshard gained a run-config key ran with that key's default."""
+    from fedshard.config import RunConfig
+    from fedshard.experiments.runner import RunState, run_status
+    from fedshard.experiments.suite import parse_suite
+
+    suite = parse_suite(
+        {"suite": {"name": "s", "num-supernodes": 3, "seeds": [0], "results-dir": "r"},
+         "defaults": {"num-server-rounds": 2},
+         "runs": [{"label": "Top-n", "column": "r = 0.1", "method": "top-n",
+                   "keep-ratios": "0.1"}]},
+        app_dir=Path(__file__).resolve().parents[2], results_dir=tmp_path)
+    spec = suite.runs[0]
+    spec.directory.mkdir(parents=True)
+    used = spec.config.as_dict()
+    del used["download"]  # as written by a fedshard without the key
+    (spec.directory / "config.json").write_text(json.dumps({"config": used}))
+    (spec.directory / "summary.json").write_text(json.dumps(
+        {"rounds-completed": 2, "final-test-accuracy": 0.5}))
+    assert run_status(spec).state is RunState.FINISHED
+    used["download"] = True  # but another value is another run
+    (spec.directory / "config.json").write_text(json.dumps({"config": used}))
+    assert run_status(spec).state is RunState.STALE
+    assert RunConfig().download is False
