@@ -22,7 +22,6 @@ from fedshard.checkpoint import Checkpoint
 from fedshard.config import RunConfig
 from fedshard.data import dataset_info, load_partition, load_test_set
 from fedshard.results import RunRecorder
-from fedshard.spectral import sharded_layer_names
 from fedshard.strategy import SpectralSharding
 from fedshard.training import evaluate
 
@@ -89,9 +88,9 @@ def example_input(cfg: RunConfig) -> torch.Tensor:
 
 def build_strategy(cfg: RunConfig, model: nn.Module) -> SpectralSharding:
     """The strategy for ``cfg``, sharding the paper's default layers of ``model``."""
-    layers = sharded_layer_names(model, example_input=example_input(cfg))
-    return SpectralSharding(
-        sharded_layers=layers,
+    return SpectralSharding.from_model(
+        model,
+        example_input=example_input(cfg),
         num_rounds=cfg.num_server_rounds,
         method=cfg.method,
         design=cfg.design,

@@ -28,7 +28,7 @@ from fedshard.sampling import (
     inclusion_probabilities,
     scaled_multipliers,
 )
-from fedshard.spectral import decompose, num_terms
+from fedshard.spectral import decompose, num_terms, sharded_layer_names
 
 __all__ = ["SHARDING_METHODS", "SpectralSharding"]
 
@@ -232,6 +232,27 @@ class SpectralSharding(FedAvg):
         self.round_offset = 0
         self._round: _RoundState | None = None
 
+    @classmethod
+    def from_model(
+        cls, model: torch.nn.Module, *, example_input: torch.Tensor | None = None, **kwargs: Any
+    ) -> SpectralSharding:
+        """The strategy for ``model``, sharding the paper's default layers (every Linear and
+        Conv2d but the first and the last; forward order from ``example_input`` if given).
+
+        Warns when the multipliers can compound: with ω > 1 (Unbiased, Collective, PriSM +
+        Wallenius) and no normalization layer, activations grow by up to ω per sharded layer.
+        """
+        layers = sharded_layer_names(model, example_input=example_input)
+        method = kwargs.get("method", "collective")
+        norms = (torch.nn.GroupNorm, torch.nn.LayerNorm, torch.nn.modules.batchnorm._BatchNorm)
+        if method in ("unbiased", "collective", "prism-wallenius") and layers and not any(
+            isinstance(m, norms) for m in model.modules()
+        ):
+            log(WARNING, "The model has no normalization layer: with method=%r the multipliers "
+                "ω ≥ 1 scale every sharded layer's output and can compound from layer to layer "
+                "(the paper's models all normalize).", method)
+        return cls(sharded_layers=layers, **kwargs)
+
     def resume(self, completed_rounds: int, capabilities: dict[int, tuple[float, str]],
                history: dict[int, dict[str, float]]) -> None:
         """Continue a run after ``completed_rounds`` rounds (see :mod:`fedshard.checkpoint`).
@@ -323,6 +344,9 @@ class SpectralSharding(FedAvg):
                     "round and asked again next round.", node, reason)
                 continue
             self.capabilities[node] = caps
+            if caps.keep_ratio == 1.0 and self.method != "none":
+                log(INFO, "Node %d declares keep ratio 1: it trains all N terms of every "
+                    "sharded layer (the paper's r = 1 reference), not a shard.", node)
         for node in set(unknown) - answered:
             log(WARNING, "Node %d did not answer the capability query within %.0f s; it is "
                 "skipped this round and asked again next round.", node, self.query_timeout)

@@ -550,3 +550,16 @@ def test_client_side_evaluation_of_the_dense_model() -> None:
     assert m["eval-accuracy"] == pytest.approx(correct / 48)
     evals = [msg for msg in grid.sent if msg.metadata.message_type == "evaluate"]
     assert len(evals) == 3 and "body.weight" in evals[0].content[P.ARRAYS]  # the dense model
+
+
+def test_from_model_selects_layers_and_warns_without_normalization(caplog) -> None:
+    s = SpectralSharding.from_model(make_net(), example_input=torch.zeros(1, 1, 8, 8),
+                                    num_rounds=1, method="collective")
+    assert list(s.sharded_layers) == LAYERS
+    assert "no normalization layer" not in caplog.text  # TinyNet has a GroupNorm
+    plain = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    SpectralSharding.from_model(plain, num_rounds=1, method="collective")
+    assert "no normalization layer: with method='collective'" in caplog.text
+    caplog.clear()
+    SpectralSharding.from_model(plain, num_rounds=1, method="top-n")  # ω = 1: nothing compounds
+    assert "no normalization layer" not in caplog.text
