@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from fedshard import protocol as P
-from fedshard.spectral import LayerFactors, build_submodel, extract_factors
+from fedshard.spectral import LayerFactors, build_submodel
 from fedshard.training import TrainConfig, evaluate, train
 
 __all__ = ["handle_evaluate", "handle_query", "handle_train", "submodel_from_record"]
@@ -119,17 +119,15 @@ def handle_train(
     result = train(sub, loader, train_cfg)
     sub = sub.to("cpu")
 
-    out: dict[str, Array] = {}
-    trained = extract_factors(sub)
+    # The sub-model's state_dict already names the trained factors "<layer>.u" / "<layer>.v"
+    # (the wire keys); ω is frozen and not sent back, the indices are echoed.
     omega_keys = {P.factor_key(layer, "omega") for layer in layers}
-    for key, value in sub.state_dict().items():
-        if key in omega_keys:
-            continue
-        out[key] = Array(value.detach().cpu().numpy())
+    out: dict[str, Array] = {
+        key: Array(value.detach().cpu().numpy())
+        for key, value in sub.state_dict().items()
+        if key not in omega_keys
+    }
     for layer in layers:
-        u, v = trained[layer]
-        out[P.factor_key(layer, "u")] = Array(u.detach().cpu().numpy())
-        out[P.factor_key(layer, "v")] = Array(v.detach().cpu().numpy())
         out[P.factor_key(layer, "indices")] = record[P.factor_key(layer, "indices")]
     metrics = MetricRecord({
         P.NUM_EXAMPLES: int(result.num_examples),
