@@ -113,7 +113,8 @@ def main() -> None:
         "nodes_100_sampled_10": small,
         "nodes_1000_sampled_100": large,
         "server_time_ratio_1000_vs_100": large["server_s_per_round"] / small["server_s_per_round"],
-        "first_round_ratio_1000_vs_100": large["first_round_server_s"] / small["first_round_server_s"],
+        "first_round_ratio_1000_vs_100": (large["first_round_server_s"]
+                                          / small["first_round_server_s"]),
         "server_peak_mb": large["server_peak_mb"],
         "server_peak_mb_100": small["server_peak_mb"],
         "machine": platform.machine(),

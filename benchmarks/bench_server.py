@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flower_grid import InProcessGrid  # noqa: E402
-from flwr.app import (  # noqa: E402
+from flower_grid import InProcessGrid
+from flwr.app import (
     Array,
     ArrayRecord,
     ConfigRecord,
@@ -36,11 +36,11 @@ from flwr.app import (  # noqa: E402
     RecordDict,
 )
 
-from fedshard import protocol as P  # noqa: E402
-from fedshard.client import handle_query  # noqa: E402
-from fedshard.models import resnet18  # noqa: E402
-from fedshard.spectral import sharded_layer_names  # noqa: E402
-from fedshard.strategy import SpectralSharding  # noqa: E402
+from fedshard import protocol as P
+from fedshard.client import handle_query
+from fedshard.models import resnet18
+from fedshard.spectral import sharded_layer_names
+from fedshard.strategy import SpectralSharding
 
 
 def echo_client(msg: Message, context: Context) -> Message:

@@ -14,11 +14,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flower_grid import InProcessGrid  # noqa: E402
+from flower_grid import InProcessGrid
 
-import client_app  # noqa: E402
-from fedshard.config import RunConfig  # noqa: E402
-from fedshard.experiment import run_server  # noqa: E402
+import client_app
+from fedshard.config import RunConfig
+from fedshard.experiment import run_server
 
 
 class SlowGrid(InProcessGrid):

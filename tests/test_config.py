@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import math
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from fedshard.config import ConfigError, KeepRatioMixture, RunConfig, cosine_lr
 
@@ -78,7 +79,7 @@ def test_cosine_schedule() -> None:
     assert cosine_lr(0.1, 1, 10) == pytest.approx(0.1)
     assert cosine_lr(0.1, 6, 10) == pytest.approx(0.05)
     vals = [cosine_lr(0.1, r, 10) for r in range(1, 11)]
-    assert all(a > b for a, b in zip(vals, vals[1:], strict=False)) and vals[-1] > 0
+    assert all(a > b for a, b in itertools.pairwise(vals)) and vals[-1] > 0
     assert vals[-1] == pytest.approx(0.05 * (1 + math.cos(math.pi * 9 / 10)))
     with pytest.raises(ValueError, match="server_round=11"):
         cosine_lr(0.1, 11, 10)

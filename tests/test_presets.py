@@ -4,11 +4,11 @@ in each data set's real file format (the real data cannot be downloaded here).""
 from __future__ import annotations
 
 import json
-import tomllib
 from pathlib import Path
 
 import numpy as np
 import pytest
+import tomllib
 from flower_grid import InProcessGrid
 from flwr.app import Context, RecordDict
 
@@ -66,7 +66,8 @@ def test_preset_runs_one_round(preset: Path, tmp_path: Path) -> None:
                                           for i in range(2)], run_config)
     server_app.app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
                                  run_config=run_config))
-    rows = [json.loads(x) for x in (tmp_path / "out" / "p" / "metrics.jsonl").read_text().splitlines()]
+    metrics = (tmp_path / "out" / "p" / "metrics.jsonl").read_text()
+    rows = [json.loads(x) for x in metrics.splitlines()]
     assert [r["round"] for r in rows] == [0, 1]
     assert rows[1]["replies-used"] == 2, rows[1]
     assert np.isfinite(rows[1]["test-accuracy"])

@@ -61,7 +61,7 @@ def _run(suite: Suite, args: argparse.Namespace) -> int:
     echo = (lambda line: _say(f"    flwr| {line}")) if args.verbose else None
     try:
         outcome = run_suite(suite, emit=_say, echo=echo, rerun_stale=args.rerun_stale,
-                            fail_fast=args.fail_fast)
+                            fail_fast=args.fail_fast, seeds=args.seed)
     except KeyboardInterrupt:
         _say(f"[{suite.name}] interrupted; finished runs are kept, the interrupted one starts "
              "again from scratch on the next `run`")
@@ -101,6 +101,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "the suite's")
             p.add_argument("--fail-fast", action="store_true",
                            help="stop at the first failed run")
+            p.add_argument("--seed", type=int, action="append", default=None, metavar="SEED",
+                           help="only the runs with this seed (repeatable), e.g. --seed 0 "
+                           "to finish one seed of every cell first; default: all")
             p.add_argument("-v", "--verbose", action="store_true",
                            help="also print flwr's output")
         if name == "report":
@@ -116,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _report(suite, args)
         return _run(suite, args)
     except (SuiteError, StaleRunsError, FileNotFoundError, ModuleNotFoundError,
-            RuntimeError) as err:
+            RuntimeError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

@@ -25,7 +25,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -320,6 +320,7 @@ def run_suite(
     echo: Callable[[str], None] | None = None,
     rerun_stale: bool = False,
     fail_fast: bool = False,
+    seeds: Collection[int] | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> SuiteOutcome:
     """Run every unfinished run of ``suite``, in order; skip finished ones.
@@ -342,6 +343,9 @@ def run_suite(
         raising :class:`StaleRunsError`.
     fail_fast : bool
         Stop at the first failed run instead of going on with the next.
+    seeds : collection of int, optional
+        Only the runs with these seeds (e.g. ``{0}`` to finish one seed of every cell before
+        the second); the other runs are left as they are and not counted. Default: all.
     clock : callable
         Monotonic seconds (injectable for tests).
 
@@ -354,19 +358,22 @@ def run_suite(
     ------
     StaleRunsError
         Before anything starts, when finished runs have other settings than the suite's.
+    ValueError
+        When ``seeds`` names a seed that no run of the suite uses.
     KeyboardInterrupt
         On Ctrl-C or SIGTERM, after the current simulation's processes are stopped; the
         interrupted run's folder is re-run from scratch next time.
     """
     say = emit if emit is not None else logger.info
-    statuses = suite_status(suite)
+    selected = _select_seeds(suite, seeds)
+    statuses = selected(suite_status(suite))
     stale = [s for s in statuses if s.state is RunState.STALE]
     if stale and not rerun_stale:
         raise StaleRunsError(stale)
     outcome = SuiteOutcome()
     with _suite_lock(suite.results_dir), _interrupts_raise():
         # Re-read inside the lock: another runner may have finished runs meanwhile.
-        statuses = suite_status(suite)
+        statuses = selected(suite_status(suite))
         progress = _Progress(suite, statuses, say, clock)
         pending = sum(s.state is not RunState.FINISHED for s in statuses)
         say(f"[{suite.name}] {len(statuses)} run(s): {len(statuses) - pending} finished, "
@@ -396,6 +403,20 @@ def run_suite(
         for name, error in outcome.failed:
             say(f"[{suite.name}] FAILED {name}: {error}")
     return outcome
+
+
+def _select_seeds(suite: Suite, seeds: Collection[int] | None
+                  ) -> Callable[[list[RunStatus]], list[RunStatus]]:
+    """A filter keeping the statuses of runs with one of ``seeds`` (all when None)."""
+    if seeds is None:
+        return lambda statuses: statuses
+    wanted = set(seeds)
+    used = {spec.seed for spec in suite.runs}
+    unknown = sorted(wanted - used)
+    if unknown:
+        raise ValueError(f"seed(s) {unknown}: no run of suite {suite.name!r} uses them "
+                         f"(its seeds: {sorted(used)}); nothing was started")
+    return lambda statuses: [s for s in statuses if s.spec.seed in wanted]
 
 
 def _launch_one(suite: Suite, spec: RunSpec, launch: Launcher, progress: _Progress,

@@ -30,7 +30,8 @@ def test_flwr_run_trains_and_cleans_up(tmp_path: Path) -> None:
         num_supernodes=3, flwr_home=home, timeout_s=600,
     )
     assert run.returncode == 0, run.output[-4000:]
-    rows = [json.loads(line) for line in (results / "e2e" / "metrics.jsonl").read_text().splitlines()]
+    metrics = (results / "e2e" / "metrics.jsonl").read_text()
+    rows = [json.loads(line) for line in metrics.splitlines()]
     assert [r["round"] for r in rows] == [0, 1, 2]
     last = rows[-1]
     assert last["replies-used"] == 3

@@ -362,3 +362,25 @@ def test_a_key_added_later_with_its_default_does_not_make_a_run_stale(tmp_path: 
     (spec.directory / "config.json").write_text(json.dumps({"config": used}))
     assert run_status(spec).state is RunState.STALE
     assert RunConfig().download is False
+
+
+def test_seed_filter_runs_one_seed_of_every_cell_and_leaves_the_rest(tmp_path: Path) -> None:
+    suite = make_suite(tmp_path)  # Top-n s0, Top-n s1, Collective s0, Collective s1
+    launch = FakeLauncher()
+    lines: list[str] = []
+    outcome = run_suite(suite, launch=launch, emit=lines.append, seeds={1})
+    assert [c["run_config"]["seed"] for c in launch.calls] == [1, 1]
+    assert outcome.finished == [suite.runs[1].name, suite.runs[3].name]
+    assert outcome.skipped == []
+    states = [s.state for s in suite_status(suite)]
+    assert states == [RunState.PENDING, RunState.FINISHED, RunState.PENDING, RunState.FINISHED]
+    assert "[t] 2 run(s): 0 finished, 2 to run" in lines[0]
+    assert any(line.startswith("[t] run 4/4 Collective / r = 0.25 / seed 1") for line in lines)
+
+    with pytest.raises(ValueError, match=r"seed\(s\) \[7\]: no run of suite 't' uses them "
+                                         r"\(its seeds: \[0, 1\]\); nothing was started"):
+        run_suite(suite, launch=launch, emit=lambda _: None, seeds={0, 7})
+    assert len(launch.calls) == 2
+    smoke = str(ROOT / "experiments" / "smoke.toml")
+    assert main(["run", smoke, "--app-dir", str(ROOT), "--results-dir", str(tmp_path / "cli"),
+                 "--seed", "9"]) == 2
