@@ -12,6 +12,12 @@ results folder:
   a ±1 std band (the paper's Fig. 1a); reference rows dashed in every panel.
 - ``anme.png`` - average normalized marginal entropy per strategy and column, mean over
   rounds and seeds, with the std over seeds (the paper's Fig. 1b, Sec. 4.3).
+  Then a per-run table: final, mean of the last :data:`LAST_EVALS` evaluations and best
+  accuracy of every finished run, and its paired difference to the baseline (the first row of
+  the first table, e.g. Top-n) trained on the same seed - hence the same data split - in the
+  same column; and the mean of those paired differences per cell. With a skewed split the
+  seed moves every strategy by similar amounts, so paired differences are the sharper
+  comparison when there are few seeds.
 - ``results.json`` - every cell's per-seed numbers.
 
 Plots need matplotlib (``pip install 'fedshard[plots]'``); it is imported only here, with the
@@ -49,6 +55,8 @@ logger = logging.getLogger(__name__)
 
 DAGGER = "†"
 MISSING = "—"
+LAST_EVALS = 5
+"""How many of the last evaluations (rounds ≥ 1) the per-run "recent" mean averages."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,17 @@ class RunResult:
     wall_s: float | None
     curve: tuple[tuple[int, float], ...]  # (round, test accuracy %) where evaluated
     anme_mean: float | None  # mean over rounds ≥ 1 of "anme"; None where not reported
+
+    @property
+    def recent(self) -> tuple[tuple[int, float], ...]:
+        """The last :data:`LAST_EVALS` evaluations after round 0, (round, accuracy %)."""
+        return tuple((r, a) for r, a in self.curve if r >= 1)[-LAST_EVALS:]
+
+    @property
+    def recent_mean(self) -> float | None:
+        """Mean accuracy (%) of :attr:`recent`; ``None`` when nothing was evaluated."""
+        recent = self.recent
+        return statistics.fmean(a for _, a in recent) if recent else None
 
 
 @dataclass(frozen=True)
@@ -237,7 +256,76 @@ def markdown_report(suite: Suite, cells: Sequence[Cell]) -> str:
         f"{MISSING}: no finished run.",
         "",
     ]
+    lines += _per_run_section(suite, cells)
     return "\n".join(lines)
+
+
+def _baseline(suite: Suite) -> str | None:
+    """The row paired differences are taken against: the first row of the first table."""
+    return suite.tables[0].rows[0] if suite.tables and suite.tables[0].rows else None
+
+
+def _paired(cell: Cell, by_key: dict[tuple[str, str | None], Cell], baseline: str | None
+            ) -> dict[int, float]:
+    """Seed -> final accuracy minus the baseline's on the same seed and column (points)."""
+    base = by_key.get((baseline, cell.column)) if baseline is not None else None
+    if base is None or cell.column is None or cell.label == baseline:
+        return {}
+    base_final = {r.spec.seed: r.final_accuracy for r in base.runs
+                  if r.spec.num_rounds == cell.num_rounds}
+    return {r.spec.seed: r.final_accuracy - base_final[r.spec.seed] for r in cell.runs
+            if r.spec.seed in base_final}
+
+
+def _signed(value: float | None) -> str:
+    return MISSING if value is None else f"{value:+.2f}"
+
+
+def _per_run_section(suite: Suite, cells: Sequence[Cell]) -> list[str]:
+    runs = [r for c in cells for r in c.runs]
+    if not runs:
+        return []
+    by_key = {(c.label, c.column): c for c in cells}
+    baseline = _baseline(suite)
+    lines = ["## Per run", "",
+             f"Final, mean of the last {LAST_EVALS} evaluations (rounds given) and best test "
+             f"accuracy (%); Δ: final accuracy minus {baseline}'s on the same seed (same data "
+             "split) and column.", "",
+             f"| Strategy | Column | Seed | Rounds | Final | Last {LAST_EVALS} (rounds) | Best "
+             f"| Δ vs {baseline} |",
+             "|---|---|---|---|---|---|---|---|"]
+    for cell in cells:
+        paired = _paired(cell, by_key, baseline)
+        for r in cell.runs:
+            recent = r.recent
+            where = f" ({recent[0][0]}–{recent[-1][0]})" if recent else ""
+            recent_text = (f"{r.recent_mean:.2f}{where}" if r.recent_mean is not None
+                           else MISSING)
+            best = f"{r.best_accuracy:.2f}" if r.best_accuracy is not None else MISSING
+            lines.append(f"| {cell.label} | {cell.column or '(reference)'} | {r.spec.seed} | "
+                         f"{r.spec.num_rounds} | {r.final_accuracy:.2f} | {recent_text} | "
+                         f"{best} | {_signed(paired.get(r.spec.seed))} |")
+    lines.append("")
+    if baseline is None:
+        return lines
+    table = suite.tables[0]
+    lines += [f"## Paired difference to {baseline} (final accuracy, points)", "",
+              f"Mean over the seeds both finished of (strategy − {baseline}) on the same seed; "
+              "[k] = number of seeds.", "",
+              "| Strategy | " + " | ".join(table.columns) + " |",
+              "|---|" + "---|" * len(table.columns)]
+    for label in table.rows:
+        if label == baseline:
+            continue
+        texts = []
+        for column in table.columns:
+            cell = by_key.get((label, column))
+            paired = _paired(cell, by_key, baseline) if cell is not None else {}
+            texts.append(f"{statistics.fmean(paired.values()):+.2f} [{len(paired)}]"
+                         if paired else MISSING)
+        lines.append(f"| {label} | " + " | ".join(texts) + " |")
+    lines.append("")
+    return lines
 
 
 def results_json(suite: Suite, cells: Sequence[Cell]) -> dict[str, Any]:
@@ -260,6 +348,7 @@ def results_json(suite: Suite, cells: Sequence[Cell]) -> dict[str, Any]:
                 "runs": [r.spec.name for r in c.runs],
                 "final-test-accuracy": [r.final_accuracy for r in c.runs],
                 "best-test-accuracy": [r.best_accuracy for r in c.runs],
+                f"last-{LAST_EVALS}-mean": [r.recent_mean for r in c.runs],
                 "anme-mean": [r.anme_mean for r in c.runs],
                 "wall-s": [r.wall_s for r in c.runs],
                 "mean": c.mean,

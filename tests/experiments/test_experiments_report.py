@@ -76,6 +76,8 @@ def populate(suite: Suite) -> None:
 def table_rows(text: str, header: str) -> dict[str, list[str]]:
     """Rows of the Markdown table after ``## header``: label -> cells."""
     lines = text.split(f"## {header}\n", 1)[1].strip().splitlines()
+    while lines and not lines[0].startswith("|"):  # a paragraph before the table
+        lines.pop(0)
     rows = {}
     for line in lines[2:]:
         if not line.startswith("|"):
@@ -182,3 +184,26 @@ def test_missing_matplotlib_is_a_clear_error(tmp_path: Path,
     # the table and the numbers do not need it and were written first
     assert (suite.results_dir / "table.md").is_file()
     assert (suite.results_dir / "results.json").is_file()
+
+
+def test_per_run_table_and_paired_differences(report: tuple[Suite, Any]) -> None:
+    _, files = report
+    text = files.table.read_text()
+    lines = text.split("## Per run\n", 1)[1].split("\n## ", 1)[0].strip().splitlines()
+    rows = {}
+    for line in lines[3:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0], cells[1], cells[2]] = cells[3:]
+    # A/c1 seed 0: accuracy 10 + 70·r/3 at rounds 1..3 -> 33.33, 56.67, 80 -> mean 56.67
+    assert rows["A", "c1", "0"] == ["3", "80.00", "56.67 (1–3)", "80.00", "—"]
+    # B/c1 seed 0: 35, 60, 85 -> mean 60; final 85 − A's 80 on seed 0
+    assert rows["B", "c1", "0"] == ["3", "85.00", "60.00 (1–3)", "85.00", "+5.00"]
+    assert rows["B", "c1", "1"][-1] == "+2.00"  # 86 − 84
+    assert rows["C", "c2", "0"][-1] == "—"  # 2 rounds: not paired with A's 3-round runs
+    assert rows["Ref", "(reference)", "1"][:2] == ["3", "92.00"]
+    assert ("B", "c2", "1") not in rows  # unfinished
+    paired = table_rows(text, "Paired difference to A (final accuracy, points)")
+    assert paired == {"B": ["+3.50 [2]", "+5.00 [1]"], "C": ["—", "—"]}
+    data = json.loads(files.results.read_text())
+    a1 = next(c for c in data["cells"] if (c["label"], c["column"]) == ("A", "c1"))
+    assert a1["last-5-mean"] == pytest.approx([170 / 3, 10 + 74 * 2 / 3])
