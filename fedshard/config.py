@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -18,6 +18,7 @@ __all__ = [
     "DESIGNS",
     "METHODS",
     "ConfigError",
+    "ProblemsError",
     "KeepRatioMixture",
     "RunConfig",
     "cosine_lr",
@@ -30,16 +31,25 @@ MODELS = ("resnet18", "cct", "chargpt", "mlp")
 DATASETS = ("fashion-mnist", "cifar10", "cifar100", "tinyimagenet", "shakespeare")
 
 
-class ConfigError(ValueError):
-    """Raised when a run configuration is invalid; lists every problem at once."""
+class ProblemsError(ValueError):
+    """A validation error that lists every problem found, not just the first.
 
-    def __init__(self, problems: list[str]) -> None:
+    The message reads ``Invalid <subject> (<k> problem(s)); <consequence>:`` followed by one
+    ``  - <problem>`` line each; ``problems`` keeps the list.
+    """
+
+    def __init__(self, subject: str, problems: Sequence[str], consequence: str) -> None:
         self.problems = list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(
-            f"Invalid fedshard run configuration ({len(self.problems)} problem(s)); "
-            f"no round was started:\n{lines}"
-        )
+            f"Invalid {subject} ({len(self.problems)} problem(s)); {consequence}:\n{lines}")
+
+
+class ConfigError(ProblemsError):
+    """Raised when a run configuration is invalid; lists every problem at once."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        super().__init__("fedshard run configuration", problems, "no round was started")
 
 
 @dataclass(frozen=True)

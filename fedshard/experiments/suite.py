@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedshard.config import ConfigError, RunConfig
+from fedshard.config import ConfigError, ProblemsError, RunConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -65,17 +65,12 @@ _TABLE_KEYS = ("columns", "rows", "title")
 _TOP_KEYS = ("defaults", "runs", "suite", "tables")
 
 
-class SuiteError(ValueError):
+class SuiteError(ProblemsError):
     """Raised when a suite file is invalid; lists every problem at once."""
 
     def __init__(self, source: str, problems: Sequence[str]) -> None:
         self.source = source
-        self.problems = list(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(
-            f"Invalid experiment suite {source} ({len(self.problems)} problem(s)); "
-            f"no run was started:\n{lines}"
-        )
+        super().__init__(f"experiment suite {source}", problems, "no run was started")
 
 
 @dataclass(frozen=True)
