@@ -319,8 +319,8 @@ def _per_run_section(suite: Suite, cells: Sequence[Cell]) -> list[str]:
             continue
         texts = []
         for column in table.columns:
-            cell = by_key.get((label, column))
-            paired = _paired(cell, by_key, baseline) if cell is not None else {}
+            found = by_key.get((label, column))
+            paired = _paired(found, by_key, baseline) if found is not None else {}
             texts.append(f"{statistics.fmean(paired.values()):+.2f} [{len(paired)}]"
                          if paired else MISSING)
         lines.append(f"| {label} | " + " | ".join(texts) + " |")
