@@ -61,7 +61,8 @@ def _run(suite: Suite, args: argparse.Namespace) -> int:
     echo = (lambda line: _say(f"    flwr| {line}")) if args.verbose else None
     try:
         outcome = run_suite(suite, emit=_say, echo=echo, rerun_stale=args.rerun_stale,
-                            fail_fast=args.fail_fast, seeds=args.seed)
+                            fail_fast=args.fail_fast, seeds=args.seed,
+                            labels=args.label)
     except KeyboardInterrupt:
         _say(f"[{suite.name}] interrupted; finished runs are kept, the interrupted one starts "
              "again from scratch on the next `run`")
@@ -104,6 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.add_argument("--seed", type=int, action="append", default=None, metavar="SEED",
                            help="only the runs with this seed (repeatable), e.g. --seed 0 "
                            "to finish one seed of every cell first; default: all")
+            p.add_argument("--label", action="append", default=None, metavar="ROW",
+                           help="only the runs of this row label (repeatable), e.g. "
+                           "--label Collective; with --seed a run must match both")
             p.add_argument("-v", "--verbose", action="store_true",
                            help="also print flwr's output")
         if name == "report":

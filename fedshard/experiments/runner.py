@@ -321,6 +321,7 @@ def run_suite(
     rerun_stale: bool = False,
     fail_fast: bool = False,
     seeds: Collection[int] | None = None,
+    labels: Collection[str] | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> SuiteOutcome:
     """Run every unfinished run of ``suite``, in order; skip finished ones.
@@ -346,6 +347,9 @@ def run_suite(
     seeds : collection of int, optional
         Only the runs with these seeds (e.g. ``{0}`` to finish one seed of every cell before
         the second); the other runs are left as they are and not counted. Default: all.
+    labels : collection of str, optional
+        Only the runs of these row labels (e.g. ``{"Collective"}``); combined with ``seeds``
+        a run must match both. Default: all.
     clock : callable
         Monotonic seconds (injectable for tests).
 
@@ -359,13 +363,13 @@ def run_suite(
     StaleRunsError
         Before anything starts, when finished runs have other settings than the suite's.
     ValueError
-        When ``seeds`` names a seed that no run of the suite uses.
+        When ``seeds`` or ``labels`` names a seed or label that no run of the suite has.
     KeyboardInterrupt
         On Ctrl-C or SIGTERM, after the current simulation's processes are stopped; the
         interrupted run's folder is re-run from scratch next time.
     """
     say = emit if emit is not None else logger.info
-    selected = _select_seeds(suite, seeds)
+    selected = _selection(suite, seeds, labels)
     statuses = selected(suite_status(suite))
     stale = [s for s in statuses if s.state is RunState.STALE]
     if stale and not rerun_stale:
@@ -405,18 +409,29 @@ def run_suite(
     return outcome
 
 
-def _select_seeds(suite: Suite, seeds: Collection[int] | None
-                  ) -> Callable[[list[RunStatus]], list[RunStatus]]:
-    """A filter keeping the statuses of runs with one of ``seeds`` (all when None)."""
-    if seeds is None:
-        return lambda statuses: statuses
-    wanted = set(seeds)
-    used = {spec.seed for spec in suite.runs}
-    unknown = sorted(wanted - used)
-    if unknown:
-        raise ValueError(f"seed(s) {unknown}: no run of suite {suite.name!r} uses them "
-                         f"(its seeds: {sorted(used)}); nothing was started")
-    return lambda statuses: [s for s in statuses if s.spec.seed in wanted]
+def _selection(suite: Suite, seeds: Collection[int] | None, labels: Collection[str] | None
+               ) -> Callable[[list[RunStatus]], list[RunStatus]]:
+    """A filter keeping the statuses of runs with one of ``seeds`` and one of ``labels``
+    (``None``: any)."""
+    problems = []
+    if seeds is not None:
+        used_seeds = {spec.seed for spec in suite.runs}
+        unknown_seeds = sorted(set(seeds) - used_seeds)
+        if unknown_seeds:
+            problems.append(f"seed(s) {unknown_seeds}: no run of suite {suite.name!r} uses "
+                            f"them (its seeds: {sorted(used_seeds)})")
+    if labels is not None:
+        used_labels = list(dict.fromkeys(spec.label for spec in suite.runs))
+        unknown_labels = [label for label in labels if label not in used_labels]
+        if unknown_labels:
+            problems.append(f"label(s) {unknown_labels}: not rows of suite {suite.name!r} "
+                            f"(its rows: {used_labels})")
+    if problems:
+        raise ValueError("; ".join(problems) + "; nothing was started")
+    return lambda statuses: [
+        s for s in statuses
+        if (seeds is None or s.spec.seed in seeds) and (labels is None or s.spec.label in labels)
+    ]
 
 
 def _launch_one(suite: Suite, spec: RunSpec, launch: Launcher, progress: _Progress,

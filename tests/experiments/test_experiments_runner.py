@@ -384,3 +384,20 @@ def test_seed_filter_runs_one_seed_of_every_cell_and_leaves_the_rest(tmp_path: P
     smoke = str(ROOT / "experiments" / "smoke.toml")
     assert main(["run", smoke, "--app-dir", str(ROOT), "--results-dir", str(tmp_path / "cli"),
                  "--seed", "9"]) == 2
+
+
+def test_label_filter_combines_with_the_seed_filter(tmp_path: Path) -> None:
+    suite = make_suite(tmp_path)  # Top-n s0, Top-n s1, Collective s0, Collective s1
+    launch = FakeLauncher()
+    outcome = run_suite(suite, launch=launch, emit=lambda _: None, seeds={1},
+                        labels={"Collective"})
+    assert outcome.finished == [suite.runs[3].name]
+    outcome = run_suite(suite, launch=launch, emit=lambda _: None, labels=["Top-n"])
+    assert outcome.finished == [suite.runs[0].name, suite.runs[1].name]
+    assert [s.state for s in suite_status(suite)] == [RunState.FINISHED, RunState.FINISHED,
+                                                      RunState.PENDING, RunState.FINISHED]
+    with pytest.raises(ValueError, match=r"seed\(s\) \[5\]: no run .*; label\(s\) \['Top-k'\]: "
+                                         r"not rows of suite 't' \(its rows: \['Top-n', "
+                                         r"'Collective'\]\); nothing was started"):
+        run_suite(suite, launch=launch, emit=lambda _: None, seeds={5}, labels={"Top-k"})
+    assert len(launch.calls) == 3
