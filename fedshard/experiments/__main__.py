@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections import Counter
 from collections.abc import Sequence
@@ -26,6 +27,13 @@ from fedshard.experiments.suite import Suite, SuiteError, load_suite
 
 def _say(line: str) -> None:
     print(line, flush=True)
+
+
+def _quiet_stdout() -> None:
+    """After a closed pipe (``status | head``): send further output, including the interpreter's
+    final flush, to /dev/null instead of printing a traceback (Python's documented idiom)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 def _suite_path(text: str) -> Path:
@@ -118,7 +126,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         suite = _load(args)
         if args.command == "status":
-            return _status(suite)
+            try:
+                return _status(suite)
+            except BrokenPipeError:
+                _quiet_stdout()
+                return 1
         if args.command == "report":
             return _report(suite, args)
         return _run(suite, args)

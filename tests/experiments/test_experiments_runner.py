@@ -401,3 +401,15 @@ def test_label_filter_combines_with_the_seed_filter(tmp_path: Path) -> None:
                                          r"'Collective'\]\); nothing was started"):
         run_suite(suite, launch=launch, emit=lambda _: None, seeds={5}, labels={"Top-k"})
     assert len(launch.calls) == 3
+
+
+def test_status_into_a_closed_pipe_is_quiet(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    command = (f"{sys.executable} -m fedshard.experiments status "
+               f"{ROOT / 'experiments' / 'fmnist-table.toml'} --results-dir {tmp_path} | head -1")
+    done = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert done.stdout.startswith("[fmnist-table] 36 run(s)"), done.stdout
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
