@@ -13,6 +13,7 @@ from fedshard.experiments.report import Cell, ReportFiles, collect, write_report
 from fedshard.experiments.runner import (
     RunState,
     RunStatus,
+    SelectionError,
     StaleRunsError,
     SuiteOutcome,
     run_status,
@@ -35,6 +36,7 @@ __all__ = [
     "RunSpec",
     "RunState",
     "RunStatus",
+    "SelectionError",
     "StaleRunsError",
     "Suite",
     "SuiteError",

@@ -18,6 +18,7 @@ from pathlib import Path
 from fedshard.experiments.report import write_report
 from fedshard.experiments.runner import (
     RunState,
+    SelectionError,
     StaleRunsError,
     run_suite,
     suite_status,
@@ -126,16 +127,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         suite = _load(args)
         if args.command == "status":
-            try:
-                return _status(suite)
-            except BrokenPipeError:
-                _quiet_stdout()
-                return 1
+            return _status(suite)
         if args.command == "report":
             return _report(suite, args)
         return _run(suite, args)
-    except (SuiteError, StaleRunsError, FileNotFoundError, ModuleNotFoundError,
-            RuntimeError, ValueError) as err:
+    except BrokenPipeError:  # e.g. `status | head`: the reader has gone, so has our output
+        _quiet_stdout()
+        return 1
+    except (SuiteError, SelectionError, StaleRunsError, FileNotFoundError,
+            ModuleNotFoundError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

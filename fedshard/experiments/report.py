@@ -7,17 +7,16 @@ results folder:
   test accuracy in %, "mean ± std" over seeds (sample standard deviation, ddof = 1), the best
   cell of each column in bold, cells with fewer seeds or other rounds than the main setting
   marked with † and explained in a footnote, missing cells "—"; reference rows (runs
-  without a column, such as r = 1) in a table of their own.
+  without a column, such as r = 1) in a table of their own. Then a per-run table: final,
+  mean of the last :data:`LAST_EVALS` evaluations and best accuracy of every finished run,
+  and its paired difference to the baseline (the first row of the first table, e.g. Top-n)
+  trained on the same seed - hence the same data split - in the same column; and the mean
+  of those paired differences per cell. With a skewed split the seed moves every strategy
+  by similar amounts, so paired differences are the sharper comparison with few seeds.
 - ``accuracy.png`` - test accuracy against round, one panel per column, mean over seeds with
   a ±1 std band (the paper's Fig. 1a); reference rows dashed in every panel.
 - ``anme.png`` - average normalized marginal entropy per strategy and column, mean over
   rounds and seeds, with the std over seeds (the paper's Fig. 1b, Sec. 4.3).
-  Then a per-run table: final, mean of the last :data:`LAST_EVALS` evaluations and best
-  accuracy of every finished run, and its paired difference to the baseline (the first row of
-  the first table, e.g. Top-n) trained on the same seed - hence the same data split - in the
-  same column; and the mean of those paired differences per cell. With a skewed split the
-  seed moves every strategy by similar amounts, so paired differences are the sharper
-  comparison when there are few seeds.
 - ``results.json`` - every cell's per-seed numbers.
 
 Plots need matplotlib (``pip install 'fedshard[plots]'``); it is imported only here, with the

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from fedshard.config import RunConfig
+from fedshard.config import ProblemsError, RunConfig
 from fedshard.experiments.suite import RunSpec, Suite
 from fedshard.launch import SimulationRun, run_simulation
 
@@ -38,6 +38,7 @@ __all__ = [
     "Launcher",
     "RunState",
     "RunStatus",
+    "SelectionError",
     "StaleRunsError",
     "SuiteOutcome",
     "format_duration",
@@ -86,6 +87,14 @@ class RunStatus:
     state: RunState
     detail: str
     summary: dict[str, Any] | None = None
+
+
+class SelectionError(ProblemsError):
+    """Raised when ``run_suite``'s ``seeds``/``labels`` name what the suite does not have."""
+
+    def __init__(self, suite_name: str, problems: list[str]) -> None:
+        super().__init__(f"run selection for suite {suite_name!r}", problems,
+                         "nothing was started")
 
 
 class StaleRunsError(ValueError):
@@ -362,7 +371,7 @@ def run_suite(
     ------
     StaleRunsError
         Before anything starts, when finished runs have other settings than the suite's.
-    ValueError
+    SelectionError
         When ``seeds`` or ``labels`` names a seed or label that no run of the suite has.
     KeyboardInterrupt
         On Ctrl-C or SIGTERM, after the current simulation's processes are stopped; the
@@ -418,16 +427,16 @@ def _selection(suite: Suite, seeds: Collection[int] | None, labels: Collection[s
         used_seeds = {spec.seed for spec in suite.runs}
         unknown_seeds = sorted(set(seeds) - used_seeds)
         if unknown_seeds:
-            problems.append(f"seed(s) {unknown_seeds}: no run of suite {suite.name!r} uses "
-                            f"them (its seeds: {sorted(used_seeds)})")
+            problems.append(f"seed(s) {unknown_seeds}: no run uses them (the suite's seeds: "
+                            f"{sorted(used_seeds)})")
     if labels is not None:
         used_labels = list(dict.fromkeys(spec.label for spec in suite.runs))
         unknown_labels = [label for label in labels if label not in used_labels]
         if unknown_labels:
-            problems.append(f"label(s) {unknown_labels}: not rows of suite {suite.name!r} "
-                            f"(its rows: {used_labels})")
+            problems.append(f"label(s) {unknown_labels}: not rows of the suite (its rows: "
+                            f"{used_labels})")
     if problems:
-        raise ValueError("; ".join(problems) + "; nothing was started")
+        raise SelectionError(suite.name, problems)
     return lambda statuses: [
         s for s in statuses
         if (seeds is None or s.spec.seed in seeds) and (labels is None or s.spec.label in labels)

@@ -17,6 +17,7 @@ import pytest
 from fedshard.config import RunConfig
 from fedshard.experiments import (
     RunState,
+    SelectionError,
     StaleRunsError,
     Suite,
     load_suite,
@@ -377,8 +378,9 @@ def test_seed_filter_runs_one_seed_of_every_cell_and_leaves_the_rest(tmp_path: P
     assert "[t] 2 run(s): 0 finished, 2 to run" in lines[0]
     assert any(line.startswith("[t] run 4/4 Collective / r = 0.25 / seed 1") for line in lines)
 
-    with pytest.raises(ValueError, match=r"seed\(s\) \[7\]: no run of suite 't' uses them "
-                                         r"\(its seeds: \[0, 1\]\); nothing was started"):
+    with pytest.raises(SelectionError, match=r"Invalid run selection for suite 't' \(1 "
+                       r"problem\(s\)\); nothing was started:\n  - seed\(s\) \[7\]: no run "
+                       r"uses them \(the suite's seeds: \[0, 1\]\)"):
         run_suite(suite, launch=launch, emit=lambda _: None, seeds={0, 7})
     assert len(launch.calls) == 2
     smoke = str(ROOT / "experiments" / "smoke.toml")
@@ -396,9 +398,9 @@ def test_label_filter_combines_with_the_seed_filter(tmp_path: Path) -> None:
     assert outcome.finished == [suite.runs[0].name, suite.runs[1].name]
     assert [s.state for s in suite_status(suite)] == [RunState.FINISHED, RunState.FINISHED,
                                                       RunState.PENDING, RunState.FINISHED]
-    with pytest.raises(ValueError, match=r"seed\(s\) \[5\]: no run .*; label\(s\) \['Top-k'\]: "
-                                         r"not rows of suite 't' \(its rows: \['Top-n', "
-                                         r"'Collective'\]\); nothing was started"):
+    with pytest.raises(SelectionError, match=r"\(2 problem\(s\)\); nothing was started:\n"
+                       r"  - seed\(s\) \[5\]: no run .*\n  - label\(s\) \['Top-k'\]: not "
+                       r"rows of the suite \(its rows: \['Top-n', 'Collective'\]\)"):
         run_suite(suite, launch=launch, emit=lambda _: None, seeds={5}, labels={"Top-k"})
     assert len(launch.calls) == 3
 
