@@ -375,9 +375,15 @@ def _matplotlib() -> Any:
 
 
 def _colors(labels: Sequence[str]) -> dict[str, Any]:
+    """One colour per label: ten distinct hues first, then their light shades.
+
+    ``tab20`` pairs each hue with its light shade (0/1, 2/3, ...); taken in that order, the
+    6th and 7th labels (e.g. Unbiased and Collective) would be two shades of red.
+    """
     matplotlib, _, _ = _matplotlib()
-    cmap = matplotlib.colormaps["tab10" if len(labels) <= 10 else "tab20"]
-    return {label: cmap(i % cmap.N) for i, label in enumerate(labels)}
+    cmap = matplotlib.colormaps["tab20"]
+    order = list(range(0, 20, 2)) + list(range(1, 20, 2))  # dark hues, then light ones
+    return {label: cmap(order[i % len(order)]) for i, label in enumerate(labels)}
 
 
 def _mean_curve(cell: Cell) -> tuple[list[int], list[float], list[float] | None]:

@@ -207,3 +207,17 @@ def test_per_run_table_and_paired_differences(report: tuple[Suite, Any]) -> None
     data = json.loads(files.results.read_text())
     a1 = next(c for c in data["cells"] if (c["label"], c["column"]) == ("A", "c1"))
     assert a1["last-5-mean"] == pytest.approx([170 / 3, 10 + 74 * 2 / 3])
+
+
+def test_plot_colours_give_ten_labels_ten_distinct_hues() -> None:
+    """With more than ten labels the first ten still get the ten tab10 hues (a paper table has
+    eleven rows); taking tab20 in its own order gave Unbiased and Collective two reds."""
+    matplotlib = pytest.importorskip("matplotlib")
+    from fedshard.experiments.report import _colors
+
+    labels = [f"row {i}" for i in range(11)]
+    colours = _colors(labels)
+    tab10 = {tuple(c) for c in matplotlib.colormaps["tab10"].colors}
+    first_ten = {tuple(colours[lb][:3]) for lb in labels[:10]}
+    assert first_ten == tab10
+    assert tuple(colours["row 10"][:3]) not in tab10
