@@ -251,7 +251,8 @@ def markdown_report(suite: Suite, cells: Sequence[Cell]) -> str:
         lines.append("")
     lines += [
         f"Std: sample standard deviation (ddof = 1) over seeds; none with one seed. "
-        f"**Bold**: best mean in its column among cells trained for {suite.main_rounds} rounds. "
+        f"**Bold**: best mean in its column among cells trained for {suite.main_rounds} rounds "
+        f"(in a column without such cells, among all of its cells). "
         f"{MISSING}: no finished run.",
         "",
     ]

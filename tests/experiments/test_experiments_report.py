@@ -221,3 +221,15 @@ def test_plot_colours_give_ten_labels_ten_distinct_hues() -> None:
     first_ten = {tuple(colours[lb][:3]) for lb in labels[:10]}
     assert first_ten == tab10
     assert tuple(colours["row 10"][:3]) not in tab10
+
+
+def test_a_column_without_main_setting_cells_bolds_its_best(tmp_path: Path) -> None:
+    """Suites mid-way (or by design) may have columns whose cells all ran fewer rounds: the
+    best of those is bold, and the footnote says so."""
+    suite = make_suite(tmp_path)
+    runs = {(r.label, r.column, r.seed): r for r in suite.runs}
+    finish(runs["C", "c2", 0], 0.60)  # the only cell of the "A against C" table's column
+    text = write_report(suite).table.read_text()
+    table = text.split("## A against C")[1].split("##")[0]
+    assert "| C | **60.00**† |" in table
+    assert "in a column without such cells, among all of its cells" in text
