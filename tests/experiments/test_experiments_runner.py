@@ -415,3 +415,12 @@ def test_status_into_a_closed_pipe_is_quiet(tmp_path: Path) -> None:
                           text=True, cwd=ROOT, timeout=120)
     assert done.stdout.startswith("[fmnist-table] 36 run(s)"), done.stdout
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+    # `head -1` may read everything before it exits, and then nothing breaks. A reader that
+    # closes the pipe before Python has started makes the very first write fail, every time.
+    command = (f"{sys.executable} -m fedshard.experiments status "
+               f"{ROOT / 'experiments' / 'fmnist-table.toml'} --results-dir {tmp_path} "
+               "| (exec 0<&-; sleep 3)")
+    done = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+    assert done.returncode == 1, (done.returncode, done.stderr)
