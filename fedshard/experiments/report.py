@@ -410,7 +410,7 @@ def plot_accuracy(suite: Suite, cells: Sequence[Cell], path: Path) -> Path:
     columns = list(suite.tables[0].columns) or ["(no columns)"]
     labels = _table_labels(suite)
     colors = _colors(labels + list(suite.reference_rows))
-    fig = Figure(figsize=(4.8 * len(columns), 4.2), layout="constrained")
+    fig = Figure(figsize=(4.8 * len(columns), 6.0), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(columns), squeeze=False, sharey=True)[0]
     for ax, column in zip(axes, columns, strict=True):
@@ -435,7 +435,8 @@ def plot_accuracy(suite: Suite, cells: Sequence[Cell], path: Path) -> Path:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         if drawn:
-            ax.legend(fontsize="small")
+            # Below the panel: inside it, the legend hid the curves of the later rounds.
+            ax.legend(fontsize="x-small", ncols=2, loc="upper center", bbox_to_anchor=(0.5, -0.14))
         else:
             ax.text(0.5, 0.5, "no finished runs", ha="center", va="center",
                     transform=ax.transAxes)
@@ -469,14 +470,16 @@ def plot_anme(suite: Suite, cells: Sequence[Cell], path: Path) -> Path:
         bars = ax.bar(xs, [m for _, m, _ in points], width, yerr=[s for _, _, s in points],
                       color=colors[label], label=label, capsize=2)
         # Top-n's ANME is 0: label the bars so that an empty spot reads as 0, not as missing.
-        ax.bar_label(bars, fmt="%.2f", fontsize="x-small", padding=2)
+        # Vertical, so that neighbouring labels (e.g. two 0.00s) do not overlap.
+        ax.bar_label(bars, fmt="%.2f", fontsize="x-small", padding=2, rotation=90)
     ax.set_xticks(range(len(columns)), columns)
     ax.set_xlim(-0.5, len(columns) - 0.5)
     ax.set_ylabel("ANME (mean over rounds)")
-    ax.set_ylim(0, 1.05)
+    ax.set_ylim(0, 1.12)
     ax.grid(axis="y", alpha=0.3)
     if series:
-        ax.legend(fontsize="small", ncols=2)
+        # Outside the axes: inside, it covered the bars of the last column.
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     else:
         ax.text(0.5, 0.5, "no finished run reports ANME", ha="center", va="center",
                 transform=ax.transAxes)
