@@ -403,6 +403,11 @@ def _table_labels(suite: Suite) -> list[str]:
 
 def plot_accuracy(suite: Suite, cells: Sequence[Cell], path: Path) -> Path:
     """``accuracy.png``: test accuracy vs round, one panel per column of the main table."""
+    _accuracy_figure(suite, cells).savefig(path, dpi=120)
+    return path
+
+
+def _accuracy_figure(suite: Suite, cells: Sequence[Cell]) -> Any:
     _, Figure, FigureCanvasAgg = _matplotlib()
     from matplotlib.ticker import MaxNLocator
 
@@ -442,12 +447,16 @@ def plot_accuracy(suite: Suite, cells: Sequence[Cell], path: Path) -> Path:
                     transform=ax.transAxes)
     axes[0].set_ylabel("test accuracy (%)")
     fig.suptitle(f"{suite.name}: test accuracy (mean over seeds, ±1 std)")
-    fig.savefig(path, dpi=120)
-    return path
+    return fig
 
 
 def plot_anme(suite: Suite, cells: Sequence[Cell], path: Path) -> Path:
     """``anme.png``: ANME per strategy (bars) and column (groups), mean over rounds and seeds."""
+    _anme_figure(suite, cells).savefig(path, dpi=120)
+    return path
+
+
+def _anme_figure(suite: Suite, cells: Sequence[Cell]) -> Any:
     _, Figure, FigureCanvasAgg = _matplotlib()
     by_key = {(c.label, c.column): c for c in cells}
     columns = list(suite.tables[0].columns)
@@ -484,8 +493,7 @@ def plot_anme(suite: Suite, cells: Sequence[Cell], path: Path) -> Path:
         ax.text(0.5, 0.5, "no finished run reports ANME", ha="center", va="center",
                 transform=ax.transAxes)
     ax.set_title(f"{suite.name}: average normalized marginal entropy")
-    fig.savefig(path, dpi=120)
-    return path
+    return fig
 
 
 def write_report(suite: Suite, out_dir: Path | None = None) -> ReportFiles:

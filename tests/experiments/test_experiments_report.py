@@ -234,3 +234,22 @@ def test_a_column_without_main_setting_cells_bolds_its_best(tmp_path: Path) -> N
     table = text.split("## A against C")[1].split("##")[0]
     assert "| C | **60.00**† |" in table
     assert "in a column without such cells, among all of its cells" in text
+
+
+@pytest.mark.parametrize("build", ["_accuracy_figure", "_anme_figure"])
+def test_plot_legends_lie_outside_the_data(tmp_path: Path, build: str) -> None:
+    """With a paper-sized table (11 rows) a legend inside the axes hides curves or bars; every
+    legend must sit outside every panel's plotting area."""
+    from fedshard.experiments import report as report_module
+
+    suite = make_suite(tmp_path)
+    populate(suite)
+    fig = getattr(report_module, build)(suite, report_module.collect(suite))
+    renderer = fig.canvas.get_renderer()
+    fig.draw(renderer)  # the constrained layout places the legends at draw time
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+    assert legends, "no legend drawn"
+    for legend in legends:
+        box = legend.get_window_extent(renderer)
+        for ax in fig.axes:
+            assert not box.overlaps(ax.get_window_extent(renderer)), (build, ax.get_title())
