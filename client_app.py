@@ -7,7 +7,7 @@ from flwr.clientapp import ClientApp
 
 from fedshard.client import handle_evaluate, handle_query, handle_train
 from fedshard.config import RunConfig
-from fedshard.experiment import build_model, client_dataset, declared_keep_ratio
+from fedshard.task import build_model, client_dataset, declared_keep_ratio
 
 app = ClientApp()
 

@@ -1,13 +1,40 @@
 """fedshard: spectral model sharding for federated learning.
 
-Layout (data flows one way):
+Layout (data flows one way: sampling → spectral → training → protocol/strategy → apps):
 
-- :mod:`fedshard.sampling` - inclusion probabilities, auxiliary multipliers and sampling
-  designs (numpy only).
-- :mod:`fedshard.spectral` - SVD decomposition, factorized layers, model surgery (torch only).
+- :mod:`fedshard.sampling` - inclusion probabilities, multipliers, sampling designs, the
+  round's plan and the random streams (numpy only).
+- :mod:`fedshard.spectral` - SVD, factorized layers, model surgery, per-term aggregation.
 - :mod:`fedshard.training` - the client's local training (SGD, Frobenius decay, ClipLR).
+- :mod:`fedshard.protocol` - the wire codec: record keys, train settings, shards, reply checks.
+- :mod:`fedshard.nodes` - waiting for nodes, their capabilities, seeded node sampling.
+- :mod:`fedshard.rounds` - one training round on the server (shard, check, aggregate).
+- :mod:`fedshard.strategy` - the Flower strategy ``SpectralSharding`` (thin hooks).
+- :mod:`fedshard.client` - the client's message handlers.
+- :mod:`fedshard.schedule`, :mod:`fedshard.telemetry` - lr schedules, per-round metrics.
 - :mod:`fedshard.models`, :mod:`fedshard.data` - the paper's models and data sets.
-- :mod:`fedshard.strategy` - the Flower strategy ``SpectralSharding``.
+- :mod:`fedshard.config`, :mod:`fedshard.task`, :mod:`fedshard.experiment` - the apps' run
+  config, client side and server side (the library never imports them).
+
+From the paper to the code:
+
+======================================  ==================================================
+Paper                                   Code
+======================================  ==================================================
+SVD, √λ absorbed (Sec. 3.1 step 1)      ``spectral.decompose.decompose``, ``layer_spectrum``
+n = ⌈rN⌉                                ``sampling.plan.num_terms``
+Theorem 1 (Unbiased, ω = 1/π)           ``sampling.probabilities._unbiased_sorted``
+Theorem 2 (Collective, ω=C/(1+π(C−1)))  ``sampling.probabilities._collective_sorted``
+PriSM, Wallenius mean, +Scaled          ``sampling.probabilities``, ``sampling.wallenius``
+Conditional Poisson sampling (CPS)      ``sampling.cps.ConditionalPoisson``
+Method → design, per group and layer    ``sampling.plan.draw_layer``, ``plan_round``
+ANME                                    ``sampling.entropy.anme``
+Factorized layer U·diag(ω)·Vᵀ           ``spectral.layers.SpectralLinear``/``SpectralConv2d``
+Frobenius decay γ‖UΩVᵀ‖²_F (Sec. 3.3)   ``training.frobenius_penalty``
+ClipLR min(1, τ/ω_i) (Sec. 3.3)         ``training.ClipLR.column_scale``
+Per-term aggregation (Sec. 3.1 step 3)  ``spectral.aggregate.term_means``, ``rebuild_weight``
+Cosine lr over rounds (Sec. 4.1)        ``schedule.cosine_lr``
+======================================  ==================================================
 """
 
 __version__ = "0.1.0"

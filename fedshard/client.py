@@ -1,18 +1,17 @@
 """Client-side message handlers: answer the capability query, train a shard, evaluate.
 
 These are what a ``ClientApp`` calls; they work with any torch model whose dense
-``state_dict`` the strategy was started with. See :mod:`fedshard.protocol` for the contract.
+``state_dict`` the strategy was started with. The wire format is :mod:`fedshard.protocol`'s.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -25,34 +24,13 @@ __all__ = ["handle_evaluate", "handle_query", "handle_train", "submodel_from_rec
 logger = logging.getLogger(__name__)
 
 
-def _number(cfg: ConfigRecord, key: str) -> float:
-    """A numeric train-config entry; a missing or non-numeric one is an error reply."""
-    value = cfg.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(
-            f"train config {key}={value!r}: expected a number; the server and this node speak "
-            "different versions of the fedshard protocol, so this round is not trained"
-        )
-    return float(value)
-
-
 def handle_query(msg: Message, keep_ratio: float, node_key: str | int | None = None) -> Message:
     """Answer a capability query with this node's keep ratio ``0 < r ≤ 1``.
 
     ``node_key`` is an optional stable identity (e.g. the partition id) that makes the
     server's sampling reproducible across launches; Flower's node ids are random.
     """
-    if isinstance(keep_ratio, bool) or not (
-        isinstance(keep_ratio, (int, float)) and math.isfinite(keep_ratio) and 0 < keep_ratio <= 1
-    ):
-        raise ValueError(
-            f"keep-ratio={keep_ratio!r}: expected a number in (0, 1]; this node cannot take part "
-            "until it declares one (e.g. --node-config \"keep-ratio=0.2\")"
-        )
-    caps = ConfigRecord({P.KEEP_RATIO: float(keep_ratio)})
-    if node_key is not None:
-        caps[P.NODE_KEY] = str(node_key)
-    return Message(RecordDict({P.CAPABILITIES: caps}), reply_to=msg)
+    return P.capabilities_reply(msg, keep_ratio, node_key)
 
 
 def submodel_from_record(model: nn.Module, record: ArrayRecord) -> tuple[nn.Module, list[str]]:
@@ -61,30 +39,21 @@ def submodel_from_record(model: nn.Module, record: ArrayRecord) -> tuple[nn.Modu
     Returns the sub-model with every received entry loaded (strictly: a missing or extra key
     raises) and the names of its sharded layers. ``model`` itself is not modified.
     """
-    layers = sorted(P.layer_of(k) for k in record if k.endswith(".indices"))
+    factors, state = P.decode_shard(record)
     dtype = next(iter(model.parameters())).dtype
-    factors = {}
-    for layer in layers:
-        parts = {p: record[P.factor_key(layer, p)].numpy() for p in ("u", "v", "omega")}
-        factors[layer] = LayerFactors(
-            u=torch.as_tensor(parts["u"], dtype=dtype),
-            v=torch.as_tensor(parts["v"], dtype=dtype),
-            omega=torch.as_tensor(parts["omega"], dtype=dtype),
-        )
-    sub = build_submodel(model, factors)
-    state = {
-        k: torch.as_tensor(np.array(a.numpy()))
-        for k, a in record.items()
-        if not k.endswith(".indices")
-    }
-    missing, unexpected = sub.load_state_dict(state, strict=False)
+    sub = build_submodel(model, {
+        layer: LayerFactors(**{p: torch.as_tensor(x, dtype=dtype) for p, x in parts.items()})
+        for layer, parts in factors.items()
+    })
+    missing, unexpected = sub.load_state_dict(
+        {k: torch.as_tensor(np.array(x)) for k, x in state.items()}, strict=False)
     if missing or unexpected:
         raise ValueError(
             f"The received arrays do not fit this node's model: missing {sorted(missing)[:8]}, "
             f"unexpected {sorted(unexpected)[:8]}. Server and node must use the same model "
             "(model, model-width, dataset); this round's reply will be an error."
         )
-    return sub, layers
+    return sub, sorted(factors)
 
 
 def handle_train(
@@ -95,46 +64,30 @@ def handle_train(
     device: str = "cpu",
 ) -> Message:
     """Train the received shard of ``model`` on ``dataset``; reply with the trained factors."""
-    record = msg.content.array_records[P.ARRAYS]
-    cfg = msg.content.config_records[P.CONFIG]
-    sub, layers = submodel_from_record(model, record)
-    tau = _number(cfg, "clip-lr-tau")
-    seed = int(_number(cfg, "train-seed"))
+    settings = P.TrainSettings.from_record(msg.content.config_records[P.CONFIG])
+    sub, _ = submodel_from_record(model, msg.content.array_records[P.ARRAYS])
     train_cfg = TrainConfig(
-        epochs=int(_number(cfg, "local-epochs")),
-        lr=_number(cfg, "lr"),
-        momentum=_number(cfg, "momentum"),
-        frobenius_decay=_number(cfg, "frobenius-decay"),
-        clip_tau=tau if tau > 0 else None,
-        weight_decay=_number(cfg, "weight-decay"),
+        epochs=settings.local_epochs,
+        lr=settings.lr,
+        momentum=settings.momentum,
+        frobenius_decay=settings.frobenius_decay,
+        clip_tau=settings.clip_lr_tau,
+        weight_decay=settings.weight_decay,
         device=device,
-        seed=seed,
+        seed=settings.train_seed,
     )
     loader = DataLoader(
         dataset,
-        batch_size=int(_number(cfg, "batch-size")),
+        batch_size=settings.batch_size,
         shuffle=True,
-        generator=torch.Generator().manual_seed(seed),
+        generator=torch.Generator().manual_seed(settings.train_seed),
     )
     result = train(sub, loader, train_cfg)
-    sub = sub.to("cpu")
-
     # The sub-model's state_dict already names the trained factors "<layer>.u" / "<layer>.v"
-    # (the wire keys); ω is frozen and not sent back, the indices are echoed.
-    omega_keys = {P.factor_key(layer, "omega") for layer in layers}
-    out: dict[str, Array] = {
-        key: Array(value.detach().cpu().numpy())
-        for key, value in sub.state_dict().items()
-        if key not in omega_keys
-    }
-    for layer in layers:
-        out[P.factor_key(layer, "indices")] = record[P.factor_key(layer, "indices")]
-    metrics = MetricRecord({
-        P.NUM_EXAMPLES: int(result.num_examples),
-        P.TRAIN_LOSS: float(result.loss),
-        P.TRAIN_ACCURACY: float(result.accuracy),
-    })
-    return Message(RecordDict({P.ARRAYS: ArrayRecord(out), P.METRICS: metrics}), reply_to=msg)
+    # (the wire keys).
+    state = {k: v.detach().cpu().numpy() for k, v in sub.to("cpu").state_dict().items()}
+    return P.train_reply(msg, state, result.num_examples,
+                         {P.TRAIN_LOSS: result.loss, P.TRAIN_ACCURACY: result.accuracy})
 
 
 def handle_evaluate(

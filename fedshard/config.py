@@ -14,6 +14,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from fedshard.sampling import SAMPLING_DESIGNS, SHARDING_METHODS
+
 __all__ = [
     "DESIGNS",
     "METHODS",
@@ -21,12 +23,11 @@ __all__ = [
     "KeepRatioMixture",
     "ProblemsError",
     "RunConfig",
-    "cosine_lr",
     "default_results_dir",
 ]
 
-METHODS = ("unbiased", "collective", "top-n", "prism", "prism-wallenius", "none")
-DESIGNS = ("cps", "brewer", "min-support")
+METHODS = SHARDING_METHODS  # the run-config names are the library's (fedshard.sampling)
+DESIGNS = SAMPLING_DESIGNS
 MODELS = ("resnet18", "cct", "chargpt", "mlp")
 DATASETS = ("fashion-mnist", "cifar10", "cifar100", "tinyimagenet", "shakespeare")
 
@@ -125,17 +126,6 @@ class KeepRatioMixture:
             if partition_id < edge:
                 return ratio
         raise AssertionError("counts() must sum to num_partitions")
-
-
-def cosine_lr(lr: float, server_round: int, num_rounds: int) -> float:
-    """Cosine-annealed learning rate for ``server_round`` (1-based) over ``num_rounds`` rounds.
-
-    ``lr * (1 + cos(pi * (t - 1) / T)) / 2``: round 1 uses ``lr``, the last round a small but
-    non-zero rate (Loshchilov & Hutter, as in the paper's Sec. 4.1).
-    """
-    if num_rounds < 1 or not 1 <= server_round <= num_rounds:
-        raise ValueError(f"server_round={server_round} is outside [1, num_rounds={num_rounds}]")
-    return lr * 0.5 * (1.0 + math.cos(math.pi * (server_round - 1) / num_rounds))
 
 
 def default_results_dir() -> Path:

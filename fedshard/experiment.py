@@ -1,89 +1,33 @@
-"""From a validated :class:`~fedshard.config.RunConfig` to model, data, strategy and evaluation.
+"""The server side of fedshard's app: from a validated :class:`~fedshard.config.RunConfig`
+to strategy, rounds, central evaluation, results and checkpoints.
 
-The two Flower apps are thin: they read ``context.run_config`` once into a ``RunConfig`` and
-call the functions here.
+The ServerApp is thin: it reads ``context.run_config`` once into a ``RunConfig`` and calls
+:func:`run_server`. The client side (model, data, keep ratio) is :mod:`fedshard.task`.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from fedshard.checkpoint import Checkpoint
 from fedshard.config import RunConfig
-from fedshard.data import dataset_info, load_partition, load_test_set
+from fedshard.data import load_test_set
 from fedshard.results import RunRecorder
 from fedshard.strategy import SpectralSharding
+from fedshard.task import build_model, example_input
 from fedshard.training import evaluate
 
-__all__ = [
-    "build_model",
-    "build_strategy",
-    "central_evaluate_fn",
-    "client_dataset",
-    "declared_keep_ratio",
-    "example_input",
-    "run_server",
-]
+__all__ = ["build_strategy", "central_evaluate_fn", "run_server"]
 
 logger = logging.getLogger(__name__)
-
-
-def build_model(cfg: RunConfig) -> nn.Module:
-    """The run's model, initialized from ``seed`` (inside a forked RNG: no global seeding)."""
-    info = dataset_info(cfg.dataset)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(np.random.default_rng([cfg.seed, 0xF5]).integers(2**31)))
-        if cfg.model == "resnet18":
-            from fedshard.models import resnet18
-
-            _need_images(cfg, info)
-            return resnet18(num_classes=info.num_classes, in_channels=info.in_channels,
-                            width=cfg.model_width)
-        if cfg.model == "mlp":
-            from fedshard.models import mlp
-
-            _need_images(cfg, info)
-            return mlp(info.in_channels * info.image_size**2, info.num_classes,
-                       width=cfg.model_width)
-        if cfg.model == "cct":
-            from fedshard.models import cct_6_3x2
-
-            _need_images(cfg, info)
-            return cct_6_3x2(info.num_classes, in_channels=info.in_channels,
-                             img_size=info.image_size)
-        if cfg.model == "chargpt":
-            from fedshard.models import char_transformer
-
-            if info.task != "next-char":
-                raise ValueError(f"model='chargpt' needs a next-char data set, not {cfg.dataset!r}")
-            return char_transformer(info.num_classes)
-    raise ValueError(f"model={cfg.model!r}: no builder")  # RunConfig validation prevents this
-
-
-def _need_images(cfg: RunConfig, info: Any) -> None:
-    if info.task != "image":
-        raise ValueError(
-            f"model={cfg.model!r} needs an image data set, but dataset={cfg.dataset!r} is "
-            f"{info.task!r}; use model='chargpt' for it"
-        )
-
-
-def example_input(cfg: RunConfig) -> torch.Tensor:
-    """One input batch of the right shape (determines the forward order of layers)."""
-    info = dataset_info(cfg.dataset)
-    if info.task == "next-char":
-        return torch.zeros(1, 80, dtype=torch.long)
-    return torch.zeros(1, info.in_channels, info.image_size, info.image_size)
 
 
 def build_strategy(cfg: RunConfig, model: nn.Module) -> SpectralSharding:
@@ -112,39 +56,6 @@ def build_strategy(cfg: RunConfig, model: nn.Module) -> SpectralSharding:
         min_evaluate_nodes=1,
         min_available_nodes=cfg.min_available_nodes,
     )
-
-
-def client_dataset(cfg: RunConfig, partition_id: int, num_partitions: int) -> Dataset[Any]:
-    """This node's training partition (``dirichlet-alpha = 0``: the data set's paper α;
-    Shakespeare is split by speaking role and takes no α)."""
-    info = dataset_info(cfg.dataset)
-    alpha = None if info.task == "next-char" or cfg.dirichlet_alpha == 0 else cfg.dirichlet_alpha
-    return load_partition(
-        cfg.dataset, partition_id, num_partitions, data_dir=cfg.data_dir or None,
-        alpha=alpha, seed=cfg.seed, download=cfg.download,
-    )
-
-
-def declared_keep_ratio(cfg: RunConfig, node_config: dict[str, Any]) -> float:
-    """A node's keep ratio: ``keep-ratio`` from its node config (deployment), else derived
-    from ``partition-id`` and the run's ``keep-ratios`` mixture (simulation)."""
-    if "keep-ratio" in node_config:
-        value = node_config["keep-ratio"]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            math.isfinite(value) and 0 < value <= 1
-        ):
-            raise ValueError(
-                f"node config keep-ratio={value!r}: expected a number in (0, 1]; this node "
-                "cannot train until it is fixed"
-            )
-        return float(value)
-    if "partition-id" not in node_config or "num-partitions" not in node_config:
-        raise ValueError(
-            "This node declares no keep-ratio and no partition-id/num-partitions; start it with "
-            "--node-config \"keep-ratio=0.2 ...\""
-        )
-    return cfg.mixture.ratio_for(int(node_config["partition-id"]),
-                                 int(node_config["num-partitions"]))
 
 
 def run_server(grid: Grid, cfg: RunConfig, *, device: str = "cpu") -> dict[str, Any]:

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
 CONFIGS: dict[str, dict[str, object]] = {
     # the config: 3 rounds of the MLP, Collective, 2 keep-ratio groups
@@ -48,10 +48,10 @@ def state_hash(state: dict[str, torch.Tensor]) -> str:
 
 
 def run(name: str) -> str:
-    import client_app
     import fakedata
     from flower_grid import InProcessGrid
 
+    import client_app
     from fedshard.config import RunConfig
     from fedshard.experiment import run_server
 

@@ -7,6 +7,7 @@ offending value, says what was expected and what happens next (nothing is sample
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
@@ -16,6 +17,7 @@ __all__ = [
     "SUM_TOLERANCE",
     "as_count",
     "as_inclusion_probabilities",
+    "as_keep_ratio",
     "as_nonnegative_vector",
     "as_sample_size",
 ]
@@ -134,3 +136,33 @@ def as_inclusion_probabilities(pi: Any) -> tuple[np.ndarray, int]:
             f"sum(pi) = {total!r}; nothing was sampled."
         )
     return array, int(n)
+
+
+def as_keep_ratio(value: Any, what: str = "keep ratio", consequence: str = "") -> float:
+    """Check a keep ratio ``0 < r ≤ 1`` (a real number, not a bool) and return it as float.
+
+    The one keep-ratio check of fedshard: node configs, capability replies, run configs and
+    the client's declaration all go through it.
+
+    Parameters
+    ----------
+    value : Any
+        The value to check.
+    what : str
+        How the value is named in the error (e.g. ``"node config keep-ratio"``).
+    consequence : str
+        What happens because of the error, appended to the message.
+
+    Raises
+    ------
+    ValueError
+        If ``value`` is not a finite number in ``(0, 1]``.
+    """
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float, np.integer, np.floating))
+        or not (math.isfinite(value) and 0.0 < value <= 1.0)
+    ):
+        tail = f"; {consequence}" if consequence else ""
+        raise ValueError(f"{what}={value!r}: expected a number in (0, 1]{tail}")
+    return float(value)

@@ -14,7 +14,6 @@ from fedshard.spectral.surgery import (
     LayerFactors,
     build_submodel,
     extract_factors,
-    merge_factors,
     shard_model,
 )
 
@@ -29,7 +28,6 @@ __all__ = [
     "compose",
     "decompose",
     "extract_factors",
-    "merge_factors",
     "num_terms",
     "shard_model",
     "sharded_layer_names",

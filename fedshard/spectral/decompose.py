@@ -12,10 +12,54 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
-__all__ = ["compose", "decompose", "num_terms", "take_terms"]
+from fedshard.sampling.plan import num_terms  # re-exported: n = ⌈rN⌉ belongs to the sampling
+
+__all__ = ["LayerSpectrum", "compose", "decompose", "layer_spectrum", "num_terms", "take_terms"]
+
+
+@dataclass
+class LayerSpectrum:
+    """One sharded layer's decomposition for one server round (float64, numpy).
+
+    Terms are stored term-major (one row per term) so that selecting, packing and averaging
+    a subset of terms touches contiguous rows.
+
+    Attributes
+    ----------
+    ut : np.ndarray
+        ``(N, c_out)``: row i is ``u'_i = √λ_i u_i``.
+    vt : np.ndarray
+        ``(N, c_in·k·k)``: row i is ``v'_i = √λ_i v_i``.
+    lam : np.ndarray
+        ``(N,)`` singular values, descending.
+    w : np.ndarray
+        ``(c_out, c_in·k·k)`` float64, the weight the terms were taken from.
+    shape, dtype :
+        The original weight's shape and dtype (replies and the rebuilt weight use them).
+    """
+
+    ut: np.ndarray
+    vt: np.ndarray
+    lam: np.ndarray
+    w: np.ndarray
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+
+
+def layer_spectrum(weight: np.ndarray) -> LayerSpectrum:
+    """The :class:`LayerSpectrum` of a ``Linear``/``Conv2d`` weight (via :func:`decompose`)."""
+    u, v, lam = decompose(torch.from_numpy(np.ascontiguousarray(weight)))
+    return LayerSpectrum(
+        np.ascontiguousarray(u.numpy().T), np.ascontiguousarray(v.numpy().T), lam.numpy(),
+        weight.reshape(weight.shape[0], -1).astype(np.float64), tuple(weight.shape),
+        weight.dtype,
+    )
 
 
 def decompose(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -127,41 +171,6 @@ def compose(u: torch.Tensor, v: torch.Tensor, shape: Sequence[int] | torch.Size)
             f"{v.shape[0]}; nothing was composed."
         )
     return (u.to(torch.float64) @ v.to(torch.float64).mT).reshape(shape)
-
-
-def num_terms(total: int, keep_ratio: float) -> int:
-    """Number of terms ``n = ceil(r N)`` a client keeps out of ``N``.
-
-    Parameters
-    ----------
-    total : int
-        ``N``, the number of terms of the layer (``>= 1``).
-    keep_ratio : float
-        ``r`` in ``(0, 1]``.
-
-    Returns
-    -------
-    int
-        ``max(1, ceil(r N - 1e-9))``; the ``1e-9`` guards against float error such as
-        ``0.07 * 100 = 7.000000000000001`` becoming 8.
-
-    Raises
-    ------
-    ValueError
-        If ``total < 1`` or ``keep_ratio`` is outside ``(0, 1]``.
-
-    Notes
-    -----
-    Paper, Sec. 3.1: ``n = ⌈N r⌉``, with the keep ratio shared across layers.
-    """
-    if isinstance(total, bool) or not isinstance(total, int) or total < 1:
-        raise ValueError(f"num_terms() expects a number of terms N >= 1, got {total!r}.")
-    if not (isinstance(keep_ratio, (int, float)) and 0.0 < keep_ratio <= 1.0):
-        raise ValueError(
-            f"num_terms() expects a keep ratio r in (0, 1], got {keep_ratio!r}; "
-            "no number of terms can be derived from it."
-        )
-    return max(1, math.ceil(keep_ratio * total - 1e-9))
 
 
 def take_terms(

@@ -1,7 +1,8 @@
-"""Model surgery: build client sub-models, read the trained factors back, merge them.
+"""Model surgery: build client sub-models and read the trained factors back.
 
-Nothing here mutates the caller's model: :func:`build_submodel`, :func:`shard_model` and
-:func:`merge_factors` deep-copy first (as Opacus ``ModuleValidator.fix`` does).
+Nothing here mutates the caller's model: :func:`build_submodel` and :func:`shard_model`
+deep-copy first (as Opacus ``ModuleValidator.fix`` does). Putting trained terms back into W
+is the server's aggregation, :mod:`fedshard.spectral.aggregate`.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fedshard.spectral.decompose import check_indices, compose, decompose, take_terms
+from fedshard.spectral.decompose import check_indices, decompose, take_terms
 from fedshard.spectral.layers import SpectralConv2d, SpectralLayer, SpectralLinear
 from fedshard.spectral.selection import check_shardable
 
-__all__ = ["LayerFactors", "build_submodel", "extract_factors", "merge_factors", "shard_model"]
+__all__ = ["LayerFactors", "build_submodel", "extract_factors", "shard_model"]
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,7 @@ def shard_model(
     sub : nn.Module
         The sub-model (see :func:`build_submodel`).
     index_map : dict of str to tuple of int
-        Layer name -> term indices, the mapping :func:`merge_factors` needs to put the trained
+        Layer name -> term indices, the mapping the aggregation needs to put the trained
         columns back.
 
     Raises
@@ -177,72 +178,6 @@ def shard_model(
         factors[name] = LayerFactors(u_sel, v_sel, torch.as_tensor(omegas[name]))
         index_map[name] = tuple(chosen)
     return build_submodel(model, factors), index_map
-
-
-def merge_factors(
-    model: nn.Module,
-    sub: nn.Module,
-    index_map: Mapping[str, Sequence[int]] | None = None,
-) -> nn.Module:
-    """Dense model with the trained factors of ``sub`` written back (one-client aggregation).
-
-    Parameters
-    ----------
-    model : nn.Module
-        The dense model ``sub`` was built from (not modified).
-    sub : nn.Module
-        The trained sub-model.
-    index_map : mapping of str to sequence of int, optional
-        From :func:`shard_model`. ``None`` means every spectral layer of ``sub`` holds all
-        ``N`` terms in the order of :func:`decompose` (the ``r = 1`` case).
-
-    Returns
-    -------
-    nn.Module
-        Deep copy of ``model`` in which each sharded weight is
-        ``Σ_{i ∉ I} u'_i v'_i^T + U V^T`` (untouched terms from ``model``, trained columns from
-        ``sub``, computed in float64) and every other parameter and buffer, including the
-        sharded layers' biases, is taken from ``sub``.
-
-    Raises
-    ------
-    ValueError
-        If ``index_map`` and the spectral layers of ``sub`` disagree.
-
-    Notes
-    -----
-    This is the aggregation of Sec. 3.1, step 3, for a single client: ``ω`` is *not* part of
-    the stored weight (``W <- Σ u'_i v'_i^T``), it only scales the terms during local training.
-    """
-    trained = extract_factors(sub)
-    if index_map is not None and set(index_map) != set(trained):
-        raise ValueError(
-            f"index_map names {sorted(index_map)} but the sub-model's spectral layers are "
-            f"{sorted(trained)}; nothing was merged."
-        )
-    merged = copy.deepcopy(model)
-    state = dict(sub.state_dict())
-    for name, (u_new, v_new) in trained.items():
-        weight = _weight(merged, name)
-        u, v, _ = decompose(weight)  # float64 (c_out, N), (fan_in, N)
-        total = u.shape[1]
-        chosen = list(range(total)) if index_map is None else check_indices(index_map[name], total)
-        if len(chosen) != u_new.shape[1]:
-            raise ValueError(
-                f"layer {name!r}: the sub-model has {u_new.shape[1]} terms but the index map "
-                f"lists {len(chosen)} (N = {total}); nothing was merged."
-            )
-        keep = torch.ones(total, dtype=torch.bool)
-        keep[chosen] = False
-        untouched = compose(u[:, keep], v[:, keep], weight.shape)
-        state[f"{name}.weight"] = (
-            untouched + compose(u_new, v_new, weight.shape)
-        ).to(weight.dtype)
-        state.pop(f"{name}.u")
-        state.pop(f"{name}.v")
-        state.pop(f"{name}.omega")
-    merged.load_state_dict(state)
-    return merged
 
 
 def _replace(root: nn.Module, name: str, new: nn.Module) -> None:

@@ -15,7 +15,6 @@ from fedshard.spectral import (
     build_submodel,
     decompose,
     extract_factors,
-    merge_factors,
     shard_model,
     sharded_layer_names,
 )
@@ -241,52 +240,6 @@ def test_extract_factors_returns_detached_copies_in_received_order() -> None:
     torch.testing.assert_close(u.double(), full_u[:, [5, 1]], rtol=0, atol=1e-6)
     u.zero_()
     assert sub.get_submodule("body").u.abs().sum() > 0
-
-
-def test_merge_of_untrained_submodel_is_identity_and_idempotent() -> None:
-    model = _resnet()
-    names = sharded_layer_names(model)
-    indices = {n: [0, 2, 1] for n in names}
-    omegas = {n: torch.tensor([5.0, 2.0, 1.0], dtype=torch.float64) for n in names}
-    sub, index_map = shard_model(model, indices, omegas)
-    merged = merge_factors(model, sub, index_map)
-    for key, value in model.state_dict().items():
-        torch.testing.assert_close(merged.state_dict()[key], value, rtol=0, atol=1e-12)
-    again = merge_factors(merged, shard_model(merged, indices, omegas)[0], index_map)
-    for key, value in merged.state_dict().items():
-        torch.testing.assert_close(again.state_dict()[key], value, rtol=0, atol=1e-12)
-
-
-def test_merge_puts_trained_columns_back_and_keeps_untouched_terms() -> None:
-    model = Reordered().double()
-    sub, index_map = shard_model(model, {"body": [6, 0]}, {"body": torch.tensor([3.0, 1.0])})
-    layer = sub.get_submodule("body")
-    assert isinstance(layer, SpectralLinear) and layer.bias is not None
-    g = torch.Generator().manual_seed(4)
-    with torch.no_grad():  # "training": new columns, new bias, new head
-        layer.u.copy_(torch.randn(8, 2, generator=g, dtype=torch.float64))
-        layer.v.copy_(torch.randn(8, 2, generator=g, dtype=torch.float64))
-        layer.bias.add_(1.0)
-        sub.get_submodule("head").weight.mul_(2.0)
-    merged = merge_factors(model, sub, index_map)
-    # Reference: numpy SVD; terms other than {6, 0} unchanged, ω not stored in the weight.
-    left, lam, right_h = np.linalg.svd(model.body.weight.detach().numpy())
-    rest = [i for i in range(8) if i not in (6, 0)]
-    expected = (left[:, rest] * lam[rest]) @ right_h[rest] + (layer.u @ layer.v.T).detach().numpy()
-    np.testing.assert_allclose(merged.body.weight.detach().numpy(), expected, atol=1e-12)
-    torch.testing.assert_close(merged.body.bias, layer.bias)
-    torch.testing.assert_close(merged.head.weight, 2.0 * model.head.weight)
-    assert type(merged.body) is nn.Linear and type(model.body) is nn.Linear
-
-
-def test_merge_without_index_map_needs_all_terms() -> None:
-    model = Reordered()
-    full, _ = shard_model(model, {"body": list(range(8))}, {"body": torch.ones(8)})
-    merged = merge_factors(model, full)
-    torch.testing.assert_close(merged.body.weight, model.body.weight, rtol=1e-5, atol=1e-6)
-    part, _ = shard_model(model, {"body": [0, 1]}, {"body": torch.ones(2)})
-    with pytest.raises(ValueError, match=r"'body': the sub-model has 2 terms but the index map"):
-        merge_factors(model, part)
 
 
 def test_shard_model_validates_its_mappings() -> None:

@@ -374,7 +374,7 @@ def test_round_trip_with_zero_learning_rate_is_identity(method: str, design: str
                                                         monkeypatch) -> None:
     """lr = 0: SVD → shards → real client training → aggregation → rebuild returns W."""
     s = strategy(method=method, design=design)
-    monkeypatch.setattr("fedshard.strategy.cosine_lr", lambda lr, r, n: 0.0)
+    monkeypatch.setattr("fedshard.strategy.round_lr", lambda schedule, lr, r, n: 0.0)
     grid = grid_with([0.25, 0.25, 0.5, 1.0])
     arrays = initial()
     msgs = list(s.configure_train(1, arrays, ConfigRecord(), grid))

@@ -28,7 +28,40 @@ Messages
     ``"metrics"``: ``num-examples``, ``eval-loss``, ``eval-accuracy``.
 """
 
-from __future__ import annotations
+from fedshard.protocol.capabilities import (
+    Capabilities,
+    capabilities_reply,
+    query_message,
+    read_capabilities,
+)
+from fedshard.protocol.keys import (
+    ARRAYS,
+    CAPABILITIES,
+    CONFIG,
+    EVAL_ACCURACY,
+    EVAL_LOSS,
+    KEEP_RATIO,
+    METRICS,
+    NODE_KEY,
+    NUM_EXAMPLES,
+    QUERY,
+    TRAIN_ACCURACY,
+    TRAIN_LOSS,
+    factor_key,
+    is_factor_key,
+    layer_of,
+)
+from fedshard.protocol.settings import TRAIN_CONFIG_KEYS, TrainSettings
+from fedshard.protocol.shards import (
+    SentShard,
+    TrainReply,
+    check_eval_reply,
+    check_train_reply,
+    decode_shard,
+    encode_shard,
+    positive_weight,
+    train_reply,
+)
 
 __all__ = [
     "ARRAYS",
@@ -44,58 +77,20 @@ __all__ = [
     "TRAIN_ACCURACY",
     "TRAIN_CONFIG_KEYS",
     "TRAIN_LOSS",
+    "Capabilities",
+    "SentShard",
+    "TrainReply",
+    "TrainSettings",
+    "capabilities_reply",
+    "check_eval_reply",
+    "check_train_reply",
+    "decode_shard",
+    "encode_shard",
     "factor_key",
     "is_factor_key",
     "layer_of",
+    "positive_weight",
+    "query_message",
+    "read_capabilities",
+    "train_reply",
 ]
-
-# Record names inside a RecordDict
-ARRAYS = "arrays"
-CONFIG = "config"
-METRICS = "metrics"
-QUERY = "query"
-CAPABILITIES = "capabilities"
-
-# Capability / metric keys
-KEEP_RATIO = "keep-ratio"
-NODE_KEY = "node-key"
-NUM_EXAMPLES = "num-examples"
-TRAIN_LOSS = "train-loss"
-TRAIN_ACCURACY = "train-accuracy"
-EVAL_LOSS = "eval-loss"
-EVAL_ACCURACY = "eval-accuracy"
-
-# What a train ConfigRecord carries (all set by the strategy, per node).
-TRAIN_CONFIG_KEYS = (
-    "server-round",
-    "lr",
-    "local-epochs",
-    "batch-size",
-    "momentum",
-    "frobenius-decay",
-    "clip-lr-tau",  # 0.0 = ClipLR off
-    "weight-decay",
-    "keep-ratio",
-    "train-seed",
-    "method",
-)
-
-_FACTOR_PARTS = ("u", "v", "omega", "indices")
-
-
-def factor_key(layer: str, part: str) -> str:
-    """Array key of ``part`` (``"u"``, ``"v"``, ``"omega"``, ``"indices"``) of ``layer``."""
-    if part not in _FACTOR_PARTS:
-        raise ValueError(f"part={part!r}: expected one of {_FACTOR_PARTS}")
-    return f"{layer}.{part}"
-
-
-def is_factor_key(key: str, layers: frozenset[str] | set[str]) -> bool:
-    """Whether ``key`` is a factor entry of one of ``layers``."""
-    layer, _, part = key.rpartition(".")
-    return part in _FACTOR_PARTS and layer in layers
-
-
-def layer_of(key: str) -> str:
-    """Module name of a ``"<layer>.<part>"`` key."""
-    return key.rpartition(".")[0]

@@ -1,0 +1,61 @@
+"""The ``query`` message: a node declares its keep ratio and a stable key."""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.common import MessageType
+
+from fedshard.protocol.keys import CAPABILITIES, KEEP_RATIO, NODE_KEY, QUERY
+from fedshard.sampling import as_keep_ratio
+
+__all__ = ["Capabilities", "capabilities_reply", "query_message", "read_capabilities"]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a node declared: its keep ratio and a stable key (survives node-id changes)."""
+
+    keep_ratio: float
+    key: str
+
+    @property
+    def stream(self) -> int:
+        """Integer identity of the node for its random stream."""
+        return int(self.key) if self.key.isdigit() else zlib.crc32(self.key.encode())
+
+
+def query_message(node: int) -> Message:
+    """The capability query sent to ``node``."""
+    return Message(RecordDict({QUERY: ConfigRecord({"want": [KEEP_RATIO, NODE_KEY]})}),
+                   dst_node_id=node, message_type=MessageType.QUERY)
+
+
+def capabilities_reply(msg: Message, keep_ratio: float, node_key: str | int | None) -> Message:
+    """A node's answer to ``msg``; ``keep_ratio`` is checked (``ValueError`` if not in (0, 1])."""
+    r = as_keep_ratio(keep_ratio, "keep-ratio", "this node cannot take part until it declares "
+                      "one (e.g. --node-config \"keep-ratio=0.2\")")
+    caps = ConfigRecord({KEEP_RATIO: r})
+    if node_key is not None:
+        caps[NODE_KEY] = str(node_key)
+    return Message(RecordDict({CAPABILITIES: caps}), reply_to=msg)
+
+
+def read_capabilities(reply: Message) -> tuple[Capabilities | None, str]:
+    """The node's declared capabilities, or ``None`` and the reason there are none."""
+    if reply.has_error():
+        return None, f"error reply: {reply.error.reason}"
+    caps = reply.content.config_records.get(CAPABILITIES)
+    if caps is None or KEEP_RATIO not in caps:
+        return None, f"no {CAPABILITIES!r} record with {KEEP_RATIO!r}"
+    try:
+        ratio = as_keep_ratio(caps[KEEP_RATIO], KEEP_RATIO)
+    except ValueError as err:
+        return None, str(err)
+    key = caps.get(NODE_KEY, "")
+    if not isinstance(key, str):
+        return None, f"{NODE_KEY}={key!r} is not a string"
+    # Without a declared key the node id is the key (stable within one launch only).
+    return Capabilities(ratio, key or str(reply.metadata.src_node_id)), ""

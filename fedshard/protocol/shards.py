@@ -1,0 +1,175 @@
+"""The ``train`` message's arrays and its reply: encoding, decoding and checking a shard."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+
+from fedshard.protocol.keys import ARRAYS, METRICS, NUM_EXAMPLES, factor_key, layer_of
+from fedshard.spectral.aggregate import TermUpdate
+from fedshard.spectral.decompose import LayerSpectrum
+
+__all__ = [
+    "SentShard", "TrainReply", "check_eval_reply", "check_train_reply", "decode_shard",
+    "encode_shard", "positive_weight", "train_reply",
+]
+
+
+@dataclass(frozen=True)
+class SentShard:
+    """What one node was sent this round; its reply is checked against it."""
+
+    keep_ratio: float
+    indices: dict[str, np.ndarray]  # layer -> (n,) term indices
+    expected: dict[str, tuple[tuple[int, ...], np.dtype[Any]]]  # reply key -> (shape, dtype)
+    bytes_sent: int
+
+
+def encode_shard(
+    arrays: ArrayRecord,
+    spectra: dict[str, LayerSpectrum],
+    terms: dict[str, tuple[np.ndarray, np.ndarray]],
+    keep_ratio: float,
+) -> tuple[ArrayRecord, SentShard]:
+    """One node's ``train`` arrays (fresh arrays, nothing shared with other nodes' factors):
+    the dense entries of ``arrays`` and, per sharded layer, ``u``/``v``/``omega``/``indices``
+    of the terms ``terms[layer] = (indices, ω)``."""
+    sharded_weights = {f"{layer}.weight" for layer in spectra}
+    out: dict[str, Array] = {}
+    expected: dict[str, tuple[tuple[int, ...], np.dtype[Any]]] = {}
+    for key, arr in arrays.items():
+        if key in sharded_weights:
+            continue
+        out[key] = arr  # dense entries are read-only on the wire; sharing the Array is safe
+        expected[key] = (tuple(arr.shape), np.dtype(arr.dtype))
+    indices = {}
+    for layer, spec in spectra.items():
+        idx, omega = terms[layer]
+        parts = {
+            "u": np.ascontiguousarray(spec.ut[idx].T, dtype=spec.dtype),  # (c_out, n)
+            "v": np.ascontiguousarray(spec.vt[idx].T, dtype=spec.dtype),  # (c_in·k·k, n)
+            "omega": np.ascontiguousarray(omega, dtype=spec.dtype),
+            "indices": np.ascontiguousarray(idx, dtype=np.int64),
+        }
+        for part, value in parts.items():
+            key = factor_key(layer, part)
+            out[key] = Array(value)
+            if part != "omega":
+                expected[key] = (value.shape, value.dtype)
+        indices[layer] = parts["indices"]
+    nbytes = sum(len(a.data) for a in out.values())
+    return ArrayRecord(out), SentShard(keep_ratio, indices, expected, nbytes)
+
+
+def decode_shard(
+    record: ArrayRecord,
+) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, np.ndarray]]:
+    """A ``train`` message's arrays as ``(factors, state)``: ``factors[layer]`` holds ``u``,
+    ``v``, ``omega`` (numpy views); ``state`` every entry but the indices (a state dict of the
+    sub-model, factors included)."""
+    layers = sorted(layer_of(k) for k in record if k.endswith(".indices"))
+    factors = {layer: {p: record[factor_key(layer, p)].numpy() for p in ("u", "v", "omega")}
+               for layer in layers}
+    state = {k: a.numpy() for k, a in record.items() if not k.endswith(".indices")}
+    return factors, state
+
+
+def train_reply(msg: Message, state: dict[str, np.ndarray], num_examples: int,
+                metrics: dict[str, float]) -> Message:
+    """The reply to a ``train`` message: the trained ``state`` (the sub-model's state dict;
+    ω is left out, the indices are echoed from ``msg``) and the metrics."""
+    record = msg.content.array_records[ARRAYS]
+    indices = [k for k in record if k.endswith(".indices")]
+    omega = {factor_key(layer_of(k), "omega") for k in indices}
+    out = {k: Array(v) for k, v in state.items() if k not in omega}
+    out.update({k: record[k] for k in indices})
+    values: dict[str, int | float | list[int] | list[float]] = {NUM_EXAMPLES: int(num_examples)}
+    values.update({k: float(v) for k, v in metrics.items()})
+    return Message(RecordDict({ARRAYS: ArrayRecord(out), METRICS: MetricRecord(values)}),
+                   reply_to=msg)
+
+
+@dataclass(frozen=True)
+class TrainReply:
+    """A checked ``train`` reply: weight, decoded arrays, metrics and bytes on the wire."""
+
+    node: int
+    weight: float
+    values: dict[str, np.ndarray]
+    metrics: MetricRecord
+    nbytes: int
+    layers: tuple[str, ...]
+
+    def terms(self) -> dict[str, TermUpdate]:
+        """The trained terms, by layer."""
+        return {layer: TermUpdate(self.weight, *(self.values[factor_key(layer, p)]
+                                                 for p in ("indices", "u", "v")))
+                for layer in self.layers}
+
+
+def positive_weight(metrics: MetricRecord | None) -> float | None:
+    """``num-examples`` if it is a finite number > 0, else ``None``."""
+    weight = metrics.get(NUM_EXAMPLES) if metrics is not None else None
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (
+        math.isfinite(weight) and weight > 0
+    ):
+        return None
+    return float(weight)
+
+
+def check_eval_reply(msg: Message) -> tuple[float, MetricRecord] | str:
+    """``(num-examples, metrics)`` of an ``evaluate`` reply, or the reason to drop it."""
+    if msg.has_error():
+        return f"error reply: {msg.error.reason}"
+    metrics = msg.content.metric_records.get(METRICS)
+    weight = positive_weight(metrics)
+    if metrics is None or weight is None:
+        return f"no positive {NUM_EXAMPLES}"
+    return weight, metrics
+
+
+def check_train_reply(msg: Message, sent: SentShard | None, seen: set[int]) -> TrainReply | str:
+    """The checked reply, or the reason (``"category: details"``) it must be dropped."""
+    node = msg.metadata.src_node_id
+    if msg.has_error():
+        return f"error-reply: code {msg.error.code}, {msg.error.reason}"
+    if sent is None:
+        return "unexpected-sender: this node was not sent a training message this round"
+    if node in seen:
+        return "duplicate: a second reply from this node in the same round"
+    content = msg.content
+    if ARRAYS not in content.array_records or METRICS not in content.metric_records:
+        return (f"missing-record: expected an ArrayRecord {ARRAYS!r} and a MetricRecord "
+                f"{METRICS!r}, got {sorted(content.keys())}")
+    metrics = content.metric_records[METRICS]
+    weight = positive_weight(metrics)
+    if weight is None:
+        return (f"bad-num-examples: {NUM_EXAMPLES}={metrics.get(NUM_EXAMPLES)!r}, expected a "
+                "number > 0")
+    record = content.array_records[ARRAYS]
+    keys, want = set(record.keys()), set(sent.expected)
+    if keys != want:
+        return f"bad-keys: missing {sorted(want - keys)[:5]}, unexpected {sorted(keys - want)[:5]}"
+    values: dict[str, np.ndarray] = {}
+    for key, (shape, dtype) in sent.expected.items():
+        try:
+            x = record[key].numpy()
+        except Exception as err:  # a corrupt payload must not crash the server
+            return f"bad-array: {key} cannot be decoded ({err})"
+        if tuple(x.shape) != shape:
+            return f"bad-shape: {key} has shape {tuple(x.shape)}, expected {shape}"
+        if x.dtype != dtype:
+            return f"bad-dtype: {key} has dtype {x.dtype}, expected {dtype}"
+        if np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
+            return f"non-finite: {key} holds NaN or inf"
+        values[key] = x
+    for layer, idx in sent.indices.items():
+        if not np.array_equal(values[factor_key(layer, "indices")], idx):
+            return f"bad-indices: {layer}.indices differ from the terms this node was sent"
+    # bytes on the wire, counted as for the sent records (serialized Array data)
+    nbytes = sum(len(a.data) for a in record.values())
+    return TrainReply(node, weight, values, metrics, nbytes, tuple(sent.indices))

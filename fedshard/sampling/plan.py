@@ -1,0 +1,192 @@
+"""One round's plan: which terms of which layer each client gets, and their multipliers ω.
+
+Numpy only. :func:`plan_round` takes the singular values λ of every sharded layer and the
+sampled clients with their keep ratios, groups the clients by keep ratio, and per group and
+layer computes the method's inclusion probabilities π and multipliers ω and draws one subset
+of n = ⌈rN⌉ terms per client with the method's sampling design. The names of the methods and
+designs, and which design each method uses, live here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from fedshard.sampling.designs import draw_subsets
+from fedshard.sampling.entropy import anme
+from fedshard.sampling.probabilities import (
+    default_prism_exponent,
+    inclusion_probabilities,
+    scaled_multipliers,
+)
+from fedshard.sampling.streams import Stream, stream_rng
+
+__all__ = [
+    "SAMPLING_DESIGNS",
+    "SCALABLE_METHODS",
+    "SHARDING_METHODS",
+    "RoundPlan",
+    "draw_layer",
+    "method_problems",
+    "num_terms",
+    "plan_round",
+]
+
+#: Strategies a run can use (``"none"``: no sharding, FedAvg of the dense model).
+SHARDING_METHODS = ("unbiased", "collective", "top-n", "prism", "prism-wallenius", "none")
+#: Designs with exact marginals π, for ``unbiased`` and ``collective``.
+SAMPLING_DESIGNS = ("cps", "brewer", "min-support")
+#: Methods whose ω may be replaced by +Scaled's (the others' ω are part of the method).
+SCALABLE_METHODS = ("top-n", "prism")
+
+Terms = tuple[np.ndarray, np.ndarray]  # (n,) sorted term indices, (n,) their ω
+
+
+def method_problems(method: str, design: str, scaled: bool = False,
+                    prism_exponent: float | None = None) -> list[str]:
+    """Every problem with a method/design/+Scaled/PriSM-exponent combination (empty: fine)."""
+    problems = []
+    if method not in SHARDING_METHODS:
+        problems.append(f"method={method!r}: expected one of {SHARDING_METHODS}")
+    if design not in SAMPLING_DESIGNS:
+        problems.append(f"design={design!r}: expected one of {SAMPLING_DESIGNS}")
+    if scaled and method not in SCALABLE_METHODS:
+        problems.append(f"scaled=True with method={method!r}: +Scaled replaces the method's "
+                        "own multipliers ω; use it with 'top-n' or 'prism'")
+    if prism_exponent is not None and not prism_exponent > 0:
+        problems.append(f"prism_exponent={prism_exponent}: expected > 0 or None (the paper's "
+                        "default: 4 if n/N ≤ 0.2 else 2.5)")
+    return problems
+
+
+def num_terms(total: int, keep_ratio: float) -> int:
+    """Number of terms ``n = ⌈rN⌉`` a client keeps out of ``N = total`` (paper, Sec. 3.1).
+
+    ``max(1, ceil(r N - 1e-9))``; the ``1e-9`` guards against float error such as
+    ``0.07 * 100 = 7.000000000000001`` becoming 8.
+
+    Raises
+    ------
+    ValueError
+        If ``total < 1`` or ``keep_ratio`` is outside ``(0, 1]``.
+    """
+    if isinstance(total, bool) or not isinstance(total, int) or total < 1:
+        raise ValueError(f"num_terms() expects a number of terms N >= 1, got {total!r}.")
+    if not (isinstance(keep_ratio, (int, float)) and 0.0 < keep_ratio <= 1.0):
+        raise ValueError(
+            f"num_terms() expects a keep ratio r in (0, 1], got {keep_ratio!r}; "
+            "no number of terms can be derived from it."
+        )
+    return max(1, math.ceil(keep_ratio * total - 1e-9))
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """What :func:`plan_round` decided.
+
+    Attributes
+    ----------
+    terms : dict
+        client -> layer -> ``(indices (n,) int64 sorted, ω (n,) float64)``.
+    anme : dict
+        ``"anme-r<r>"`` per keep-ratio group (the paper's exploration measure over the
+        group's layers) and ``"anme"``, their mean weighted by group size.
+    """
+
+    terms: dict[int, dict[str, Terms]]
+    anme: dict[str, float]
+
+
+def draw_layer(
+    lam: np.ndarray,
+    keep_ratio: float,
+    num_clients: int,
+    method: str,
+    design: str,
+    rng: np.random.Generator,
+    prism_exponent: float | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Subsets ``(C, n)``, ω ``(N,)`` and π ``(N,)`` of one layer for one keep-ratio group.
+
+    Notes
+    -----
+    ``unbiased``: Theorem 1 (ω = 1/π); ``collective``: Theorem 2 with C = ``num_clients``
+    (ω = C/(1+π(C−1))), both drawn with ``design``. ``prism`` / ``prism-wallenius``: successive
+    sampling ∝ λᵏ (numpy's ``choice``; k = ``prism_exponent`` or the paper's default), ω = 1
+    or 1/π with π the Wallenius mean. ``top-n``: the n largest terms, ω = 1.
+    """
+    n = num_terms(lam.size, keep_ratio)
+    if method in ("prism", "prism-wallenius"):
+        k = prism_exponent or default_prism_exponent(n, lam.size)
+        pi, omega = inclusion_probabilities(lam, n, method, prism_exponent=k)
+        # λ scaled by max λ so λ^k cannot underflow for the leading terms.
+        weights = (lam / lam.max()) ** k if lam.max() > 0 else np.ones_like(lam)
+        subsets = draw_subsets(pi, num_clients, design="successive", rng=rng, weights=weights)
+    elif method == "top-n":
+        pi, omega = inclusion_probabilities(lam, n, "top-n")
+        subsets = draw_subsets(pi, num_clients, design="top-n", rng=rng)
+    else:
+        pi, omega = inclusion_probabilities(lam, n, method, num_clients=num_clients)
+        subsets = draw_subsets(pi, num_clients, design=design, rng=rng)
+    return np.asarray(subsets, dtype=np.int64), np.asarray(omega, dtype=np.float64), pi
+
+
+def plan_round(
+    spectra: Mapping[str, np.ndarray],
+    clients: Sequence[tuple[int, float]],
+    method: str,
+    design: str,
+    *,
+    seed: int,
+    server_round: int,
+    scaled: bool = False,
+    prism_exponent: float | None = None,
+) -> RoundPlan:
+    """Per client and layer: the term indices and their ω.
+
+    Parameters
+    ----------
+    spectra : mapping of str to np.ndarray
+        Layer -> its singular values λ ``(N,)`` (descending), in a fixed layer order.
+    clients : sequence of (int, float)
+        ``(client, keep ratio)`` in a canonical order (the strategy orders by stable node key);
+        within a keep-ratio group, clients receive the group's subsets in this order.
+    method, design : str
+        See :data:`SHARDING_METHODS`, :data:`SAMPLING_DESIGNS` and :func:`draw_layer`.
+    seed, server_round : int
+        The terms of layer ``l`` (its position in ``spectra``) for group ``g`` (groups in
+        increasing keep ratio) come from ``default_rng([seed, round, 1, l, g])``.
+    scaled : bool
+        +Scaled: ω of each client's subset is ``sqrt(Σλ² / Σ_subset λ²)``.
+    prism_exponent : float or None
+        PriSM's k (``None``: 4 if n/N ≤ 0.2 else 2.5).
+    """
+    ratios = dict(clients)
+    terms: dict[int, dict[str, Terms]] = {c: {} for c, _ in clients}
+    groups = sorted(set(ratios.values()))
+    metrics: dict[str, float] = {}
+    weighted = 0.0
+    for g, ratio in enumerate(groups):
+        members = [c for c, r in clients if r == ratio]
+        pis = []
+        for li, (layer, lam) in enumerate(spectra.items()):
+            rng = stream_rng(seed, server_round, Stream.TERMS, li, g)
+            subsets, omega, pi = draw_layer(lam, ratio, len(members), method, design, rng,
+                                            prism_exponent)
+            pis.append(pi)
+            for client, subset in zip(members, subsets, strict=True):
+                if scaled:
+                    omega_sub = np.asarray(scaled_multipliers(lam, subset), np.float64)
+                else:
+                    omega_sub = omega[subset]
+                terms[client][layer] = (subset, omega_sub)
+        if pis:
+            value = float(anme(pis))
+            metrics[f"anme-r{ratio:g}"] = value
+            weighted += value * len(members)
+    if spectra:
+        metrics["anme"] = weighted / len(ratios)
+    return RoundPlan(terms, metrics)
