@@ -7,7 +7,7 @@ from flwr.clientapp import ClientApp
 
 from fedshard.client import handle_evaluate, handle_query, handle_train
 from fedshard.config import RunConfig
-from fedshard.task import build_model, client_dataset, declared_keep_ratio
+from fedshard.task import build_model, client_dataset, declared_keep_ratio, resolve_device
 
 app = ClientApp()
 
@@ -31,10 +31,12 @@ def query(msg: Message, context: Context) -> Message:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     cfg, pid, num = _node(context)
-    return handle_train(msg, build_model(cfg), client_dataset(cfg, pid, num))
+    return handle_train(msg, build_model(cfg), client_dataset(cfg, pid, num),
+                        device=resolve_device(cfg.client_device))
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     cfg, pid, num = _node(context)
-    return handle_evaluate(msg, build_model(cfg), client_dataset(cfg, pid, num))
+    return handle_evaluate(msg, build_model(cfg), client_dataset(cfg, pid, num),
+                           device=resolve_device(cfg.client_device))

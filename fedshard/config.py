@@ -169,6 +169,8 @@ class RunConfig:
     results_dir: str = ""
     run_name: str = ""
     resume: bool = False
+    client_device: str = "auto"
+    server_device: str = "auto"
 
     def __post_init__(self) -> None:
         problems = self._problems()
@@ -304,7 +306,18 @@ class RunConfig:
              f"test-max-examples={self.test_max_examples}: expected ≥ 0 (0 = all)")
         need(self.eval_every >= 0, f"eval-every={self.eval_every}: expected ≥ 0 (0 = never)")
         need(self.seed >= 0, f"seed={self.seed}: expected a non-negative integer")
+        for key in ("client_device", "server_device"):
+            value = getattr(self, key)
+            need(_is_device(value), f"{key.replace('_', '-')}={value!r}: expected 'auto', 'cpu', "
+                 "'cuda' or 'cuda:<index>' ('auto': the GPU when torch sees one, else the CPU)")
         return p
+
+
+def _is_device(value: str) -> bool:
+    kind, _, index = value.partition(":")
+    if value in ("auto", "cpu", "cuda"):
+        return True
+    return kind == "cuda" and index.isdecimal() and index.isascii()
 
 
 def _coerce(value: Any, kind: type) -> Any:

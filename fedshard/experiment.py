@@ -22,7 +22,7 @@ from fedshard.config import RunConfig
 from fedshard.data import load_test_set
 from fedshard.results import RunRecorder
 from fedshard.strategy import SpectralSharding
-from fedshard.task import build_model, example_input
+from fedshard.task import build_model, example_input, resolve_device
 from fedshard.training import evaluate
 
 __all__ = ["build_strategy", "central_evaluate_fn", "run_server"]
@@ -30,8 +30,9 @@ __all__ = ["build_strategy", "central_evaluate_fn", "run_server"]
 logger = logging.getLogger(__name__)
 
 
-def build_strategy(cfg: RunConfig, model: nn.Module) -> SpectralSharding:
-    """The strategy for ``cfg``, sharding the paper's default layers of ``model``."""
+def build_strategy(cfg: RunConfig, model: nn.Module, device: str = "cpu") -> SpectralSharding:
+    """The strategy for ``cfg``, sharding the paper's default layers of ``model``; its SVD
+    and rebuild run on ``device``."""
     return SpectralSharding.from_model(
         model,
         example_input=example_input(cfg),
@@ -55,18 +56,21 @@ def build_strategy(cfg: RunConfig, model: nn.Module) -> SpectralSharding:
         min_train_nodes=1,
         min_evaluate_nodes=1,
         min_available_nodes=cfg.min_available_nodes,
+        device=None if device == "cpu" else device,
     )
 
 
-def run_server(grid: Grid, cfg: RunConfig, *, device: str = "cpu") -> dict[str, Any]:
+def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict[str, Any]:
     """The ServerApp's whole job: model, strategy, rounds, results, checkpoints, resume.
 
     With ``resume`` and a checkpoint in the run's results folder, the run continues after the
     checkpoint's round with the checkpoint's model, capability cache and history; the config
-    must be the one the checkpoint was written with (``resume`` and ``round-timeout`` aside).
+    must be the one the checkpoint was written with (``resume``, ``round-timeout`` and the
+    devices aside). ``device`` overrides ``server-device`` (SVD, rebuild, central evaluation).
     """
+    device = device or resolve_device(cfg.server_device)
     model = build_model(cfg)
-    strategy = build_strategy(cfg, model)
+    strategy = build_strategy(cfg, model, device)
     directory = cfg.results_path
     initial = ArrayRecord(model.state_dict())
     done = 0
@@ -75,7 +79,8 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str = "cpu") -> dict[str, 
         logger.warning("resume=true but %s holds no checkpoint: starting from round 1",
                        directory)
     if checkpoint is not None:
-        checkpoint.check_config(cfg.as_dict(), ignore=("resume", "round-timeout"))
+        checkpoint.check_config(cfg.as_dict(), ignore=("resume", "round-timeout",
+                                                        "client-device", "server-device"))
         done = checkpoint.server_round
         if done >= cfg.num_server_rounds:
             logger.info("Run %s already finished (%d rounds); nothing to do.", directory, done)

@@ -36,6 +36,7 @@ class RoundState:
     spectra: dict[str, LayerSpectrum]
     sent: dict[int, P.SentShard]
     metrics: dict[str, float] = field(default_factory=dict)
+    device: str | None = None  # where the SVD and the rebuild run (None: numpy on the host)
 
     def collect(self, replies: Iterable[Message]) -> tuple[list[P.TrainReply], Counter[str], int]:
         """The valid replies, the dropped ones counted by reason (each logged), and the
@@ -57,7 +58,7 @@ class RoundState:
         """The new global model from the valid replies (:func:`aggregate_state`)."""
         new = aggregate_state({k: a.numpy() for k, a in self.arrays.items()}, self.spectra,
                               [r.weight for r in accepted], [r.values for r in accepted],
-                              [r.terms() for r in accepted])
+                              [r.terms() for r in accepted], device=self.device)
         return ArrayRecord({k: Array(v) for k, v in new.items()})
 
 
@@ -75,15 +76,17 @@ def shard_round(
     seed: int,
     scaled: bool = False,
     prism_exponent: float | None = None,
+    device: str | None = None,
 ) -> tuple[list[Message], RoundState]:
     """One ``train`` message per node (``nodes`` in canonical order) and the round's state.
 
     Takes the SVD of every sharded layer, plans the terms (:func:`plan_round`), encodes each
     node's shard and its settings (``settings(node)`` on top of the caller's ``config``);
-    ``lr`` is the round's learning rate, for the metrics.
+    ``lr`` is the round's learning rate, for the metrics; ``device`` where the SVD runs.
     """
     t0 = time.perf_counter()
-    spectra = {layer: layer_spectrum(_weight(arrays, layer)) for layer in sharded_layers}
+    spectra = {layer: layer_spectrum(_weight(arrays, layer), device)
+               for layer in sharded_layers}
     t1 = time.perf_counter()
     plan = plan_round({k: s.lam for k, s in spectra.items()},
                       [(n, c.keep_ratio) for n, c in nodes.items()], method, design, seed=seed,
@@ -96,7 +99,8 @@ def shard_round(
         messages.append(Message(RecordDict({P.ARRAYS: record, P.CONFIG: cfg}), dst_node_id=node,
                                 message_type=MessageType.TRAIN, group_id=str(server_round)))
     metrics = send_metrics(arrays, sent, lr, (t0, t1, t2, time.perf_counter()))
-    return messages, RoundState(server_round, arrays, spectra, sent, {**metrics, **plan.anme})
+    return messages, RoundState(server_round, arrays, spectra, sent, {**metrics, **plan.anme},
+                                device)
 
 
 def _weight(arrays: ArrayRecord, layer: str) -> np.ndarray:

@@ -70,6 +70,8 @@ class SpectralSharding(FedAvg):
         (``None``: forever).
     fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes :
         As in :class:`flwr.serverapp.strategy.FedAvg`.
+    device : str or None
+        Where the server's SVD and rebuild run (e.g. ``"cuda"``); ``None``: the CPU (numpy).
 
     Notes
     -----
@@ -105,6 +107,7 @@ class SpectralSharding(FedAvg):
         min_train_nodes: int = 1,
         min_evaluate_nodes: int = 1,
         min_available_nodes: int = 1,
+        device: str | None = None,
     ) -> None:
         super().__init__(
             fraction_train=fraction_train, fraction_evaluate=fraction_evaluate,
@@ -128,6 +131,7 @@ class SpectralSharding(FedAvg):
         self.method, self.design, self.scaled = method, design, scaled
         self.prism_exponent = prism_exponent
         self.seed = seed
+        self.device = device
         # The settings every node gets; round, lr, keep ratio and seed are set per node.
         self.training = P.TrainSettings(
             server_round=0, lr=lr, local_epochs=local_epochs, batch_size=batch_size,
@@ -218,7 +222,7 @@ class SpectralSharding(FedAvg):
             server_round, arrays, self.sharded_layers, nodes,
             lambda node: self._settings(server_round, node, lr), config, lr=lr,
             method=self.method, design=self.design, seed=self.seed, scaled=self.scaled,
-            prism_exponent=self.prism_exponent)
+            prism_exponent=self.prism_exponent, device=self.device)
         m = self._round.metrics
         log(INFO, "configure_train: round %d, %d nodes (keep ratios %s), lr=%.4g, svd %.2fs, "
             "sampling %.2fs, packing %.2fs", server_round, len(messages),

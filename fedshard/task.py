@@ -7,6 +7,7 @@ ServerApp shares with it: the model builder). The server's orchestration is in
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,9 @@ from fedshard.data import dataset_info, load_partition
 from fedshard.protocol import KEEP_RATIO
 from fedshard.sampling import as_keep_ratio
 
-__all__ = ["build_model", "client_dataset", "declared_keep_ratio", "example_input"]
+__all__ = [
+    "build_model", "client_dataset", "declared_keep_ratio", "example_input", "resolve_device",
+]
 
 
 def build_model(cfg: RunConfig) -> nn.Module:
@@ -94,3 +97,22 @@ def declared_keep_ratio(cfg: RunConfig, node_config: dict[str, Any]) -> float:
         )
     return cfg.mixture.ratio_for(int(node_config["partition-id"]),
                                  int(node_config["num-partitions"]))
+
+
+def resolve_device(setting: str) -> str:
+    """A run config's ``client-device``/``server-device`` as a torch device string.
+
+    ``"auto"``: ``"cuda:0"`` when torch sees a GPU, else ``"cpu"``. Under Flower's Ray
+    simulation with ``client-resources-num-gpus > 0`` Ray sets ``CUDA_VISIBLE_DEVICES`` for
+    each ClientApp, so ``cuda:0`` is the GPU it was given. An explicit ``cuda`` on a machine
+    without one is an error (a run must not silently train on the CPU).
+    """
+    if setting == "auto":
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    if setting.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"device {setting!r} was asked for, but torch sees no GPU here "
+            f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); use 'auto' or 'cpu', or give the "
+            "ClientApps GPUs (client-resources-num-gpus in the federation config)")
+    return setting

@@ -90,3 +90,14 @@ def test_results_path_is_absolute(tmp_path: Path) -> None:
     cfg = RunConfig(results_dir=str(tmp_path), run_name="x")
     assert cfg.results_path == tmp_path / "x"
     assert RunConfig().results_path.is_absolute()
+
+
+@pytest.mark.parametrize("value", ["gpu", "cuda:x", "cuda:", "CPU"])
+def test_bad_device_is_rejected(value: str) -> None:
+    with pytest.raises(ConfigError, match=rf"client-device='{value}': expected 'auto', 'cpu'"):
+        RunConfig.from_mapping({"client-device": value})
+
+
+def test_devices_default_to_auto() -> None:
+    cfg = RunConfig.from_mapping({"server-device": "cuda:1"})
+    assert cfg.client_device == "auto" and cfg.server_device == "cuda:1"

@@ -52,9 +52,15 @@ class LayerSpectrum:
     dtype: np.dtype[Any]
 
 
-def layer_spectrum(weight: np.ndarray) -> LayerSpectrum:
-    """The :class:`LayerSpectrum` of a ``Linear``/``Conv2d`` weight (via :func:`decompose`)."""
-    u, v, lam = decompose(torch.from_numpy(np.ascontiguousarray(weight)))
+def layer_spectrum(weight: np.ndarray, device: str | torch.device | None = None) -> LayerSpectrum:
+    """The :class:`LayerSpectrum` of a ``Linear``/``Conv2d`` weight (via :func:`decompose`).
+
+    ``device``: where the float64 SVD runs (e.g. ``"cuda"``: ~8x faster than 2 CPU cores for
+    ResNet-18's layers); ``None`` is the CPU. The result is always numpy on the host.
+    """
+    w = torch.from_numpy(np.ascontiguousarray(weight))
+    u, v, lam = decompose(w if device is None else w.to(device))
+    u, v, lam = u.cpu(), v.cpu(), lam.cpu()
     return LayerSpectrum(
         np.ascontiguousarray(u.numpy().T), np.ascontiguousarray(v.numpy().T), lam.numpy(),
         weight.reshape(weight.shape[0], -1).astype(np.float64), tuple(weight.shape),
