@@ -179,6 +179,7 @@ class RunConfig:
     results_dir: str = ""
     run_name: str = ""
     resume: bool = False
+    overwrite: bool = False
 
     def __post_init__(self) -> None:
         problems = self._problems()
@@ -314,6 +315,32 @@ class RunConfig:
              f"test-max-examples={self.test_max_examples}: expected ≥ 0 (0 = all)")
         need(self.eval_every >= 0, f"eval-every={self.eval_every}: expected ≥ 0 (0 = never)")
         need(self.seed >= 0, f"seed={self.seed}: expected a non-negative integer")
+        p.extend(self._location_problems())
+        return p
+
+    def _location_problems(self) -> list[str]:
+        """Problems of ``results-dir``, ``run-name``, ``resume`` and ``overwrite``."""
+        p: list[str] = []
+        if self.results_dir and not Path(self.results_dir).expanduser().is_absolute():
+            p.append(
+                f"results-dir={self.results_dir!r}: expected an absolute path (or ~/...); a "
+                "relative one would be taken from wherever the ServerApp process runs"
+            )
+        seps = {"/", "\\", os.sep, *([os.altsep] if os.altsep else [])}
+        if self.run_name and (
+            any(s in self.run_name for s in seps) or ".." in self.run_name
+            or self.run_name.startswith(".") or "\0" in self.run_name
+        ):
+            p.append(
+                f"run-name={self.run_name!r}: expected a plain folder name (no path separator, "
+                "no '..', not starting with '.'), so that the run stays a visible folder inside "
+                "results-dir"
+            )
+        if self.resume and self.overwrite:
+            p.append(
+                "resume=true with overwrite=true: resume continues the run in its folder, "
+                "overwrite deletes it; set one of them"
+            )
         return p
 
 
