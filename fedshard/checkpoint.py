@@ -8,11 +8,17 @@ numbers whether or not the server was restarted in between.
 
 The file is written to a temporary name and renamed over the previous one (atomic on POSIX),
 so a crash at any moment leaves either the previous or the new checkpoint, never a torn one.
+The checkpoint before it is kept as ``checkpoint.prev.pt``, so a resume can roll back one
+round when the newest is damaged (``Checkpoint.load(directory, fallback=True)``). A model
+holding NaN or ±inf is never checkpointed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,9 +27,120 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["CHECKPOINT_NAME", "Checkpoint"]
+from fedshard.rundir import CHECKPOINT_NAME, PREVIOUS_CHECKPOINT_NAME
 
-CHECKPOINT_NAME = "checkpoint.pt"
+__all__ = ["CHECKPOINT_NAME", "PREVIOUS_CHECKPOINT_NAME", "Checkpoint", "CheckpointError"]
+
+logger = logging.getLogger(__name__)
+
+_FORMAT = 1
+_KEYS = ("format", "server-round", "arrays", "config", "capabilities", "history")
+_WHAT_TO_DO = (
+    "Delete it to fall back on {prev} (Checkpoint.load(directory, fallback=True) does that "
+    "for you), or start the run again with overwrite=true."
+)
+_WHAT_TO_DO_NO_PREV = (
+    "There is no previous checkpoint to fall back on: start the run again with overwrite=true "
+    "(or under another run-name)."
+)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file cannot be read or does not hold a fedshard checkpoint."""
+
+
+def _non_finite(arrays: Mapping[str, np.ndarray]) -> list[str]:
+    """``"name (k of n)"`` for every floating array holding NaN or ±inf."""
+    bad = []
+    for name, value in arrays.items():
+        arr = np.asarray(value)
+        if np.issubdtype(arr.dtype, np.inexact):
+            count = int(arr.size - np.count_nonzero(np.isfinite(arr)))
+            if count:
+                bad.append(f"{name!r} ({count} of {arr.size})")
+    return bad
+
+
+def _payload_problems(payload: Any) -> list[str]:
+    """Everything wrong with a loaded payload (empty: a valid format-1 checkpoint)."""
+    if not isinstance(payload, dict):
+        return [f"expected a dict with keys {list(_KEYS)}, found a {type(payload).__name__}"]
+    if payload.get("format") != _FORMAT:
+        return [f"unknown checkpoint format {payload.get('format')!r}, expected {_FORMAT} "
+                "(written by another fedshard version?)"]
+    problems = [f"missing key {k!r}" for k in _KEYS if k not in payload]
+    if problems:
+        return problems
+    rnd = payload["server-round"]
+    if isinstance(rnd, bool) or not isinstance(rnd, int) or rnd < 0:
+        problems.append(f"'server-round' must be an integer >= 0, found {rnd!r}")
+    arrays = payload["arrays"]
+    if not isinstance(arrays, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in arrays.items()
+    ):
+        problems.append("'arrays' must map names to tensors")
+    else:
+        bad = _non_finite({k: v.numpy() for k, v in arrays.items()})
+        if bad:
+            problems.append(f"non-finite values in {', '.join(bad)}")
+    if not isinstance(payload["config"], dict):
+        problems.append(f"'config' must be a dict, found {type(payload['config']).__name__}")
+    caps = payload["capabilities"]
+    if not isinstance(caps, dict) or not all(
+        isinstance(k, int) and isinstance(v, (tuple, list)) and len(v) == 2
+        and isinstance(v[0], (int, float)) and isinstance(v[1], str)
+        for k, v in caps.items()
+    ):
+        problems.append("'capabilities' must map node ids to (keep ratio, reason) pairs")
+    history = payload["history"]
+    if not isinstance(history, dict) or not all(
+        isinstance(k, int) and isinstance(v, dict) for k, v in history.items()
+    ):
+        problems.append("'history' must map rounds to dicts of metrics")
+    return problems
+
+
+def _read(path: Path) -> Checkpoint:
+    """The checkpoint in ``path``; :class:`CheckpointError` naming the file otherwise."""
+    prev = path.with_name(PREVIOUS_CHECKPOINT_NAME)
+    what_to_do = (_WHAT_TO_DO.format(prev=prev.name) if path != prev and prev.is_file()
+                  else _WHAT_TO_DO_NO_PREV)
+    size = path.stat().st_size
+    if size == 0:
+        raise CheckpointError(
+            f"{path} is empty (0 bytes); expected a fedshard checkpoint (torch.save of a dict, "
+            f"format {_FORMAT}), so the run cannot resume from it. {what_to_do}")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # zip, pickle and EOF errors all mean: not a readable checkpoint
+        raise CheckpointError(
+            f"{path} ({size} bytes) is corrupt or truncated ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else 'no details'}); expected a fedshard "
+            f"checkpoint (torch.save of a dict, format {_FORMAT}), so the run cannot resume "
+            f"from it. {what_to_do}"
+        ) from err
+    problems = _payload_problems(payload)
+    if problems:
+        raise CheckpointError(
+            f"{path} is not a valid fedshard checkpoint: {'; '.join(problems)}. The run cannot "
+            f"resume from it. {what_to_do}")
+    return Checkpoint(
+        server_round=int(payload["server-round"]),
+        arrays={k: v.numpy() for k, v in payload["arrays"].items()},
+        config=dict(payload["config"]),
+        capabilities={int(k): (float(v[0]), str(v[1]))
+                      for k, v in payload["capabilities"].items()},
+        history={int(k): dict(v) for k, v in payload["history"].items()},
+    )
+
+
+def _fsync_directory(directory: Path) -> None:
+    with contextlib.suppress(OSError):  # not every file system lets a directory be fsync'ed
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 @dataclass
@@ -37,11 +154,39 @@ class Checkpoint:
     history: dict[int, dict[str, float]] = field(default_factory=dict)
 
     def save(self, directory: Path) -> Path:
-        """Write ``directory/checkpoint.pt`` atomically; returns its path."""
+        """Write ``directory/checkpoint.pt`` atomically, keeping the one before it.
+
+        The previous ``checkpoint.pt`` becomes ``checkpoint.prev.pt``; at every moment
+        ``checkpoint.pt`` is a complete checkpoint (the old or the new one). Both are ``0600``.
+
+        Parameters
+        ----------
+        directory : Path
+            The run directory (it must exist).
+
+        Returns
+        -------
+        Path
+            The path of the new checkpoint.
+
+        Raises
+        ------
+        ValueError
+            If a floating array holds NaN or ±inf: a non-finite model is never checkpointed,
+            so a resume starts from the last finite one. Nothing is written.
+        """
         path = directory / CHECKPOINT_NAME
+        bad = _non_finite(self.arrays)
+        if bad:
+            raise ValueError(
+                f"Round {self.server_round}'s model has non-finite values in {', '.join(bad)}; "
+                f"expected finite weights. A non-finite model is never checkpointed: nothing "
+                f"was written, and {path} (if any) still holds the last finite round. Lower "
+                "the learning rate or enable ClipLR, then resume."
+            )
         tmp = directory / (CHECKPOINT_NAME + ".tmp")
         payload = {
-            "format": 1,
+            "format": _FORMAT,
             "server-round": self.server_round,
             "arrays": {k: torch.from_numpy(np.ascontiguousarray(v))
                        for k, v in self.arrays.items()},
@@ -49,31 +194,66 @@ class Checkpoint:
             "capabilities": self.capabilities,
             "history": self.history,
         }
-        with open(tmp, "wb") as fh:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            os.fchmod(fd, 0o600)
             torch.save(payload, fh)
             fh.flush()
             os.fsync(fh.fileno())
+        if path.is_file():
+            # A hard link keeps checkpoint.pt in place until the new one replaces it, so no
+            # crash leaves the directory without a newest checkpoint.
+            prev_tmp = directory / (PREVIOUS_CHECKPOINT_NAME + ".tmp")
+            prev_tmp.unlink(missing_ok=True)
+            try:
+                os.link(path, prev_tmp)
+            except OSError:  # no hard links on this file system
+                shutil.copyfile(path, prev_tmp)
+            os.replace(prev_tmp, directory / PREVIOUS_CHECKPOINT_NAME)
         os.replace(tmp, path)
+        _fsync_directory(directory)
         return path
 
     @classmethod
-    def load(cls, directory: Path) -> Checkpoint | None:
-        """The checkpoint in ``directory``, or ``None`` when there is none."""
+    def load(cls, directory: Path, *, fallback: bool = False) -> Checkpoint | None:
+        """The newest checkpoint in ``directory``, or ``None`` when there is none.
+
+        Parameters
+        ----------
+        directory : Path
+            The run directory.
+        fallback : bool
+            When ``checkpoint.pt`` is missing or unreadable, load ``checkpoint.prev.pt`` (the
+            round before) instead, with a logged warning.
+
+        Raises
+        ------
+        CheckpointError
+            If the checkpoint is empty, corrupt, truncated or holds the wrong keys or types
+            (and, with ``fallback``, the previous one cannot be read either); the message
+            names the file and what to do.
+        """
         path = directory / CHECKPOINT_NAME
+        prev = directory / PREVIOUS_CHECKPOINT_NAME
+        can_fall_back = fallback and prev.is_file()
         if not path.is_file():
-            return None
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-        if payload.get("format") != 1:
-            raise ValueError(f"{path}: unknown checkpoint format {payload.get('format')!r}; "
-                             "expected 1. Delete it or resume with the fedshard that wrote it.")
-        return cls(
-            server_round=int(payload["server-round"]),
-            arrays={k: v.numpy() for k, v in payload["arrays"].items()},
-            config=dict(payload["config"]),
-            capabilities={int(k): (float(v[0]), str(v[1]))
-                          for k, v in payload["capabilities"].items()},
-            history={int(k): dict(v) for k, v in payload["history"].items()},
-        )
+            if not can_fall_back:
+                return None
+            logger.warning("%s is missing; resuming from the previous checkpoint %s",
+                           path, prev)
+            return _read(prev)
+        try:
+            return _read(path)
+        except CheckpointError as err:
+            if not can_fall_back:
+                raise
+            logger.warning("%s; falling back to the previous checkpoint %s", err, prev)
+            try:
+                return _read(prev)
+            except CheckpointError as prev_err:
+                raise CheckpointError(
+                    f"Neither checkpoint in {directory} can be read, so the run cannot resume: "
+                    f"{err} -- and {prev_err}") from prev_err
 
     def check_config(self, config: Mapping[str, Any], *, ignore: tuple[str, ...] = ()) -> None:
         """Refuse to resume a run under a different configuration."""

@@ -171,6 +171,7 @@ class RunConfig:
     resume: bool = False
     client_device: str = "auto"
     server_device: str = "auto"
+    overwrite: bool = False
 
     def __post_init__(self) -> None:
         problems = self._problems()
@@ -310,6 +311,32 @@ class RunConfig:
             value = getattr(self, key)
             need(_is_device(value), f"{key.replace('_', '-')}={value!r}: expected 'auto', 'cpu', "
                  "'cuda' or 'cuda:<index>' ('auto': the GPU when torch sees one, else the CPU)")
+        p.extend(self._location_problems())
+        return p
+
+    def _location_problems(self) -> list[str]:
+        """Problems of ``results-dir``, ``run-name``, ``resume`` and ``overwrite``."""
+        p: list[str] = []
+        if self.results_dir and not Path(self.results_dir).expanduser().is_absolute():
+            p.append(
+                f"results-dir={self.results_dir!r}: expected an absolute path (or ~/...); a "
+                "relative one would be taken from wherever the ServerApp process runs"
+            )
+        seps = {"/", "\\", os.sep, *([os.altsep] if os.altsep else [])}
+        if self.run_name and (
+            any(s in self.run_name for s in seps) or ".." in self.run_name
+            or self.run_name.startswith(".") or "\0" in self.run_name
+        ):
+            p.append(
+                f"run-name={self.run_name!r}: expected a plain folder name (no path separator, "
+                "no '..', not starting with '.'), so that the run stays a visible folder inside "
+                "results-dir"
+            )
+        if self.resume and self.overwrite:
+            p.append(
+                "resume=true with overwrite=true: resume continues the run in its folder, "
+                "overwrite deletes it; set one of them"
+            )
         return p
 
 

@@ -74,12 +74,12 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
     directory = cfg.results_path
     initial = ArrayRecord(model.state_dict())
     done = 0
-    checkpoint = Checkpoint.load(directory) if cfg.resume else None
+    checkpoint = Checkpoint.load(directory, fallback=True) if cfg.resume else None
     if cfg.resume and checkpoint is None:
         logger.warning("resume=true but %s holds no checkpoint: starting from round 1",
                        directory)
     if checkpoint is not None:
-        checkpoint.check_config(cfg.as_dict(), ignore=("resume", "round-timeout",
+        checkpoint.check_config(cfg.as_dict(), ignore=("resume", "overwrite", "round-timeout",
                                                         "client-device", "server-device"))
         done = checkpoint.server_round
         if done >= cfg.num_server_rounds:
@@ -90,8 +90,9 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
         strategy.resume(done, checkpoint.capabilities, checkpoint.history)
         logger.info("Resuming %s after round %d of %d", directory, done, cfg.num_server_rounds)
     recorder = RunRecorder(directory, cfg.as_dict(), cfg.num_server_rounds,
-                           resume_round=done if checkpoint is not None else None)
-    config = {k: v for k, v in cfg.as_dict().items() if k != "resume"}
+                           resume_round=done if checkpoint is not None else None,
+                           overwrite=cfg.overwrite)
+    config = {k: v for k, v in cfg.as_dict().items() if k not in ("resume", "overwrite")}
     latest: list[ArrayRecord] = [initial]
 
     def on_round(server_round: int, arrays: ArrayRecord) -> None:

@@ -6,26 +6,43 @@ Layout of ``<results-dir>/<run-name>/``::
     metrics.jsonl   one JSON object per round (round 0 = the initial model's evaluation)
     model.pt        final global model (torch state_dict)
     summary.json    final accuracy, best accuracy, wall time, rounds completed
+    checkpoint.pt, checkpoint.prev.pt   the last two rounds' checkpoints (fedshard.checkpoint)
+    run.lock        held by the run writing the directory (fedshard.rundir)
+
+A new run refuses a directory that already holds results unless it resumes or overwrites;
+a second run on the same directory at the same time fails at once (see :class:`RunRecorder`).
+The directory is owner-only (``0700``) and so are the files (``0600``).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
-import os
 import platform
 import subprocess
 import time
 from collections.abc import Mapping
 from logging import INFO
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import torch
 from flwr.common.logger import log as flwr_log
 
-__all__ = ["RunRecorder", "git_commit"]
+from fedshard.rundir import (
+    RESULT_FILES,
+    ExistingResultsError,
+    RunLock,
+    RunLockedError,
+    make_run_directory,
+    open_private_append,
+    write_private,
+)
+
+__all__ = ["ExistingResultsError", "RunLockedError", "RunRecorder", "git_commit"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,38 +64,165 @@ def git_commit(path: Path | None = None) -> str:
         return "unknown"
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def _read_rows(path: Path) -> list[dict[str, Any]]:
+    """Rows of a ``metrics.jsonl`` being resumed.
+
+    A torn last line (the process died while appending it) is dropped with a warning; an
+    unreadable line anywhere else means the file was damaged otherwise, and is an error.
+    """
+    lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
+    numbered = [(i, line) for i, line in enumerate(lines, start=1) if line.strip()]
+    rows: list[dict[str, Any]] = []
+    for k, (line_no, line) in enumerate(numbered):
+        problem = None
+        try:
+            row = json.loads(line)
+        except ValueError as err:
+            problem = f"not valid JSON ({err})"
+        else:
+            if not isinstance(row, dict) or isinstance(row.get("round"), bool) or not isinstance(
+                row.get("round"), int
+            ):
+                problem = "expected a JSON object with an integer 'round'"
+        if problem is None:
+            rows.append(row)
+            continue
+        if k == len(numbered) - 1:
+            logger.warning("%s line %d is torn (%s): dropping it; its round is run again",
+                           path, line_no, problem)
+            break
+        raise ValueError(
+            f"{path} line {line_no}: {problem}; found {line[:80]!r}. Only the last line can be "
+            "torn by a crash, so the file was damaged otherwise and the run was not resumed. "
+            "Repair or delete that line, or start over with overwrite=true."
+        )
+    return rows
+
+
+def _describe(directory: Path, present: list[str]) -> str:
+    parts = []
+    for name in present:
+        if name == "metrics.jsonl":
+            text = (directory / name).read_text(encoding="utf-8", errors="replace")
+            parts.append(f"{name} with {sum(1 for x in text.splitlines() if x.strip())} row(s)")
+        else:
+            parts.append(name)
+    return ", ".join(parts)
+
+
+def _results_present(directory: Path) -> list[str]:
+    """The names in :data:`~fedshard.rundir.RESULT_FILES` that hold results in ``directory``."""
+    present = []
+    for name in RESULT_FILES:
+        path = directory / name
+        if not path.is_file():
+            continue
+        if name == "metrics.jsonl" and not path.read_text(errors="replace").strip():
+            continue  # an empty metrics file records nothing
+        present.append(name)
+    return present
 
 
 class RunRecorder:
-    """Writes one run's results; every file is written atomically or appended line by line."""
+    """Writes one run's results; every file is written atomically or appended line by line.
+
+    Parameters
+    ----------
+    directory : Path
+        Absolute run directory (``RunConfig.results_path``); created ``0700`` if needed.
+    config : mapping
+        The run config, recorded in ``config.json``.
+    num_rounds : int
+        Rounds of the run (for the log lines).
+    resume_round : int or None
+        Continue a run after this many completed rounds (its checkpoint's round): rows of
+        later rounds, written before a crash, are dropped, a torn last row too. ``None``: a
+        new run.
+    overwrite : bool
+        A new run may replace the results already in ``directory`` (they are deleted, and
+        the log says so). Without it a new run refuses such a directory.
+
+    Raises
+    ------
+    ValueError
+        ``directory`` is relative, ``resume_round`` is given together with ``overwrite``, or
+        the resumed ``metrics.jsonl`` is damaged before its last line.
+    RunLockedError
+        Another run holds ``directory`` (see :class:`~fedshard.rundir.RunLock`).
+    ExistingResultsError
+        A new run (``resume_round=None``) without ``overwrite`` in a directory that holds
+        results (rows in ``metrics.jsonl``, a checkpoint, ``model.pt`` or ``summary.json``).
+
+    Notes
+    -----
+    The recorder holds the run directory's lock from construction until :meth:`finish` or
+    :meth:`close` (or the process ends); it is also a context manager that closes on exit.
+    """
 
     def __init__(self, directory: Path, config: Mapping[str, Any], num_rounds: int,
-                 *, resume_round: int | None = None) -> None:
-        """Start recording a run, or continue one after ``resume_round`` completed rounds
-        (rows of later rounds, written before a crash, are dropped)."""
+                 *, resume_round: int | None = None, overwrite: bool = False) -> None:
         if not directory.is_absolute():
             raise ValueError(f"results directory {directory} must be absolute (Flower apps do not "
                              "run in your working directory)")
+        if resume_round is not None and overwrite:
+            raise ValueError(
+                f"resume_round={resume_round} with overwrite=True: resuming keeps the results in "
+                f"{directory}, overwriting deletes them; pick one. Nothing was changed."
+            )
         self.directory = directory
         self.num_rounds = num_rounds
-        self.directory.mkdir(parents=True, exist_ok=True)
+        make_run_directory(directory)
+        self._lock = RunLock(directory)
+        self._lock.acquire()
+        try:
+            self._start_files(config, resume_round, overwrite)
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def _start_files(self, config: Mapping[str, Any], resume_round: int | None,
+                     overwrite: bool) -> None:
+        directory = self.directory
         self.metrics_path = directory / "metrics.jsonl"
         self.rows: list[dict[str, Any]] = []
         resumed: list[dict[str, Any]] = []
-        if resume_round is not None and self.metrics_path.is_file():
-            rows = [json.loads(x) for x in self.metrics_path.read_text().splitlines() if x]
-            self.rows = [r for r in rows if r["round"] <= resume_round]
-            old = json.loads((directory / "config.json").read_text())
-            resumed = [*old.get("resumed", []), {"after-round": resume_round,
-                                                 "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}]
-        _atomic_write(self.metrics_path,
+        if resume_round is None:
+            present = _results_present(directory)
+            if present and not overwrite:
+                has_checkpoint = any(n.startswith("checkpoint") for n in present)
+                ways = (
+                    "set resume=true to continue that run from its checkpoint, or "
+                    "overwrite=true to delete its results and start again"
+                    if has_checkpoint else
+                    "it has no checkpoint to resume from; set overwrite=true to delete its "
+                    "results and start again"
+                )
+                raise ExistingResultsError(
+                    f"{directory} already holds a run's results ({_describe(directory, present)})"
+                    f". A new run there would overwrite them, so nothing was started: {ways}; or "
+                    "give this run another run-name."
+                )
+            if present:
+                logger.warning("overwrite=true: deleting the earlier run's %s in %s",
+                               _describe(directory, present), directory)
+                for name in present:
+                    (directory / name).unlink()
+        elif self.metrics_path.is_file():
+            self.rows = [r for r in _read_rows(self.metrics_path) if r["round"] <= resume_round]
+            try:
+                old = json.loads((directory / "config.json").read_text())
+                earlier = list(old.get("resumed", []))
+            except (OSError, ValueError, AttributeError, TypeError) as err:
+                logger.warning("%s is unreadable (%s); its record of earlier resumes is lost",
+                               directory / "config.json", err)
+                earlier = []
+            resumed = [*earlier, {"after-round": resume_round,
+                                  "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}]
+        write_private(self.metrics_path,
                       "".join(json.dumps(r, sort_keys=True) + "\n" for r in self.rows))
         # wall-s continues across a resume (time lost in the crash is not counted)
-        self._start = time.time() - (self.rows[-1]["wall-s"] if self.rows else 0.0)
+        self._start = time.time() - (float(self.rows[-1].get("wall-s", 0.0)) if self.rows
+                                     else 0.0)
         self._last = time.time()
         info: dict[str, Any] = {
             "config": dict(config),
@@ -96,8 +240,19 @@ class RunRecorder:
             info["flwr"] = flwr.__version__
         except ImportError:  # pragma: no cover - flwr is a dependency
             pass
-        _atomic_write(directory / "config.json", json.dumps(info, indent=2, sort_keys=True))
+        write_private(directory / "config.json", json.dumps(info, indent=2, sort_keys=True))
         logger.info("fedshard results -> %s", directory)
+
+    def close(self) -> None:
+        """Release the run directory's lock (the files stay); safe to call twice."""
+        self._lock.release()
+
+    def __enter__(self) -> RunRecorder:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
 
     def record_round(self, server_round: int, metrics: Mapping[str, float]) -> dict[str, Any]:
         """Append one round's metrics and log a one-line summary."""
@@ -107,7 +262,7 @@ class RunRecorder:
         row.update({k: float(v) for k, v in metrics.items()})
         self._last = now
         self.rows.append(row)
-        with self.metrics_path.open("a") as fh:
+        with open_private_append(self.metrics_path) as fh:
             fh.write(json.dumps(row, sort_keys=True) + "\n")
         # Flower's logger: the line shows in `flwr run --stream` and the SuperLink's run log.
         flwr_log(INFO, "%s", self.summary_line(row))
@@ -126,10 +281,10 @@ class RunRecorder:
         return " | ".join(parts)
 
     def finish(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        """Save the final model and a summary."""
-        tmp = self.directory / "model.pt.tmp"
-        torch.save(dict(state_dict), tmp)
-        os.replace(tmp, self.directory / "model.pt")
+        """Save the final model and a summary, then release the run directory's lock."""
+        buffer = io.BytesIO()
+        torch.save(dict(state_dict), buffer)
+        write_private(self.directory / "model.pt", buffer.getvalue())
         accs = [r["test-accuracy"] for r in self.rows if "test-accuracy" in r]
         summary = {
             "rounds-completed": max((r["round"] for r in self.rows), default=0),
@@ -137,5 +292,6 @@ class RunRecorder:
             "best-test-accuracy": max(accs) if accs else None,
             "wall-s": time.time() - self._start,
         }
-        _atomic_write(self.directory / "summary.json", json.dumps(summary, indent=2))
+        write_private(self.directory / "summary.json", json.dumps(summary, indent=2))
+        self.close()
         return summary

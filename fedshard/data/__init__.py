@@ -13,6 +13,7 @@ from fedshard.data.loading import clear_cache, load_partition, load_test_set
 from fedshard.data.partition import dirichlet_partition, pachinko_partition, partition_sizes
 from fedshard.data.registry import (
     DATASETS,
+    DataFormatError,
     DataNotFoundError,
     DatasetInfo,
     dataset_info,
@@ -23,6 +24,7 @@ from fedshard.data.shakespeare import VOCAB_SIZE, ShakespeareDataset
 __all__ = [
     "DATASETS",
     "VOCAB_SIZE",
+    "DataFormatError",
     "DataNotFoundError",
     "DatasetInfo",
     "ImageDataset",

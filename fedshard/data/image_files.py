@@ -26,6 +26,7 @@ import logging
 import pickle
 import socket
 import struct
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from fedshard.data.images import ImageArrays
-from fedshard.data.registry import DataNotFoundError
+from fedshard.data.registry import DataFormatError, DataNotFoundError, dataset_info
 
 __all__ = ["IMAGE_LAYOUTS", "download", "locate", "read_idx", "read_split"]
 
@@ -56,6 +57,7 @@ _DOWNLOAD_TIMEOUT_S = 60.0
 _IDX_UINT8 = 0x08
 _FMNIST_PREFIX = {"train": "train", "test": "t10k"}
 _IMAGE_SUFFIXES = {".jpeg", ".jpg", ".png"}
+_REPLACE = "The file is damaged or was not copied completely: delete it and fetch it again."
 
 
 def read_idx(path: Path) -> np.ndarray:
@@ -73,31 +75,42 @@ def read_idx(path: Path) -> np.ndarray:
 
     Raises
     ------
-    ValueError
-        If the header is malformed, the element type is not unsigned byte or the payload size
-        does not match the header.
+    DataFormatError
+        If a ``.gz`` file cannot be decompressed (truncated, damaged), the header is
+        malformed, the element type is not unsigned byte or the payload size does not match
+        the header.
     """
-    opener: Any = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as handle:
-        data: bytes = handle.read()
+    if path.suffix == ".gz":
+        try:
+            with gzip.open(path, "rb") as handle:
+                data: bytes = handle.read()
+        except (EOFError, OSError, zlib.error) as err:
+            raise DataFormatError(
+                f"{path} ({path.stat().st_size} bytes): cannot decompress it "
+                f"({type(err).__name__}: {err}); expected a complete gzip-compressed idx "
+                f"file. {_REPLACE}"
+            ) from err
+    else:
+        data = path.read_bytes()
     # Header: two zero bytes, a type code (0x08 = unsigned byte), the number of dimensions,
     # then one big-endian uint32 per dimension.
     if len(data) < 4 or data[0] != 0 or data[1] != 0:
-        raise ValueError(f"{path}: not an idx file (bad magic number); it was not loaded.")
+        raise DataFormatError(f"{path}: not an idx file (bad magic number); it was not loaded.")
     if data[2] != _IDX_UINT8:
-        raise ValueError(
+        raise DataFormatError(
             f"{path}: idx element type 0x{data[2]:02x}, expected 0x08 (unsigned byte)."
         )
     ndim = data[3]
     header = 4 + 4 * ndim
     if len(data) < header:
-        raise ValueError(f"{path}: idx header truncated ({len(data)} bytes).")
+        raise DataFormatError(
+            f"{path}: idx header truncated ({len(data)} bytes, expected {header}). {_REPLACE}")
     dims = struct.unpack(">" + "I" * ndim, data[4:header])
     expected = int(np.prod(dims, dtype=np.int64))
     if len(data) - header != expected:
-        raise ValueError(
+        raise DataFormatError(
             f"{path}: idx header announces {dims} = {expected} bytes of data, found "
-            f"{len(data) - header}."
+            f"{len(data) - header}. {_REPLACE}"
         )
     return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(dims)
 
@@ -158,10 +171,18 @@ def locate(name: str, root: Path, split: str) -> Path | None:
 
 
 def _unpickle(path: Path) -> dict[Any, Any]:
-    with open(path, "rb") as handle:
-        content = pickle.load(handle, encoding="bytes")
+    try:
+        with open(path, "rb") as handle:
+            content = pickle.load(handle, encoding="bytes")
+    except (EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError,
+            IndexError, UnicodeDecodeError) as err:
+        raise DataFormatError(
+            f"{path} ({path.stat().st_size} bytes): cannot unpickle it ({type(err).__name__}: "
+            f"{err}); expected a complete pickled CIFAR batch (a dict). {_REPLACE}"
+        ) from err
     if not isinstance(content, dict):
-        raise ValueError(f"{path}: expected a pickled dict (CIFAR format), got {type(content)}.")
+        raise DataFormatError(
+            f"{path}: expected a pickled dict (CIFAR format), got {type(content)}.")
     return content
 
 
@@ -175,15 +196,19 @@ def _entry(content: dict[Any, Any], key: str, path: Path) -> Any:
 
 def _cifar_batch(path: Path, label_keys: tuple[str, ...]) -> list[np.ndarray]:
     content = _unpickle(path)
-    data = np.asarray(_entry(content, "data", path), dtype=np.uint8)
-    if data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
-        raise ValueError(f"{path}: 'data' must be (N, 3072) uint8, got {data.shape}.")
+    raw = np.asarray(_entry(content, "data", path))
+    if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] != 3 * 32 * 32:
+        raise DataFormatError(
+            f"{path}: 'data' must be (N, 3072) uint8 (32x32 RGB images), got {raw.dtype} "
+            f"{raw.shape}. {_REPLACE}")
+    data = raw
     # Rows are 1024 red, 1024 green, 1024 blue values, each plane row-major: (N, 3, 32, 32).
     images = data.reshape(-1, 3, 32, 32)
     labels = [np.asarray(_entry(content, k, path), dtype=np.int64) for k in label_keys]
     for key, arr in zip(label_keys, labels, strict=True):
         if arr.shape != (images.shape[0],):
-            raise ValueError(f"{path}: {key!r} has shape {arr.shape}, expected ({len(images)},).")
+            raise DataFormatError(
+                f"{path}: {key!r} has shape {arr.shape}, expected ({len(images)},).")
     return [images, *labels]
 
 
@@ -191,6 +216,12 @@ def _read_tinyimagenet(folder: Path, split: str) -> ImageArrays:
     from PIL import Image
 
     wnids = sorted(set((folder / "wnids.txt").read_text().split()))
+    num_classes = dataset_info("tinyimagenet").num_classes
+    if not 0 < len(wnids) <= num_classes:
+        raise DataFormatError(
+            f"{folder / 'wnids.txt'}: lists {len(wnids)} classes, expected 1 to {num_classes} "
+            "(TinyImageNet has 200); the file is damaged or belongs to another data set."
+        )
     index = {wnid: i for i, wnid in enumerate(wnids)}
     files: list[Path] = []
     labels: list[int] = []
@@ -222,10 +253,16 @@ def _read_tinyimagenet(folder: Path, split: str) -> ImageArrays:
     logger.info("Decoding %d TinyImageNet %s images from %s", len(files), split, folder)
     images = np.empty((len(files), 3, 64, 64), dtype=np.uint8)
     for i, path in enumerate(files):
-        with Image.open(path) as img:
-            pixels = np.asarray(img.convert("RGB"))  # (H, W, 3); some images are grayscale
+        try:
+            with Image.open(path) as img:
+                pixels = np.asarray(img.convert("RGB"))  # (H, W, 3); some are grayscale
+        except (OSError, SyntaxError, ValueError) as err:  # PIL's truncated/unknown-format errors
+            raise DataFormatError(
+                f"{path}: cannot decode it as an image ({type(err).__name__}: {err}); "
+                f"expected a 64x64 JPEG. {_REPLACE}") from err
         if pixels.shape != (64, 64, 3):
-            raise ValueError(f"{path}: TinyImageNet images are 64x64, got {pixels.shape[:2]}.")
+            raise DataFormatError(
+                f"{path}: TinyImageNet images are 64x64, got {pixels.shape[:2]}.")
         images[i] = pixels.transpose(2, 0, 1)
     return ImageArrays(images, np.asarray(labels, dtype=np.int64))
 
@@ -253,24 +290,51 @@ def read_split(name: str, folder: Path, split: str) -> ImageArrays:
             raise DataNotFoundError(f"{folder}: Fashion-MNIST {split} idx files disappeared.")
         images = read_idx(files[0])
         labels = read_idx(files[1]).astype(np.int64)
-        if images.ndim != 3 or labels.shape != (images.shape[0],):
-            raise ValueError(
-                f"{files[0]}, {files[1]}: expected (N, 28, 28) images and (N,) labels, got "
-                f"{images.shape} and {labels.shape}."
+        if images.ndim != 3 or images.shape[1:] != (28, 28):
+            raise DataFormatError(
+                f"{files[0]}: expected (N, 28, 28) Fashion-MNIST images, got {images.shape}. "
+                "Check that data-dir holds Fashion-MNIST, not another idx data set."
             )
+        if labels.shape != (images.shape[0],):
+            raise DataFormatError(
+                f"{files[1]}: expected ({images.shape[0]},) labels to match {files[0]}, got "
+                f"{labels.shape}. Images and labels come from different copies or one is "
+                "damaged; fetch both again."
+            )
+        _check_labels(name, labels, files[1])
         return ImageArrays(np.ascontiguousarray(images[:, None]), labels)
     if name == "cifar10":
         batches = [f"data_batch_{i}" for i in range(1, 6)] if split == "train" else ["test_batch"]
         parts = [_cifar_batch(folder / b, ("labels",)) for b in batches]
+        for batch, part in zip(batches, parts, strict=True):
+            _check_labels(name, part[1], folder / batch)
         return ImageArrays(
             np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
         )
     if name == "cifar100":
         images, fine, coarse = _cifar_batch(folder / split, ("fine_labels", "coarse_labels"))
+        _check_labels(name, fine, folder / split, "fine_labels")
+        _check_labels(name, coarse, folder / split, "coarse_labels", _CIFAR100_COARSE)
         return ImageArrays(np.ascontiguousarray(images), fine, coarse)
     if name == "tinyimagenet":
         return _read_tinyimagenet(folder, split)
     raise ValueError(f"{name!r} is not an image data set; expected one of {IMAGE_LAYOUTS}.")
+
+
+_CIFAR100_COARSE = 20
+
+
+def _check_labels(name: str, labels: np.ndarray, source: Path, what: str = "labels",
+                  num_classes: int | None = None) -> None:
+    """Refuse labels outside ``[0, num_classes)`` (they would fail later, inside training)."""
+    k = dataset_info(name).num_classes if num_classes is None else num_classes
+    bad = np.flatnonzero((labels < 0) | (labels >= k))
+    if bad.size:
+        raise DataFormatError(
+            f"{source}: {bad.size} of {labels.size} {what} are outside [0, {k}) for {name} "
+            f"(first at index {bad[0]}: {labels[bad[0]]}). The file is damaged or belongs to "
+            "another data set; fetch the right one again."
+        )
 
 
 @contextlib.contextmanager

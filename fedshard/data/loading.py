@@ -67,8 +67,13 @@ def _how_to_get(name: str) -> str:
 
 
 def _resolve(name: str, split: str, data_dir: PathLike | None, download: bool) -> Path:
-    """Folder holding ``split`` of ``name`` (see ``fedshard.data.registry`` for the order)."""
+    """Folder holding ``split`` of ``name`` (see ``fedshard.data.registry`` for the order).
+
+    An explicit ``data_dir`` is the only root searched; only the default search goes on to
+    the next location.
+    """
     roots = candidate_roots(name, data_dir)
+    explicit = data_dir is not None and str(data_dir) != ""
     for root in roots:
         folder = (
             shakespeare.locate(root, split)
@@ -76,14 +81,6 @@ def _resolve(name: str, split: str, data_dir: PathLike | None, download: bool) -
             else image_files.locate(name, root, split)
         )
         if folder is not None:
-            if data_dir and root != roots[0]:
-                logger.warning(
-                    "data_dir=%s holds no %s %s data in the expected layout; using %s instead",
-                    data_dir,
-                    name,
-                    split,
-                    folder,
-                )
             logger.debug("Using %s %s data from %s", name, split, folder)
             return folder
     layout = (
@@ -91,12 +88,19 @@ def _resolve(name: str, split: str, data_dir: PathLike | None, download: bool) -
     )
     searched = ", ".join(str(r) for r in roots)
     if download and name in _DOWNLOADABLE:
-        target = Path(data_dir).expanduser() if data_dir else default_cache_dir()
+        target = roots[0] if explicit else default_cache_dir()
         image_files.download(name, target)
         folder = image_files.locate(name, target, split)
         if folder is not None:
             return folder
         searched += f", then downloaded into {target} but still found nothing"
+    if explicit:
+        raise DataNotFoundError(
+            f"{name} {split} data not found in data-dir={roots[0]} (searched: {searched}); "
+            f"expected there: {layout}. An explicit data-dir is the only place searched, so "
+            "that a run never trains on another copy than the one it names: fix data-dir, or "
+            f"leave it empty to search the default locations. {_how_to_get(name)}"
+        )
     raise DataNotFoundError(
         f"{name} {split} data not found. Searched: {searched}; expected in one of them: "
         f"{layout}. {_how_to_get(name)}"
@@ -175,9 +179,9 @@ def load_partition(
     num_partitions : int
         Number of clients ``K`` in the federation.
     data_dir : str or path-like or None
-        Root searched first (layouts: ``fedshard.data.image_files``,
-        ``fedshard.data.shakespeare``); then the Debian location (Fashion-MNIST) and the
-        cache directory.
+        Root holding the files (layouts: ``fedshard.data.image_files``,
+        ``fedshard.data.shakespeare``); when given, the only place searched. ``None``:
+        the Debian location (Fashion-MNIST), then the cache directory.
     alpha : float or None
         Non-i.i.d. concentration. ``None`` uses the paper's value (Sec. 4.1):
         Fashion-MNIST 1, CIFAR-10 1, TinyImageNet 10 (Dir(α·p) class priors); CIFAR-100 1,
@@ -208,6 +212,9 @@ def load_partition(
         ``num_partitions`` larger than the number of speaking roles.
     DataNotFoundError
         If the files are not found (the message lists where it looked and how to get them).
+    DataFormatError
+        If a file is damaged (truncated, unreadable) or holds labels outside
+        ``[0, num_classes)`` or images of the wrong size; the message names the file.
 
     Notes
     -----
@@ -309,6 +316,8 @@ def load_test_set(
         Unknown ``name``.
     DataNotFoundError
         If the files are not found.
+    DataFormatError
+        As for :func:`load_partition`.
     """
     info = dataset_info(name)
     if max_examples is not None:

@@ -1,11 +1,12 @@
 """Names and static facts of the supported data sets, and where their files are looked for.
 
-Every loader resolves its root directory the same way (:func:`candidate_roots`):
+Every loader resolves its root directory the same way (:func:`candidate_roots`). An explicit
+``data_dir`` argument is the only place searched: a run never silently trains on another copy
+than the one it names. Without one, the default search is, in order:
 
-1. the explicit ``data_dir`` argument, if given;
-2. for Fashion-MNIST only, the Debian package location :data:`DEBIAN_FASHION_MNIST_DIR`
+1. for Fashion-MNIST only, the Debian package location :data:`DEBIAN_FASHION_MNIST_DIR`
    (``apt-get install dataset-fashion-mnist``);
-3. the user cache directory :func:`default_cache_dir`, where ``download=True`` puts what
+2. the user cache directory :func:`default_cache_dir`, where ``download=True`` puts what
    torchvision downloads (CIFAR-10/100 and Fashion-MNIST only).
 
 Nothing is ever synthesized: if no candidate holds the expected files, a
@@ -21,6 +22,7 @@ from pathlib import Path
 __all__ = [
     "DATASETS",
     "DEBIAN_FASHION_MNIST_DIR",
+    "DataFormatError",
     "DataNotFoundError",
     "DatasetInfo",
     "candidate_roots",
@@ -38,6 +40,15 @@ class DataNotFoundError(FileNotFoundError):
 
     The message names every directory that was searched, the layout that was expected there
     and how to obtain the data; no synthetic stand-in data is ever returned instead.
+    """
+
+
+class DataFormatError(ValueError):
+    """Raised when a data file is damaged or holds what its data set cannot hold.
+
+    Truncated or undecodable files, labels outside ``[0, num_classes)``, images of the wrong
+    size: found when the files are loaded, not later inside training. The message names the
+    file, what was expected and found, and what to do.
     """
 
 
@@ -139,12 +150,13 @@ def candidate_roots(name: str, data_dir: str | os.PathLike[str] | None) -> list[
     Returns
     -------
     list of Path
-        Candidate roots without duplicates; they need not exist.
+        ``[data_dir]`` when it is given, else the default locations without duplicates; they
+        need not exist.
     """
     dataset_info(name)  # validates the name
-    roots: list[Path] = []
     if data_dir is not None and str(data_dir) != "":
-        roots.append(Path(data_dir).expanduser())
+        return [Path(data_dir).expanduser()]
+    roots: list[Path] = []
     if name == "fashion-mnist":
         roots.append(DEBIAN_FASHION_MNIST_DIR)
     roots.append(default_cache_dir())

@@ -31,6 +31,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from fedshard.data.registry import DataFormatError
+
 __all__ = [
     "LEAF_LETTERS",
     "SHAKESPEARE_LAYOUT",
@@ -84,6 +86,14 @@ def _user_rows(user: str, data: Any, path: Path) -> np.ndarray:
     if not isinstance(data, dict) or "x" not in data or "y" not in data:
         raise ValueError(f"{path}: user_data[{user!r}] must be a dict with 'x' and 'y' lists.")
     xs, ys = data["x"], data["y"]
+    for key, values in (("x", xs), ("y", ys)):
+        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+            found = type(values).__name__ if not isinstance(values, list) else "a list with " + (
+                next(type(v).__name__ for v in values if not isinstance(v, str)))
+            raise DataFormatError(
+                f"{path}: user_data[{user!r}][{key!r}] must be a list of strings, found {found}; "
+                "the file is not LEAF's Shakespeare JSON. Re-run LEAF's preprocess.sh."
+            )
     if len(xs) != len(ys):
         raise ValueError(f"{path}: user {user!r} has {len(xs)} x but {len(ys)} y entries.")
     if not xs:
@@ -115,14 +125,22 @@ def read_leaf_split(folder: Path) -> dict[str, np.ndarray]:
     Raises
     ------
     ValueError
-        If a file is not in LEAF's format, windows have different lengths, or a user appears
-        in two files (e.g. two preprocessing runs in one folder).
+        If a file is not readable JSON (truncated) or not in LEAF's format (``x`` / ``y`` not
+        lists of strings), windows have different lengths, or a user appears in two files
+        (e.g. two preprocessing runs in one folder).
     """
     users: dict[str, np.ndarray] = {}
     origin: dict[str, Path] = {}
     for path in sorted(folder.glob("*.json")):
-        with open(path, encoding="utf-8") as handle:
-            content = json.load(handle)
+        try:
+            with open(path, encoding="utf-8") as handle:
+                content = json.load(handle)
+        except (ValueError, UnicodeDecodeError) as err:  # JSONDecodeError is a ValueError
+            raise DataFormatError(
+                f"{path} ({path.stat().st_size} bytes): not readable as JSON ({err}); expected "
+                "a complete LEAF JSON file. It is damaged or was not written completely: "
+                "re-run LEAF's preprocess.sh or copy it again."
+            ) from err
         if not isinstance(content, dict) or not isinstance(content.get("user_data"), dict):
             raise ValueError(f"{path}: not a LEAF JSON file (no 'user_data' dict).")
         for user, data in content["user_data"].items():

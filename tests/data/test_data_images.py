@@ -217,27 +217,22 @@ def test_tinyimagenet_bad_annotation_is_reported(tmp_path):
 
 
 def test_missing_data_says_where_it_looked_and_what_to_do(tmp_path):
+    # default search: the Debian location, then the cache
+    with pytest.raises(DataNotFoundError) as info:
+        load_partition("fashion-mnist", 0, 2)
+    message = str(info.value)
+    assert str(tmp_path / "no-debian") in message and str(tmp_path / "cache") in message
+    assert "apt-get install dataset-fashion-mnist" in message and "download=True" in message
+    assert isinstance(info.value, FileNotFoundError)
+    # an explicit data-dir is the only place searched (no fallback: see tests/faults)
     with pytest.raises(DataNotFoundError) as info:
         load_partition("fashion-mnist", 0, 2, data_dir=tmp_path / "empty")
     message = str(info.value)
-    assert str(tmp_path / "empty") in message and str(tmp_path / "no-debian") in message
-    assert str(tmp_path / "cache") in message
-    assert "apt-get install dataset-fashion-mnist" in message and "download=True" in message
-    assert isinstance(info.value, FileNotFoundError)
+    assert f"data-dir={tmp_path / 'empty'} (searched: {tmp_path / 'empty'});" in message
     with pytest.raises(DataNotFoundError, match=r"tiny-imagenet-200/ with wnids.txt.*data-dir=DIR"):
         load_test_set("tinyimagenet", data_dir=tmp_path)
     with pytest.raises(DataNotFoundError, match=r"cifar-100-python/.*download=True"):
         load_test_set("cifar100", data_dir=tmp_path)
-
-
-def test_explicit_dir_without_data_falls_back_with_a_warning(tmp_path, monkeypatch, caplog):
-    write_fashion_mnist(tmp_path / "debian", 20, 10, np.random.default_rng(9))
-    monkeypatch.setattr(registry, "DEBIAN_FASHION_MNIST_DIR", tmp_path / "debian")
-    with caplog.at_level("WARNING", logger="fedshard.data.loading"):
-        test = load_test_set("fashion-mnist", data_dir=tmp_path / "empty")
-    assert len(test) == 10
-    assert f"data_dir={tmp_path / 'empty'} holds no fashion-mnist test data" in caplog.text
-    assert str(tmp_path / "debian") in caplog.text
 
 
 def test_download_flag_fetches_into_the_data_dir(tmp_path, monkeypatch):
