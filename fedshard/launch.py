@@ -139,12 +139,15 @@ def run_simulation(
     timeout_s: float = 3600.0,
     on_line: Callable[[str], None] | None = None,
     env: Mapping[str, str] | None = None,
+    client_num_gpus: float = 0.0,
 ) -> SimulationRun:
     """``flwr run <app_dir> --stream`` with its own FLWR_HOME and ports; always cleans up.
 
     The run-config overrides are written to a TOML file next to ``flwr_home``. Each line of
     output is passed to ``on_line`` as it arrives. The local SuperLink started for this run,
     and everything under it, is stopped by PID before returning, also on error or timeout.
+    ``client_num_gpus`` is Ray's GPU share per ClientApp (e.g. 0.25: four clients per GPU at
+    once); with it > 0 each ClientApp sees its GPU as ``cuda:0``.
     """
     home = Path(flwr_home) if flwr_home else Path(tempfile.mkdtemp(prefix="fedshard-flwr-"))
     home.mkdir(parents=True, exist_ok=True)
@@ -168,7 +171,7 @@ def run_simulation(
     cmd = [flwr, "run", str(app_dir), "--stream", "--run-config", str(overrides),
            "--federation-config",
            f"num-supernodes={num_supernodes} client-resources-num-cpus={client_num_cpus} "
-           "client-resources-num-gpus=0.0"]
+           f"client-resources-num-gpus={float(client_num_gpus)}"]
     logger.info("launching: %s (FLWR_HOME=%s, port %d)", " ".join(cmd), home, http_port)
     start = time.monotonic()
     lines: list[str] = []

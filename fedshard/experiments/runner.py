@@ -67,6 +67,7 @@ class Launcher(Protocol):
         client_num_cpus: int = ...,
         timeout_s: float = ...,
         on_line: Callable[[str], None] | None = ...,
+        client_num_gpus: float = ...,
     ) -> SimulationRun: ...
 
 
@@ -453,7 +454,8 @@ def _launch_one(suite: Suite, spec: RunSpec, launch: Launcher, progress: _Progre
         "suite": suite.name, "suite-file": suite.source, "label": spec.label,
         "column": spec.column, "seed": spec.seed, "run-name": spec.name,
         "run-config": spec.run_config, "num-supernodes": suite.num_supernodes,
-        "client-num-cpus": suite.client_num_cpus, "app-dir": str(suite.app_dir),
+        "client-num-cpus": suite.client_num_cpus,
+        "client-num-gpus": suite.client_num_gpus, "app-dir": str(suite.app_dir),
         "flwr-home": str(home), "launched": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "status": "running",
     }
@@ -485,7 +487,7 @@ def _launch_one(suite: Suite, spec: RunSpec, launch: Launcher, progress: _Progre
             sim = launch(
                 suite.app_dir, spec.run_config, num_supernodes=suite.num_supernodes,
                 flwr_home=home, client_num_cpus=suite.client_num_cpus,
-                timeout_s=suite.timeout_s, on_line=on_line,
+                timeout_s=suite.timeout_s, on_line=on_line, client_num_gpus=suite.client_num_gpus,
             )
         except KeyboardInterrupt:
             record.update(status="interrupted", **{"wall-s": progress.clock() - start})

@@ -58,8 +58,8 @@ logger = logging.getLogger(__name__)
 #: Run-config keys the runner sets for every run; a suite must not set them.
 RUNNER_KEYS = ("num-partitions", "results-dir", "run-name", "seed")
 
-_SUITE_KEYS = ("client-num-cpus", "columns", "description", "name", "num-supernodes",
-               "results-dir", "rows", "seeds", "timeout-s")
+_SUITE_KEYS = ("client-num-cpus", "client-num-gpus", "columns", "description", "name",
+               "num-supernodes", "results-dir", "rows", "seeds", "timeout-s")
 _ENTRY_KEYS = ("column", "label", "seeds")
 _TABLE_KEYS = ("columns", "rows", "title")
 _TOP_KEYS = ("defaults", "runs", "suite", "tables")
@@ -162,6 +162,8 @@ class Suite:
         The main table first, then the ``[[tables]]`` entries.
     reference_rows : tuple of str
         Labels of runs without a column (shown apart from the table, not ranked).
+    client_num_gpus : float
+        GPU share Ray reserves per simulated client (0: CPU only).
     """
 
     name: str
@@ -176,6 +178,7 @@ class Suite:
     runs: tuple[RunSpec, ...]
     tables: tuple[TableSpec, ...]
     reference_rows: tuple[str, ...]
+    client_num_gpus: float = 0.0
 
     def cell(self, label: str, column: str | None) -> tuple[RunSpec, ...]:
         """The runs (one per seed) of row ``label`` and column ``column``."""
@@ -293,6 +296,10 @@ def parse_suite(
     client_num_cpus = _get(head, "client-num-cpus", int, "[suite]", problems) or 1
     if client_num_cpus < 1:
         problems.append(f"[suite] client-num-cpus={client_num_cpus}: expected ≥ 1")
+    client_num_gpus = float(_get(head, "client-num-gpus", float, "[suite]", problems) or 0.0)
+    if not (math.isfinite(client_num_gpus) and client_num_gpus >= 0):
+        problems.append(f"[suite] client-num-gpus={client_num_gpus}: expected ≥ 0 (a share of "
+                        "one GPU per client, e.g. 0.25)")
     timeout_s = float(_get(head, "timeout-s", float, "[suite]", problems) or 4 * 3600.0)
     if not (math.isfinite(timeout_s) and timeout_s > 0):
         problems.append(f"[suite] timeout-s={timeout_s}: expected a positive number of seconds")
@@ -444,7 +451,7 @@ def parse_suite(
         name=name, source=source, app_dir=app_dir, results_dir=results_dir,
         num_supernodes=num_supernodes, client_num_cpus=client_num_cpus, timeout_s=timeout_s,
         seeds=seeds, main_rounds=main.num_server_rounds, runs=tuple(runs), tables=tuple(tables),
-        reference_rows=reference,
+        reference_rows=reference, client_num_gpus=client_num_gpus,
     )
 
 

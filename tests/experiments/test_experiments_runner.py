@@ -83,11 +83,13 @@ class FakeLauncher:
     def __call__(self, app_dir: Path, run_config: Mapping[str, Any], *, num_supernodes: int,
                  flwr_home: Path | None = None, client_num_cpus: int = 1,
                  timeout_s: float = 3600.0,
-                 on_line: Callable[[str], None] | None = None) -> SimulationRun:
+                 on_line: Callable[[str], None] | None = None,
+                 client_num_gpus: float = 0.0) -> SimulationRun:
         name = run_config["run-name"]
         self.calls.append({"app_dir": app_dir, "run_config": dict(run_config),
                            "num_supernodes": num_supernodes, "flwr_home": flwr_home,
-                           "client_num_cpus": client_num_cpus, "timeout_s": timeout_s})
+                           "client_num_cpus": client_num_cpus, "timeout_s": timeout_s,
+                           "client_num_gpus": client_num_gpus})
         assert on_line is not None
         folder = Path(run_config["results-dir"]) / name
         config = RunConfig.from_mapping({**APP_DEFAULTS, **run_config}).as_dict()
@@ -135,6 +137,7 @@ def test_finished_runs_are_skipped_and_partial_ones_rerun_from_scratch(tmp_path:
     assert [s.state for s in suite_status(suite)] == [RunState.FINISHED] * 4
     call = launch.calls[0]
     assert call["app_dir"] == ROOT and call["num_supernodes"] == 3
+    assert call["client_num_gpus"] == suite.client_num_gpus == 0.0
     assert call["run_config"] == suite.runs[1].run_config
     assert any(re.search(r"run 3/4 Collective / r = 0.25 / seed 0: deleting partial run folder "
                          r"\(no summary.json", line) for line in lines)

@@ -221,3 +221,12 @@ def test_fmnist_table_suite_matches_issue_6() -> None:
     assert seconds == pytest.approx(27_680) and seconds <= 8 * 3600
     # the r = 0.1 cells all run 100 rounds, so every row pairs with Top-n's seed 0
     assert all(r.num_rounds == 100 for r in suite.runs if r.column in (None, "r = 0.1"))
+
+
+def test_client_gpu_share_is_read_and_checked() -> None:
+    assert parse(suite_data()).client_num_gpus == 0.0
+    data = suite_data()
+    data["suite"]["client-num-gpus"] = 0.25
+    assert parse(data).client_num_gpus == 0.25
+    data["suite"]["client-num-gpus"] = -1
+    assert any("client-num-gpus=-1.0: expected ≥ 0" in p for p in problems(data))
