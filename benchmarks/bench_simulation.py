@@ -1,0 +1,171 @@
+"""One federated round of the CIFAR-10 preset's shape through Flower vs a bare training loop.
+
+10 clients of 500 CIFAR-shaped images (3×32×32, synthetic: this measures time, not accuracy),
+2 local epochs, batch 32, ResNet-18 (GroupNorm) width 64, every client at r = 0.1, Collective
+with CPS, SGD-m + Frobenius decay + ClipLR. Two ways, side by side in this process, on the
+same device:
+
+* **fedshard**: ``SpectralSharding.start`` on Flower's Message API over an in-process grid of
+  real ClientApps (``tests/flower_grid.py``: every message deep-copied as if serialized; no
+  Ray, so that this runs where only flwr is installed). Per round: node sampling, SVD, plan,
+  packing, client decoding + training (``fedshard.client.handle_train`` on ``--device``),
+  reply checks, aggregation, rebuild of W (the server's work on ``--device`` too);
+* **bare loop**: the same 10 sub-models (decoded from the same round's messages) trained with
+  the same settings by ``fedshard.training.train`` in a plain Python loop.
+
+Prints one JSON object: ``s_per_round`` (median over rounds after the first), the projected
+wall time of a 1,000-round cell, ``bare_s_per_round`` and ``flower_overhead_ratio`` =
+(fedshard − bare) / bare. ``--quick`` runs a reduced size (width 16, 100 images per client,
+1 epoch) for a CPU.
+
+Usage: ``python benchmarks/bench_simulation.py [--device auto|cpu|cuda] [--quick] [--rounds 3]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+from flower_grid import InProcessGrid  # noqa: E402
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message  # noqa: E402
+from flwr.common import logger as flwr_logger  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from fedshard import protocol as P  # noqa: E402
+from fedshard.client import handle_query, handle_train, submodel_from_record  # noqa: E402
+from fedshard.models import resnet18  # noqa: E402
+from fedshard.strategy import SpectralSharding  # noqa: E402
+from fedshard.training import TrainConfig, train  # noqa: E402
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--clients", type=int, default=10)
+    ap.add_argument("--keep-ratio", type=float, default=0.1)
+    args = ap.parse_args()
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" \
+        else args.device
+    width, examples, epochs = (16, 100, 1) if args.quick else (64, 500, 2)
+    flwr_logger.update_console_handler(level=30)  # WARNING: keep the output to the JSON
+
+    def model() -> torch.nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return resnet18(num_classes=10, in_channels=3, width=width)
+
+    data = {}
+    for pid in range(args.clients):
+        g = torch.Generator().manual_seed(pid)
+        data[pid] = TensorDataset(torch.randn(examples, 3, 32, 32, generator=g),
+                                  torch.randint(0, 10, (examples,), generator=g))
+
+    def client(msg: Message, context: Context) -> Message:
+        pid = context.node_config["partition-id"]
+        if msg.metadata.message_type == "query":
+            return handle_query(msg, args.keep_ratio, pid)
+        return handle_train(msg, model(), data[pid], device=device)
+
+    grid = InProcessGrid(client, [{"partition-id": i} for i in range(args.clients)])
+    net = model()
+    strategy = SpectralSharding.from_model(
+        net, example_input=torch.zeros(1, 3, 32, 32), num_rounds=args.rounds,
+        method="collective", local_epochs=epochs, batch_size=32, fraction_train=1.0,
+        min_available_nodes=args.clients, seed=0,
+        device=None if device == "cpu" else device)
+
+    # --- fedshard: time each round from configure_train to the end of aggregate_train
+    marks: list[float] = []
+    sent: list[list[Message]] = []
+    inner_cfg, inner_agg = strategy.configure_train, strategy.aggregate_train
+
+    def configure(server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                  grid_: Any) -> Any:
+        sync(device)
+        marks.append(time.perf_counter())
+        msgs = list(inner_cfg(server_round, arrays, config, grid_))
+        sent.append(msgs)
+        return msgs
+
+    def aggregate(server_round: int, replies: Any) -> Any:
+        out = inner_agg(server_round, replies)
+        sync(device)
+        marks.append(time.perf_counter())
+        return out
+
+    strategy.configure_train = configure  # type: ignore[method-assign]
+    strategy.aggregate_train = aggregate  # type: ignore[method-assign]
+    strategy.start(grid=grid, initial_arrays=ArrayRecord(net.state_dict()),
+                   num_rounds=args.rounds)
+    rounds = [marks[2 * i + 1] - marks[2 * i] for i in range(args.rounds)]
+
+    # --- bare loop: the same sub-models (last round's messages), same settings
+    bare = []
+    for _ in range(max(1, args.rounds - 1)):
+        sync(device)
+        t0 = time.perf_counter()
+        for msg in sent[-1]:
+            s = P.TrainSettings.from_record(msg.content.config_records[P.CONFIG])
+            sub, _ = submodel_from_record(model(), msg.content.array_records[P.ARRAYS])
+            pid = grid.contexts[msg.metadata.dst_node_id].node_config["partition-id"]
+            loader = DataLoader(data[pid], batch_size=s.batch_size, shuffle=True,
+                                generator=torch.Generator().manual_seed(s.train_seed))
+            train(sub, loader, TrainConfig(
+                epochs=s.local_epochs, lr=s.lr, momentum=s.momentum,
+                frobenius_decay=s.frobenius_decay, clip_tau=s.clip_lr_tau,
+                weight_decay=s.weight_decay, device=device, seed=s.train_seed,
+                log_every_epoch=False))
+        sync(device)
+        bare.append(time.perf_counter() - t0)
+
+    steady = rounds[1:] or rounds
+    s_round, s_bare = statistics.median(steady), statistics.median(bare)
+    m = strategy.history[max(strategy.history)]
+    print(json.dumps({
+        "device": torch.cuda.get_device_name() if device.startswith("cuda") else cpu_name(),
+        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "shape": {"clients": args.clients, "examples_per_client": examples, "epochs": epochs,
+                  "batch": 32, "resnet18_width": width, "keep_ratio": args.keep_ratio,
+                  "method": "collective"},
+        "round_s": [round(x, 3) for x in rounds],
+        "s_per_round": round(s_round, 3),
+        "projected_1000_rounds_min": round(1000 * s_round / 60, 1),
+        "bare_s_per_round": round(s_bare, 3),
+        "flower_overhead_ratio": round((s_round - s_bare) / s_bare, 3),
+        "server_svd_s": round(m.get("svd-s", float("nan")), 3),
+        "server_aggregate_s": round(m.get("aggregate-s", float("nan")), 3),
+        "replies_used": m.get("replies-used"),
+    }))
+
+
+if __name__ == "__main__":
+    main()
