@@ -107,7 +107,7 @@ def _reference_train(model: nn.Module, loader: DataLoader[Any], cfg: TrainConfig
             for inputs, targets in loader:
                 targets = targets.long()
                 optimizer.zero_grad(set_to_none=True)
-                loss_sum, correct, count = _reference_cross_entropy(model(inputs), targets)
+                loss_sum, _correct, count = _reference_cross_entropy(model(inputs), targets)
                 loss = loss_sum / max(count, 1)
                 if gamma > 0:
                     loss = loss + gamma * _reference_frobenius_penalty(model)
