@@ -4,9 +4,17 @@ Prints one JSON object with, for each r in ``--ratios`` (sub-model = top ``ceil(
 every sharded layer, ω between 1 and 20 so that ClipLR does real work):
 
 * ``step_time_ratio_r{r}``: median time of one training step (forward + backward + SGD step,
-  run through :func:`fedshard.training.train`, Frobenius decay and ClipLR included) over the
-  dense model's; all configurations live in this process and are timed round-robin, so load
-  from other processes hits them alike;
+  Frobenius decay and ClipLR included) over the dense model's (which has no factors: only its
+  loss and SGD). The step is :class:`fedshard.training.TrainStep`, the code path
+  :func:`fedshard.training.train` runs, called on batches already on the device; on CUDA each
+  timed block of ``--steps`` steps is bracketed by ``torch.cuda.synchronize()``. All
+  configurations live in this process, are warmed up, and are timed round-robin, so load from
+  other processes hits them alike;
+* ``compiled_step_time_ratio_r{r}`` (with ``--compile``): the same with
+  ``TrainConfig(compile=True)`` (CUDA graphs on CUDA), sub-model and dense model both compiled;
+* ``plain_step_time_ratio_r{r}``: a plain loop (cross-entropy, backward, ``torch.optim.SGD``
+  with momentum; no Frobenius decay, no ClipLR, no bookkeeping) on the same models;
+  ``step_time_ms`` holds the medians of all three;
 * ``flop_ratio_r{r}``: forward + backward FLOPs (``torch.utils.flop_counter``: convolutions
   and matrix products) over the dense model's, the ratio a step could reach if only those
   operations cost time;
@@ -25,7 +33,7 @@ every sharded layer, ω between 1 and 20 so that ClipLR does real work):
 else (GroupNorm, ReLU, additions, optimizer): the second part does not shrink with r.
 
 Usage: ``python benchmarks/bench_client.py [--width 64] [--batch 32] [--steps 3] [--repeats 5]
-[--channels-last] [--device cpu]``
+[--channels-last] [--device cpu] [--compile] [--quick]``; ``--quick`` times steps only.
 """
 
 from __future__ import annotations
@@ -58,14 +66,59 @@ from fedshard.spectral import (
     shard_model,
     sharded_layer_names,
 )
-from fedshard.training import TrainConfig, train
+from fedshard.training import TrainConfig, TrainStep, train
 
 
-def config(device: str, channels_last: bool) -> TrainConfig:
+def config(device: str, channels_last: bool, compile: bool = False) -> TrainConfig:
     return TrainConfig(
         epochs=1, lr=0.01, log_every_epoch=False, seed=0, device=device,
-        channels_last=channels_last,
+        channels_last=channels_last, compile=compile,
     )
+
+
+class PlainStep:
+    """Baseline: cross-entropy, backward, SGD with momentum; nothing else."""
+
+    def __init__(self, model: nn.Module, cfg: TrainConfig) -> None:
+        self.model = model
+        self.opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(self.model(x), y).backward()
+        self.opt.step()
+
+
+def prepare(model: nn.Module, cfg: TrainConfig) -> nn.Module:
+    """A copy of ``model`` placed as :func:`train` places it."""
+    model = copy.deepcopy(model).to(cfg.device)
+    if cfg.channels_last:
+        model.to(memory_format=torch.channels_last)
+    return model.train()
+
+
+def time_steps(
+    steps: dict[str, object], batches: list[tuple[torch.Tensor, torch.Tensor]],
+    repeats: int, warmup: int, device: torch.device,
+) -> dict[str, list[float]]:
+    """Seconds per step of each callable, ``repeats`` timed blocks each, round-robin."""
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for step in steps.values():  # allocator, kernel selection, compilation, CUDA graphs
+        for i in range(warmup):
+            step(*batches[i % len(batches)])  # type: ignore[operator]
+    times: dict[str, list[float]] = {key: [] for key in steps}
+    for _ in range(repeats):
+        for key, step in steps.items():
+            sync()
+            start = time.perf_counter()
+            for x, y in batches:
+                step(x, y)  # type: ignore[operator]
+            sync()
+            times[key].append((time.perf_counter() - start) / len(batches))
+    return times
 
 
 def build(width: int, ratio: float | None) -> nn.Module:
@@ -172,6 +225,31 @@ def tensor_peak_and_split(
     return int(peak), {k: round(v, 1) for k, v in split.items()}
 
 
+def setup(args: argparse.Namespace, device: torch.device) -> dict[str, object]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "model": f"resnet18(width={args.width})",
+        "input": [args.batch, 3, 32, 32],
+        "steps_per_call": args.steps,
+        "repeats": args.repeats,
+        "warmup_steps": args.warmup,
+        "torch": torch.__version__,
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "channels_last": args.channels_last,
+        "compile": args.compile,
+        "threads": torch.get_num_threads(),
+        "cpu": cpu,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--width", type=int, default=64)
@@ -181,6 +259,9 @@ def main() -> None:
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.2, 0.4, 1.0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--channels-last", action="store_true", help="TrainConfig.channels_last")
+    ap.add_argument("--compile", action="store_true", help="also time TrainConfig.compile=True")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration")
+    ap.add_argument("--quick", action="store_true", help="time the steps only")
     ap.add_argument("--rss-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     cfg = config(args.device, args.channels_last)
@@ -191,15 +272,42 @@ def main() -> None:
     configs: dict[str, float | None] = {"dense": None}
     configs.update({f"r{r:g}": r for r in args.ratios})
     models = {key: build(args.width, r) for key, r in configs.items()}
+    device = torch.device(args.device)
+    cfg_compiled = config(args.device, args.channels_last, compile=True)
     data = loader(args.batch, args.steps)
-    times: dict[str, list[float]] = {key: [] for key in configs}
-    for model in models.values():  # warm-up (allocator, oneDNN kernel selection)
-        train(model, data, cfg)
-    for _ in range(args.repeats):
-        for key, model in models.items():
-            start = time.perf_counter()
-            train(model, data, cfg)  # ends with .item(): synchronizes a GPU
-            times[key].append((time.perf_counter() - start) / args.steps)
+    batches = []
+    for x, y in data:
+        x = x.to(device)
+        if args.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        batches.append((x, y.to(device)))
+    modes: dict[str, tuple[type, TrainConfig]] = {"fedshard": (TrainStep, cfg)}
+    if args.compile:
+        modes["compiled"] = (TrainStep, cfg_compiled)
+    modes["plain"] = (PlainStep, cfg)
+    steps = {
+        f"{mode}/{key}": make(prepare(m, c), c)
+        for mode, (make, c) in modes.items() for key, m in models.items()
+    }
+    all_times = time_steps(steps, batches, args.repeats, args.warmup, device)
+    times = {key: all_times[f"fedshard/{key}"] for key in configs}
+    step_ms = {
+        mode: {key: round(1e3 * statistics.median(all_times[f"{mode}/{key}"]), 2)
+               for key in configs}
+        for mode in modes
+    }
+    if args.quick:
+        quick: dict[str, object] = {}
+        for mode in modes:
+            prefix = "" if mode == "fedshard" else f"{mode}_"
+            for key in configs:
+                if key != "dense":
+                    quick[f"{prefix}step_time_ratio_{key}"] = round(
+                        step_ms[mode][key] / step_ms[mode]["dense"], 4)
+        quick["step_time_ms"] = step_ms
+        quick["setup"] = setup(args, device)
+        print(json.dumps(quick, indent=1))
+        return
 
     step = {key: statistics.median(t) for key, t in times.items()}
     profiled = {key: tensor_peak_and_split(m, args.batch, cfg) for key, m in models.items()}
@@ -212,11 +320,15 @@ def main() -> None:
     for key in configs:
         if key == "dense":
             continue
-        result[f"step_time_ratio_{key}"] = round(step[key] / step["dense"], 4)
+        for mode in modes:
+            prefix = "" if mode == "fedshard" else f"{mode}_"
+            result[f"{prefix}step_time_ratio_{key}"] = round(
+                step_ms[mode][key] / step_ms[mode]["dense"], 4)
         result[f"flop_ratio_{key}"] = round(flops[key] / flops["dense"], 4)
         result[f"bytes_ratio_{key}"] = round(size[key] / size["dense"], 4)
         result[f"peak_memory_ratio_{key}"] = round(profiled[key][0] / profiled["dense"][0], 4)
         result[f"rss_peak_ratio_{key}"] = round(rss[key] / rss["dense"], 4)
+    result["step_time_ms"] = step_ms
     result["step_time_s"] = {key: round(v, 4) for key, v in step.items()}
     result["step_time_range_s"] = {
         key: [round(min(t), 4), round(max(t), 4)] for key, t in times.items()
@@ -227,17 +339,7 @@ def main() -> None:
     result["state_mib"] = {key: round(v / 2**20, 3) for key, v in size.items()}
     result["peak_tensor_mib"] = {key: round(p[0] / 2**20, 1) for key, p in profiled.items()}
     result["rss_peak_mib"] = {key: round(v / 2**20, 1) for key, v in rss.items()}
-    result["setup"] = {
-        "model": f"resnet18(width={args.width})",
-        "input": [args.batch, 3, 32, 32],
-        "steps_per_call": args.steps,
-        "repeats": args.repeats,
-        "torch": torch.__version__,
-        "device": args.device,
-        "channels_last": args.channels_last,
-        "threads": torch.get_num_threads(),
-        "cpu": platform.processor() or platform.machine(),
-    }
+    result["setup"] = setup(args, device)
     print(json.dumps(result, indent=1))
 
 

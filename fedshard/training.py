@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -21,10 +22,14 @@ from torch.utils.data import DataLoader
 from fedshard.spectral.layers import SpectralLayer
 
 __all__ = [
+    "INPUT_KEYS",
+    "TARGET_KEYS",
     "ClipLR",
     "EvalResult",
+    "FrobeniusDecay",
     "TrainConfig",
     "TrainResult",
+    "TrainStep",
     "build_optimizer",
     "evaluate",
     "frobenius_penalty",
@@ -63,6 +68,17 @@ class TrainConfig:
     channels_last : bool
         Train in channels-last memory format (the model's 4-D parameters and 4-D input
         batches are converted); often faster for convolutions on CPU, numerically the same.
+    compile : bool
+        Compile the training step with ``torch.compile`` (on CUDA with
+        ``mode="reduce-overhead"``: CUDA graphs). The same numbers as eager up to float
+        rounding; the first steps (and the first short batch) pay the compilation.
+    max_grad_norm : float or None
+        If set (``> 0``), clip the global 2-norm of all trainable gradients (after Frobenius
+        decay, before ClipLR) to it, without waiting for the device; ``None`` disables.
+    input_key, target_key : str or None
+        Keys of the inputs and targets in dict batches; ``None`` recognises the
+        flwr-datasets / Hugging Face names (:data:`INPUT_KEYS`, :data:`TARGET_KEYS`).
+        Ignored for ``(inputs, targets)`` pairs.
 
     Raises
     ------
@@ -80,6 +96,10 @@ class TrainConfig:
     seed: int = 0
     log_every_epoch: bool = True
     channels_last: bool = False
+    compile: bool = False
+    max_grad_norm: float | None = None
+    input_key: str | None = None
+    target_key: str | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, value: object, expected: str) -> ValueError:
@@ -100,6 +120,14 @@ class TrainConfig:
             raise bad("clip_tau", self.clip_tau, "a finite number > 0 (or None to disable ClipLR)")
         if not _finite(self.weight_decay) or self.weight_decay < 0:
             raise bad("weight_decay", self.weight_decay, "a finite number >= 0")
+        if self.max_grad_norm is not None and (
+            not _finite(self.max_grad_norm) or self.max_grad_norm <= 0
+        ):
+            raise bad("max_grad_norm", self.max_grad_norm, "a finite number > 0 (or None)")
+        for field in ("input_key", "target_key"):
+            key = getattr(self, field)
+            if key is not None and not isinstance(key, str):
+                raise bad(field, key, "a str (or None to recognise the usual names)")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise bad("seed", self.seed, "an int")
         try:
@@ -136,17 +164,31 @@ class EvalResult:
     num_examples: int
 
 
-class ClipLR:
-    """Optimizer wrapper scaling the gradient of factor column ``i`` by ``min(1, τ/ω_i)``.
+class ClipLR(torch.optim.Optimizer):
+    """Optimizer scaling the gradient of factor column ``i`` by ``min(1, τ/ω_i)``, then stepping.
+
+    A real :class:`torch.optim.Optimizer` that wraps another one: parameter groups, state,
+    ``state_dict()`` / ``load_state_dict()``, ``zero_grad`` and learning-rate schedulers all act
+    on the wrapped optimizer, which owns them.
+
+    In your own training loop, wrap any optimizer over the model's parameters, e.g.
+    ``opt = ClipLR(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model, tau=10)``.
 
     Parameters
     ----------
     optimizer : torch.optim.Optimizer
-        The wrapped optimizer (e.g. SGD with momentum); it owns the state.
+        The wrapped optimizer (e.g. SGD with momentum).
     model : nn.Module
         Its :class:`~fedshard.spectral.SpectralLayer` modules provide ``(u, v, ω)``.
     tau : float or None
         Threshold ``τ > 0``; ``None`` makes the wrapper a pass-through.
+
+    Raises
+    ------
+    TypeError
+        If ``optimizer`` is not a ``torch.optim.Optimizer``.
+    ValueError
+        If ``tau`` is not ``None`` or a finite number ``> 0``.
 
     Notes
     -----
@@ -155,53 +197,137 @@ class ClipLR:
     ``∂L/∂u'_i <- ∂L/∂u'_i · min(1, τ/ω_i)`` (and the same for ``v'_i``) bounds it by ``τ``
     times the nominal rate. The scaling acts on the full gradient (data loss plus Frobenius
     decay) right before the step, so momentum accumulates the clipped gradients. The rule is
-    the one method :meth:`column_scale` (override it for another rule), in the spirit of
-    Opacus' ``DPOptimizer``.
+    the one method :meth:`column_scale` (override it for another rule), as in Opacus'
+    ``DPOptimizer``. ω is a frozen buffer: the scales are computed once per ``omega`` tensor
+    (again only if a layer's ``omega`` is replaced, e.g. by ``model.to(device)``) and applied
+    with one fused ``torch._foreach_mul_`` over all factor gradients.
     """
 
     def __init__(
         self, optimizer: torch.optim.Optimizer, model: nn.Module, tau: float | None
     ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"ClipLR wraps a torch.optim.Optimizer, got {type(optimizer).__name__}; "
+                "build e.g. torch.optim.SGD(model.parameters(), ...) first."
+            )
         if tau is not None and (not _finite(tau) or tau <= 0):
             raise ValueError(f"ClipLR tau={tau!r}: expected a finite number > 0 or None.")
+        # Optimizer.__init__ is not called: it would build a second set of parameter groups.
+        # Groups, state and defaults stay the wrapped optimizer's (Opacus' DPOptimizer does
+        # the same); only the hook tables the base class' step wrapper needs are set up here.
         self.optimizer = optimizer
         self.tau = tau
         self.layers = [m for m in model.modules() if isinstance(m, SpectralLayer)]
+        self._scales: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()
 
+    # -- the rule ----------------------------------------------------------------------------
     def column_scale(self, omega: torch.Tensor) -> torch.Tensor:
         """Per-column gradient factor ``min(1, τ/ω)``, shape ``(n,)``."""
         assert self.tau is not None
         return torch.clamp(self.tau / omega, max=1.0)
+
+    def _factor_scales(self, layer: SpectralLayer, index: int) -> tuple[torch.Tensor, ...]:
+        """``column_scale(ω)`` broadcast to ``u``'s and ``v``'s shapes, cached per ω tensor."""
+        cached = self._scales.get(index)
+        if cached is None or cached[0] is not layer.omega:
+            scale = self.column_scale(layer.omega)  # (n,)
+            # Full-shape copies so that the fused multiply takes the multi-tensor fast path
+            # (it needs equal shapes); (rows, n) each, as small as the factors.
+            cached = (
+                layer.omega,
+                scale.expand_as(layer.u).contiguous(),
+                scale.expand_as(layer.v).contiguous(),
+            )
+            self._scales[index] = cached
+        return cached[1:]
 
     @torch.no_grad()
     def clip_gradients(self) -> None:
         """Scale ``u.grad`` and ``v.grad`` of every spectral layer in place, column by column."""
         if self.tau is None:
             return
-        for layer in self.layers:
-            scale = self.column_scale(layer.omega)  # (n,), broadcast over rows
-            for factor in (layer.u, layer.v):
+        grads: list[torch.Tensor] = []
+        scales: list[torch.Tensor] = []
+        for index, layer in enumerate(self.layers):
+            for factor, scale in zip(
+                (layer.u, layer.v), self._factor_scales(layer, index), strict=True
+            ):
                 if factor.grad is not None:
-                    factor.grad.mul_(scale)  # (rows, n) * (n,)
+                    grads.append(factor.grad)  # (rows, n)
+                    scales.append(scale)  # (rows, n)
+        if grads:
+            torch._foreach_mul_(grads, scales)
 
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Clip the factor gradients, then step the wrapped optimizer."""
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Evaluate ``closure`` (if given), clip the factor gradients, step the wrapped optimizer.
+
+        Returns
+        -------
+        float or None
+            The closure's loss, or ``None``.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         self.clip_gradients()
-        return self.optimizer.step(closure)
+        self.optimizer.step()
+        return loss
 
+    # -- everything else belongs to the wrapped optimizer -------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forward to the wrapped optimizer."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Forward to the wrapped optimizer."""
+        self.optimizer.add_param_group(param_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict (ClipLR itself has no state beyond ``tau``)."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load into the wrapped optimizer."""
+        self.optimizer.load_state_dict(state_dict)
+
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        """The wrapped optimizer's parameter groups."""
+        """The wrapped optimizer's parameter groups (schedulers edit their ``lr`` here)."""
         return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
 
     @property
     def state(self) -> Any:
         """The wrapped optimizer's state (momentum buffers)."""
         return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The wrapped optimizer's defaults."""
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def __repr__(self) -> str:
+        return f"ClipLR(tau={self.tau}, {self.optimizer!r})"
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> ClipLR:
@@ -259,12 +385,124 @@ def frobenius_penalty(model: nn.Module) -> torch.Tensor:
     Notes
     -----
     Frobenius decay (paper, Sec. 3.3, after Khodak et al. 2022); each term comes from
-    ``n x n`` Gram matrices, see :meth:`SpectralLayer.frobenius_norm_sq`.
+    ``n x n`` Gram matrices, see :meth:`SpectralLayer.frobenius_norm_sq`. :func:`train` does
+    not differentiate this: it adds the analytic gradient, see :class:`FrobeniusDecay`.
     """
     terms = [m.frobenius_norm_sq() for m in model.modules() if isinstance(m, SpectralLayer)]
     if not terms:
         return torch.zeros(())
     return torch.stack(terms).sum()
+
+
+class FrobeniusDecay:
+    """Adds the gradient of ``γ Σ_layers ‖U Ω V^T‖_F^2`` to the factor gradients in place.
+
+    Parameters
+    ----------
+    model : nn.Module
+        Its :class:`~fedshard.spectral.SpectralLayer` modules; their ω is read once here.
+    gamma : float
+        ``γ >= 0``.
+
+    Notes
+    -----
+    With ``G_U = U^T U`` and ``G_V = V^T V`` (``n x n``) the penalty is
+    ``γ tr(Ω G_U Ω G_V)`` (paper, Sec. 3.3), so ``∂/∂U = U (2γ ωω^T ⊙ G_V)`` and
+    ``∂/∂V = V (2γ ωω^T ⊙ G_U)``: two Gram products and two ``addmm_`` per layer plus one
+    fused multiply for all layers, instead of differentiating the penalty through autograd
+    (the same gradient to rounding, without a forward graph and ~3x fewer kernels). The
+    matrices ``2γ ωω^T`` are built once, since ω is frozen during local training.
+    """
+
+    def __init__(self, model: nn.Module, gamma: float) -> None:
+        self.gamma = gamma
+        self.layers = [m for m in model.modules() if isinstance(m, SpectralLayer)]
+        # 2γ ωω^T, (n, n) per layer
+        self.weights = [2.0 * gamma * torch.outer(m.omega, m.omega) for m in self.layers]
+
+    @torch.no_grad()
+    def add_gradient_(self) -> None:
+        """``u.grad += ∂/∂U``, ``v.grad += ∂/∂V`` for every layer (``None`` grads become it)."""
+        if self.gamma == 0 or not self.layers:
+            return
+        grams = [m.u.mT @ m.u for m in self.layers] + [m.v.mT @ m.v for m in self.layers]
+        mixed = torch._foreach_mul(grams, self.weights + self.weights)  # 2γ ωω^T ⊙ G, (n, n)
+        count = len(self.layers)
+        for i, layer in enumerate(self.layers):
+            # U's gradient mixes with V's Gram matrix and vice versa
+            for factor, weight in ((layer.u, mixed[count + i]), (layer.v, mixed[i])):
+                if not factor.requires_grad:
+                    continue
+                if factor.grad is None:
+                    factor.grad = torch.zeros_like(factor)
+                factor.grad.addmm_(factor, weight)  # (rows, n) += (rows, n) @ (n, n)
+
+
+class TrainStep:
+    """One local-training step; :func:`train` and ``benchmarks/bench_client.py`` both use it.
+
+    Built once per :func:`train` call (after the model is on its device): zero the gradients,
+    forward and cross-entropy, backward, add the Frobenius-decay gradient
+    (:class:`FrobeniusDecay`), optionally clip the global gradient norm, then ClipLR + SGD
+    (:class:`ClipLR`). No step waits for the device: nothing is read back to the host.
+
+    Parameters
+    ----------
+    model : nn.Module
+        On its training device, in train mode.
+    cfg : TrainConfig
+        Settings; ``cfg.compile`` compiles the forward/backward (``mode="reduce-overhead"``,
+        i.e. CUDA graphs, on CUDA) and the gradient update with ``torch.compile``.
+
+    Attributes
+    ----------
+    optimizer : ClipLR
+        From :func:`build_optimizer`.
+    """
+
+    def __init__(self, model: nn.Module, cfg: TrainConfig) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.optimizer = build_optimizer(model, cfg)
+        self.decay = FrobeniusDecay(model, cfg.frobenius_decay)
+        self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self._cuda_graphs = False
+        self._loss: Callable[..., tuple[torch.Tensor, ...]] = self._loss_eager
+        self._update: Callable[[], None] = self._update_eager
+        if cfg.compile:
+            cuda = any(p.is_cuda for p in self._params)
+            self._cuda_graphs = cuda
+            self._loss = torch.compile(self._loss_eager, mode="reduce-overhead" if cuda else None)
+            self._update = torch.compile(self._update_eager)
+
+    def __call__(
+        self, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Train on one batch.
+
+        Returns
+        -------
+        tuple of torch.Tensor
+            Device scalars: summed cross-entropy (detached), number of correct predictions,
+            number of counted targets.
+        """
+        if self._cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss, loss_sum, correct, count = self._loss(inputs, targets)
+        loss.backward()
+        self._update()
+        return loss_sum.detach(), correct, count
+
+    def _loss_eager(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        loss_sum, correct, count = _cross_entropy(self.model(inputs), targets)
+        return loss_sum / count.clamp_min(1), loss_sum, correct, count
+
+    def _update_eager(self) -> None:
+        self.decay.add_gradient_()
+        if self.cfg.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self._params, self.cfg.max_grad_norm, foreach=True)
+        self.optimizer.step()
 
 
 def train(model: nn.Module, loader: DataLoader[Any], cfg: TrainConfig) -> TrainResult:
@@ -277,7 +515,7 @@ def train(model: nn.Module, loader: DataLoader[Any], cfg: TrainConfig) -> TrainR
         ``(B,)`` targets, or ``(B, T, C)`` with ``(B, T)`` targets (next-token prediction);
         targets equal to ``-100`` are ignored.
     loader : DataLoader
-        Yields ``(inputs, targets)`` batches.
+        Yields ``(inputs, targets)`` pairs or dicts (see :attr:`TrainConfig.input_key`).
     cfg : TrainConfig
         Settings.
 
@@ -291,77 +529,102 @@ def train(model: nn.Module, loader: DataLoader[Any], cfg: TrainConfig) -> TrainR
     ValueError
         If the loader yields no batch or a batch of the wrong form.
     FloatingPointError
-        If the loss becomes NaN or inf (training stops; lower ``lr`` or enable ClipLR).
+        If the loss becomes NaN or inf. It is checked every ``_CHECK_EVERY`` steps and at the
+        end of each epoch (not every step: that would wait for the device each time), so a few
+        more steps may have run; the model's parameters are then not usable.
 
     Notes
     -----
     Loss per step: ``CE + γ Σ ‖U Ω V^T‖_F^2``; gradients of ``u``, ``v`` clipped by ClipLR;
-    plain SGD with momentum (paper, Sec. 3.3). Deterministic given ``cfg.seed`` on CPU: all
-    torch randomness drawn from the global generator during the call comes from a forked RNG
-    seeded with it (the caller's RNG state is restored afterwards). A DataLoader with its own
-    ``generator`` keeps using that.
+    plain SGD with momentum (paper, Sec. 3.3); see :class:`TrainStep`. Deterministic given
+    ``cfg.seed`` on CPU: all torch randomness drawn from the global generator during the call
+    comes from a forked RNG seeded with it (the caller's RNG state is restored afterwards). A
+    DataLoader with its own ``generator`` keeps using that.
     """
     device = torch.device(cfg.device)
     model.to(device)
     if cfg.channels_last:
         model.to(memory_format=torch.channels_last)
     model.train()
-    optimizer = build_optimizer(model, cfg)
-    gamma = cfg.frobenius_decay
+    step = TrainStep(model, cfg)
+    # Device-side sums: the only reads back to the host are the periodic finiteness checks
+    # and the per-epoch log line. CE >= 0, so a sum is finite iff every summand is.
     total_loss = torch.zeros((), dtype=torch.float64, device=device)
     total_correct = torch.zeros((), dtype=torch.int64, device=device)
-    total_targets = 0
+    total_targets = torch.zeros((), dtype=torch.int64, device=device)
     examples_per_epoch = 0
     with _forked_rng(cfg.seed, device):
         for epoch in range(cfg.epochs):
             epoch_loss = torch.zeros((), dtype=torch.float64, device=device)
             epoch_correct = torch.zeros((), dtype=torch.int64, device=device)
-            epoch_targets = 0
+            epoch_targets = torch.zeros((), dtype=torch.int64, device=device)
             examples_per_epoch = 0
+            steps = 0
             for batch in loader:
-                inputs, targets = _unpack(batch, device)
+                inputs, targets = _unpack(batch, device, cfg.input_key, cfg.target_key)
                 if cfg.channels_last and inputs.ndim == 4:
                     inputs = inputs.contiguous(memory_format=torch.channels_last)
-                optimizer.zero_grad(set_to_none=True)
-                loss_sum, correct, count = _cross_entropy(model(inputs), targets)
-                loss = loss_sum / max(count, 1)
-                if gamma > 0:
-                    loss = loss + gamma * frobenius_penalty(model)
-                if not bool(torch.isfinite(loss)):
-                    raise FloatingPointError(
-                        f"training loss became {loss.item()} in epoch {epoch + 1}; training "
-                        "stopped. Lower the learning rate or enable ClipLR (clip_tau)."
-                    )
-                loss.backward()
-                optimizer.step()
-                epoch_loss += loss_sum.detach()
+                loss_sum, correct, count = step(inputs, targets)
+                epoch_loss += loss_sum
                 epoch_correct += correct
                 epoch_targets += count
                 examples_per_epoch += int(inputs.shape[0])
+                steps += 1
+                if steps % _CHECK_EVERY == 0:
+                    _check_finite(epoch_loss, epoch, steps, cfg)
             if examples_per_epoch == 0:
                 raise ValueError("the DataLoader yielded no batches; nothing was trained.")
+            _check_finite(epoch_loss, epoch, steps, cfg)
             total_loss += epoch_loss
             total_correct += epoch_correct
             total_targets += epoch_targets
             if cfg.log_every_epoch:
+                seen = max(int(epoch_targets.item()), 1)
                 logger.info(
                     "epoch %d/%d: loss %.4f, accuracy %.4f over %d targets",
                     epoch + 1,
                     cfg.epochs,
-                    epoch_loss.item() / max(epoch_targets, 1),
-                    epoch_correct.item() / max(epoch_targets, 1),
-                    epoch_targets,
+                    epoch_loss.item() / seen,
+                    epoch_correct.item() / seen,
+                    int(epoch_targets.item()),
                 )
+    seen = max(int(total_targets.item()), 1)
     return TrainResult(
-        loss=total_loss.item() / max(total_targets, 1),
-        accuracy=total_correct.item() / max(total_targets, 1),
+        loss=total_loss.item() / seen,
+        accuracy=total_correct.item() / seen,
         num_examples=_dataset_size(loader, examples_per_epoch),
+    )
+
+
+#: Steps between two checks that the loss is finite (each check waits for the device).
+_CHECK_EVERY = 32
+
+
+def _check_finite(loss_sum: torch.Tensor, epoch: int, steps: int, cfg: TrainConfig) -> None:
+    if bool(torch.isfinite(loss_sum)):
+        return
+    remedies = ["lower the learning rate (lr)", "add normalization layers to the model"]
+    if cfg.max_grad_norm is None:
+        remedies.append("set TrainConfig.max_grad_norm to clip the gradient norm")
+    else:
+        remedies.append(f"lower max_grad_norm (now {cfg.max_grad_norm})")
+    if cfg.clip_tau is None:
+        remedies.append("enable ClipLR (clip_tau)")
+    raise FloatingPointError(
+        f"training loss became {loss_sum.item()} in epoch {epoch + 1} (found after step "
+        f"{steps}; checked every {_CHECK_EVERY} steps); training stopped and the model's "
+        f"parameters are not usable. To fix: {', '.join(remedies[:-1])} or {remedies[-1]}."
     )
 
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, loader: DataLoader[Any], device: str | torch.device = "cpu"
+    model: nn.Module,
+    loader: DataLoader[Any],
+    device: str | torch.device = "cpu",
+    *,
+    input_key: str | None = None,
+    target_key: str | None = None,
 ) -> EvalResult:
     """Mean cross-entropy and accuracy of ``model`` on ``loader`` (eval mode, no gradients).
 
@@ -370,9 +633,11 @@ def evaluate(
     model : nn.Module
         Moved to ``device``; its train/eval mode is restored afterwards.
     loader : DataLoader
-        Yields ``(inputs, targets)`` batches, shapes as in :func:`train`.
+        Yields ``(inputs, targets)`` pairs or dicts, shapes as in :func:`train`.
     device : str or torch.device
         Where to evaluate.
+    input_key, target_key : str, optional
+        Keys of dict batches, as :attr:`TrainConfig.input_key` / ``target_key``.
 
     Returns
     -------
@@ -390,11 +655,11 @@ def evaluate(
     model.eval()
     total_loss = torch.zeros((), dtype=torch.float64, device=dev)
     total_correct = torch.zeros((), dtype=torch.int64, device=dev)
-    total_targets = 0
+    total_targets = torch.zeros((), dtype=torch.int64, device=dev)
     examples = 0
     try:
         for batch in loader:
-            inputs, targets = _unpack(batch, dev)
+            inputs, targets = _unpack(batch, dev, input_key, target_key)
             loss_sum, correct, count = _cross_entropy(model(inputs), targets)
             total_loss += loss_sum
             total_correct += correct
@@ -404,17 +669,18 @@ def evaluate(
         model.train(was_training)
     if examples == 0:
         raise ValueError("the DataLoader yielded no batches; nothing was evaluated.")
+    seen = max(int(total_targets.item()), 1)
     return EvalResult(
-        loss=total_loss.item() / max(total_targets, 1),
-        accuracy=total_correct.item() / max(total_targets, 1),
+        loss=total_loss.item() / seen,
+        accuracy=total_correct.item() / seen,
         num_examples=_dataset_size(loader, examples),
     )
 
 
 def _cross_entropy(
     logits: Any, targets: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Summed cross-entropy, number of correct predictions and of counted targets.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy, number of correct predictions and of counted targets (tensors).
 
     ``logits`` ``(B, C)`` with ``targets`` ``(B,)``, or ``(B, T, C)`` with ``(B, T)``;
     targets ``-100`` (PyTorch's ``ignore_index``) are not counted.
@@ -434,17 +700,65 @@ def _cross_entropy(
     valid = flat_targets != -100
     loss_sum = F.cross_entropy(flat_logits, flat_targets, reduction="sum")
     correct = ((flat_logits.argmax(dim=-1) == flat_targets) & valid).sum()
-    return loss_sum, correct, int(valid.sum())
+    return loss_sum, correct, valid.sum()
 
 
-def _unpack(batch: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+#: Dict-batch keys recognised without configuration (flwr-datasets / Hugging Face defaults).
+INPUT_KEYS = ("img", "image", "pixel_values", "x", "input_ids")
+TARGET_KEYS = ("label", "labels", "fine_label", "y")
+
+
+def _unpack(
+    batch: Any,
+    device: torch.device,
+    input_key: str | None = None,
+    target_key: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inputs, targets)`` of a pair or dict batch, on ``device``, targets as int64."""
+    if isinstance(batch, Mapping):
+        inputs = batch[_batch_key(batch, input_key, INPUT_KEYS, "input")]
+        targets = batch[_batch_key(batch, target_key, TARGET_KEYS, "target")]
+    elif isinstance(batch, (tuple, list)) and len(batch) == 2:
+        inputs, targets = batch
+    else:
         raise ValueError(
-            f"expected the DataLoader to yield (inputs, targets) pairs, got "
-            f"{type(batch).__name__}; nothing more was processed."
+            f"expected the DataLoader to yield (inputs, targets) pairs or dicts, got "
+            f"{type(batch).__name__}"
+            + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+            + "; nothing more was processed."
         )
-    inputs, targets = batch
+    for what, value in (("inputs", inputs), ("targets", targets)):
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(
+                f"the batch's {what} are a {type(value).__name__}, expected a torch.Tensor "
+                "(use a collate_fn or a dataset transform that returns tensors); nothing "
+                "more was processed."
+            )
     return inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True).long()
+
+
+def _batch_key(
+    batch: Mapping[str, Any], key: str | None, defaults: tuple[str, ...], what: str
+) -> str:
+    found = sorted(str(k) for k in batch)
+    field = f"TrainConfig.{what}_key"
+    if key is not None:
+        if key not in batch:
+            raise ValueError(
+                f"{field}={key!r} is not a key of the batch; found keys {found}. Set "
+                f"{field} to the {what} key; nothing more was processed."
+            )
+        return key
+    matches = [k for k in defaults if k in batch]
+    if len(matches) == 1:
+        return matches[0]
+    problem = "several" if matches else "none"
+    raise ValueError(
+        f"cannot tell the {what} key of a dict batch: {problem} of the known keys "
+        f"{list(defaults)} found{' (' + ', '.join(map(repr, matches)) + ')' if matches else ''}; "
+        f"the batch has keys {found}. Set {field} (evaluate(..., {what}_key=...)); "
+        "nothing more was processed."
+    )
 
 
 def _dataset_size(loader: DataLoader[Any], fallback: int) -> int:

@@ -9,7 +9,7 @@ State-dict names: ``<layer>.u`` ``(c_out, n)``, ``<layer>.v`` ``(c_in*k_h*k_w, n
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,7 @@ from fedshard.spectral.decompose import decompose, take_terms
 __all__ = ["SpectralConv2d", "SpectralLayer", "SpectralLinear"]
 
 PaddingMode = Literal["zeros", "reflect", "replicate", "circular"]
+_Layer = TypeVar("_Layer", bound="SpectralLayer")
 
 
 def _pair(value: int | Sequence[int], what: str) -> tuple[int, int]:
@@ -38,6 +39,10 @@ class SpectralLayer(nn.Module):
     auxiliary multipliers ``omega`` ``(n,)`` (a buffer, so the optimizer never sees it) and the
     optional dense ``bias`` ``(c_out,)``. Use ``isinstance(m, SpectralLayer)`` to find the
     factorized layers of a sub-model.
+
+    :meth:`from_dense`, :meth:`from_factors` and :meth:`to_dense` live here once; a subclass
+    names its :attr:`dense_type` and supplies the geometry hooks ``_geometry`` (dense layer to
+    constructor keywords) and ``_empty_dense`` (the inverse), as PEFT's ``_ConvNd`` does.
 
     Parameters
     ----------
@@ -127,6 +132,132 @@ class SpectralLayer(nn.Module):
         gram_v = self.v.mT @ self.v  # (n, n)
         return (gram_u * gram_v * torch.outer(self.omega, self.omega)).sum()
 
+    # --- the dense pair: one generic implementation, two geometry hooks per subclass -------
+    #: The dense module this class factorizes (``nn.Linear``, ``nn.Conv2d``).
+    dense_type: ClassVar[type[nn.Module]]
+    #: Appended to the ``TypeError`` of :meth:`from_dense` for a module of another type.
+    _other_types_hint: ClassVar[str] = ""
+
+    @classmethod
+    def _geometry(cls, layer: nn.Module) -> dict[str, Any]:
+        """Keyword arguments of ``cls(u, v, omega, bias, **kw)`` read off the dense ``layer``.
+
+        The one per-subclass hook of :meth:`from_factors` (PEFT's ``_ConvNd`` pattern);
+        raises ``TypeError`` for a configuration the subclass cannot represent.
+        """
+        raise NotImplementedError
+
+    def _empty_dense(self) -> nn.Module:
+        """A dense ``dense_type`` module with this layer's geometry (weights to be filled)."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_dense(
+        cls: type[_Layer],
+        layer: nn.Module,
+        indices: Sequence[int] | None = None,
+        omega: torch.Tensor | None = None,
+    ) -> _Layer:
+        """Factorize a dense layer of type :attr:`dense_type`, keeping the terms ``indices``.
+
+        Parameters
+        ----------
+        layer : nn.Module
+            The dense layer (not modified): ``nn.Linear`` for :class:`SpectralLinear`,
+            ``nn.Conv2d`` with ``groups == 1`` for :class:`SpectralConv2d`.
+        indices : sequence of int, optional
+            Term indices in ``[0, N)``, ``N = min(c_out, fan_in)``, in the order they become
+            columns; ``None`` keeps all ``N`` terms in order of decreasing singular value.
+        omega : torch.Tensor, optional
+            ``(n,)`` multipliers; default ones.
+
+        Returns
+        -------
+        SpectralLayer
+            An instance of ``cls``: factors and bias in ``layer.weight``'s dtype and device,
+            the same geometry (stride, padding, ...) as ``layer``.
+
+        Raises
+        ------
+        TypeError
+            If ``layer`` is not a :attr:`dense_type` or has a configuration the class cannot
+            represent (a grouped convolution).
+        """
+        if not isinstance(layer, cls.dense_type):
+            raise TypeError(
+                f"{cls.__name__}.from_dense() expects an nn.{cls.dense_type.__name__}, got "
+                f"{type(layer).__name__}; {cls._other_types_hint}"
+            )
+        cls._geometry(layer)  # reject unsupported configurations before the SVD
+        weight = layer.weight
+        assert isinstance(weight, torch.Tensor)
+        u, v, omega = _factors_of(weight, indices, omega)
+        return cls.from_factors(layer, u, v, omega)
+
+    @classmethod
+    def from_factors(
+        cls: type[_Layer],
+        layer: nn.Module,
+        u: torch.Tensor,
+        v: torch.Tensor,
+        omega: torch.Tensor,
+    ) -> _Layer:
+        """Replacement for ``layer`` with the given factors, its geometry and a copy of its bias.
+
+        Parameters
+        ----------
+        layer : nn.Module
+            A :attr:`dense_type` module: source of the geometry and the bias; not modified.
+        u, v, omega : torch.Tensor
+            ``(c_out, n)``, ``(fan_in, n)``, ``(n,)`` with ``fan_in = c_in`` (linear) or
+            ``c_in k_h k_w`` (convolution); cast to ``layer.weight``'s dtype and device.
+
+        Returns
+        -------
+        SpectralLayer
+            An instance of ``cls``, in ``layer``'s train/eval mode.
+
+        Raises
+        ------
+        TypeError
+            If ``layer`` has a configuration the class cannot represent.
+        ValueError
+            If the factor shapes do not match ``layer``.
+        """
+        geometry = cls._geometry(layer)
+        w = layer.weight
+        assert isinstance(w, torch.Tensor)
+        rows, fan_in = int(w.shape[0]), int(w[0].numel())  # W.reshape(c_out, -1): (rows, fan_in)
+        if u.shape[0] != rows or v.shape[0] != fan_in:
+            raise ValueError(
+                f"factors u {tuple(u.shape)}, v {tuple(v.shape)} do not fit {layer}: expected "
+                f"u ({rows}, n) and v ({fan_in}, n); the layer was not replaced."
+            )
+        b = getattr(layer, "bias", None)
+        bias = None if b is None else b.detach()
+        out = cls(_like(u, w), _like(v, w), _like(omega, w), bias, **geometry)
+        out.train(layer.training)
+        return out
+
+    def to_dense(self) -> nn.Module:
+        """Equivalent dense :attr:`dense_type` module with weight ``U Ω V^T``.
+
+        Returns
+        -------
+        nn.Module
+            The weight is computed in float64 and cast to the factors' dtype (reshaped to
+            ``(c_out, c_in, k_h, k_w)`` for a convolution); the bias is copied.
+        """
+        layer = self._empty_dense()
+        with torch.no_grad():
+            weight = layer.weight
+            assert isinstance(weight, torch.Tensor)
+            weight.copy_(self.dense_weight().reshape(weight.shape))
+            dense_bias = getattr(layer, "bias", None)
+            if self.bias is not None and dense_bias is not None:
+                dense_bias.copy_(self.bias)
+        return layer
+
 
 class SpectralLinear(SpectralLayer):
     """Linear layer ``y = ((x V) ⊙ ω) U^T + b`` with ``n`` terms.
@@ -165,92 +296,21 @@ class SpectralLinear(SpectralLayer):
         # ω folded into U: (out, n) is cheaper to scale than the (..., n) activations.
         return F.linear(hidden, self.u * self.omega, self.bias)  # (..., out)
 
-    @classmethod
-    def from_dense(
-        cls,
-        layer: nn.Linear,
-        indices: Sequence[int] | None = None,
-        omega: torch.Tensor | None = None,
-    ) -> SpectralLinear:
-        """Factorize a dense ``nn.Linear``, keeping the terms ``indices`` (default: all).
-
-        Parameters
-        ----------
-        layer : nn.Linear
-            The dense layer (not modified).
-        indices : sequence of int, optional
-            Term indices in ``[0, N)`` in the order they become columns; ``None`` keeps all
-            ``N = min(out, in)`` terms in order of decreasing singular value.
-        omega : torch.Tensor, optional
-            ``(n,)`` multipliers; default ones.
-
-        Returns
-        -------
-        SpectralLinear
-            Factors and bias in ``layer.weight``'s dtype and device.
-
-        Raises
-        ------
-        TypeError
-            If ``layer`` is not an ``nn.Linear``.
-        """
-        if not isinstance(layer, nn.Linear):
-            raise TypeError(
-                f"SpectralLinear.from_dense() expects an nn.Linear, got {type(layer).__name__}; "
-                "use SpectralConv2d.from_dense() for nn.Conv2d."
-            )
-        u, v, omega = _factors_of(layer.weight, indices, omega)
-        return cls.from_factors(layer, u, v, omega)
+    dense_type = nn.Linear
+    _other_types_hint = "use SpectralConv2d.from_dense() for nn.Conv2d."
 
     @classmethod
-    def from_factors(
-        cls, layer: nn.Linear, u: torch.Tensor, v: torch.Tensor, omega: torch.Tensor
-    ) -> SpectralLinear:
-        """Replacement for ``layer`` with the given factors and a copy of ``layer.bias``.
+    def _geometry(cls, layer: nn.Module) -> dict[str, Any]:
+        return {}  # fully given by the factor shapes
 
-        Parameters
-        ----------
-        layer : nn.Linear
-            Source of the bias (not modified).
-        u, v, omega : torch.Tensor
-            ``(out_features, n)``, ``(in_features, n)``, ``(n,)``; cast to ``layer.weight``'s
-            dtype and device.
-
-        Returns
-        -------
-        SpectralLinear
-
-        Raises
-        ------
-        ValueError
-            If the factor shapes do not match ``layer``.
-        """
-        if u.shape[0] != layer.out_features or v.shape[0] != layer.in_features:
-            raise ValueError(
-                f"factors u {tuple(u.shape)}, v {tuple(v.shape)} do not fit {layer}: expected "
-                f"u ({layer.out_features}, n) and v ({layer.in_features}, n); "
-                "the layer was not replaced."
-            )
-        bias = None if layer.bias is None else layer.bias.detach()
-        w = layer.weight
-        out = cls(_like(u, w), _like(v, w), _like(omega, w), bias)
-        out.train(layer.training)
-        return out
-
-    def to_dense(self) -> nn.Linear:
-        """Equivalent ``nn.Linear`` with weight ``U Ω V^T`` (computed in float64, then cast)."""
-        layer = nn.Linear(
+    def _empty_dense(self) -> nn.Linear:
+        return nn.Linear(
             self.in_features,
             self.out_features,
             bias=self.bias is not None,
             device=self.u.device,
             dtype=self.u.dtype,
         )
-        with torch.no_grad():
-            layer.weight.copy_(self.dense_weight())
-            if self.bias is not None and layer.bias is not None:
-                layer.bias.copy_(self.bias)
-        return layer
 
     def extra_repr(self) -> str:
         return (
@@ -353,104 +413,29 @@ class SpectralConv2d(SpectralLayer):
         mixer = (self.u * self.omega)[:, :, None, None]
         return F.conv2d(hidden, mixer, self.bias)
 
-    @classmethod
-    def from_dense(
-        cls,
-        layer: nn.Conv2d,
-        indices: Sequence[int] | None = None,
-        omega: torch.Tensor | None = None,
-    ) -> SpectralConv2d:
-        """Factorize a dense ``nn.Conv2d`` (``groups == 1``), keeping the terms ``indices``.
-
-        Parameters
-        ----------
-        layer : nn.Conv2d
-            The dense layer (not modified).
-        indices : sequence of int, optional
-            Term indices in ``[0, N)``, ``N = min(c_out, c_in k_h k_w)``; default all.
-        omega : torch.Tensor, optional
-            ``(n,)`` multipliers; default ones.
-
-        Returns
-        -------
-        SpectralConv2d
-            Same stride, padding, dilation and padding mode as ``layer``.
-
-        Raises
-        ------
-        TypeError
-            If ``layer`` is not an ``nn.Conv2d`` or has ``groups > 1``.
-        """
-        if not isinstance(layer, nn.Conv2d):
-            raise TypeError(
-                f"SpectralConv2d.from_dense() expects an nn.Conv2d, got {type(layer).__name__}; "
-                "transposed and 1-D/3-D convolutions are not supported."
-            )
-        if layer.groups != 1:
-            raise TypeError(
-                f"SpectralConv2d.from_dense() supports groups=1 only, got a Conv2d with "
-                f"groups={layer.groups}; leave this layer dense."
-            )
-        u, v, omega = _factors_of(layer.weight, indices, omega)
-        return cls.from_factors(layer, u, v, omega)
+    dense_type = nn.Conv2d
+    _other_types_hint = "transposed and 1-D/3-D convolutions are not supported."
 
     @classmethod
-    def from_factors(
-        cls, layer: nn.Conv2d, u: torch.Tensor, v: torch.Tensor, omega: torch.Tensor
-    ) -> SpectralConv2d:
-        """Replacement for ``layer`` with the given factors, its geometry and a copy of its bias.
-
-        Parameters
-        ----------
-        layer : nn.Conv2d
-            Source of geometry (stride, padding, dilation, padding mode) and bias; not modified.
-        u, v, omega : torch.Tensor
-            ``(c_out, n)``, ``(c_in k_h k_w, n)``, ``(n,)``; cast to ``layer.weight``'s dtype
-            and device.
-
-        Returns
-        -------
-        SpectralConv2d
-
-        Raises
-        ------
-        TypeError
-            If ``layer`` has ``groups > 1``.
-        ValueError
-            If the factor shapes do not match ``layer``.
-        """
+    def _geometry(cls, layer: nn.Module) -> dict[str, Any]:
+        assert isinstance(layer, nn.Conv2d)
         if layer.groups != 1:
             raise TypeError(
                 f"SpectralConv2d supports groups=1 only, got a Conv2d with "
                 f"groups={layer.groups}; leave this layer dense."
             )
-        fan_in = layer.in_channels * layer.kernel_size[0] * layer.kernel_size[1]
-        if u.shape[0] != layer.out_channels or v.shape[0] != fan_in:
-            raise ValueError(
-                f"factors u {tuple(u.shape)}, v {tuple(v.shape)} do not fit {layer}: expected "
-                f"u ({layer.out_channels}, n) and v ({fan_in}, n); the layer was not replaced."
-            )
-        w = layer.weight
-        bias = None if layer.bias is None else layer.bias.detach()
         padding = layer.padding if isinstance(layer.padding, str) else tuple(layer.padding)
-        out = cls(
-            _like(u, w),
-            _like(v, w),
-            _like(omega, w),
-            bias,
-            in_channels=layer.in_channels,
-            kernel_size=tuple(layer.kernel_size),
-            stride=tuple(layer.stride),
-            padding=padding,
-            dilation=tuple(layer.dilation),
-            padding_mode=layer.padding_mode,
-        )
-        out.train(layer.training)
-        return out
+        return {
+            "in_channels": layer.in_channels,
+            "kernel_size": tuple(layer.kernel_size),
+            "stride": tuple(layer.stride),
+            "padding": padding,
+            "dilation": tuple(layer.dilation),
+            "padding_mode": layer.padding_mode,
+        }
 
-    def to_dense(self) -> nn.Conv2d:
-        """Equivalent ``nn.Conv2d``, weight ``U Ω V^T`` reshaped to ``(c_out, c_in, k_h, k_w)``."""
-        layer = nn.Conv2d(
+    def _empty_dense(self) -> nn.Conv2d:
+        return nn.Conv2d(
             self.in_channels,
             self.out_channels,
             self.kernel_size,
@@ -462,11 +447,6 @@ class SpectralConv2d(SpectralLayer):
             device=self.u.device,
             dtype=self.u.dtype,
         )
-        with torch.no_grad():
-            layer.weight.copy_(self.dense_weight().reshape(layer.weight.shape))
-            if self.bias is not None and layer.bias is not None:
-                layer.bias.copy_(self.bias)
-        return layer
 
     def extra_repr(self) -> str:
         return (

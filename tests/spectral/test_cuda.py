@@ -1,0 +1,88 @@
+"""CUDA training against CPU training and compiled against eager; skipped without a GPU."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from fedshard.models import resnet18
+from fedshard.spectral import shard_model
+from fedshard.training import TrainConfig, TrainStep, train
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32() -> Iterator[None]:
+    """TF32 would round products to 10 mantissa bits: compare true float32 arithmetic."""
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def _submodel() -> nn.Module:
+    dense = resnet18(num_classes=10, width=16, seed=0)
+    layers = {
+        "layer1.0.conv1": list(range(6)),
+        "layer2.0.conv2": list(range(10)),
+        "layer3.1.conv1": list(range(12)),
+        "layer4.0.downsample.0": list(range(8)),
+    }
+    omegas = {name: torch.linspace(1.0, 20.0, len(i)) for name, i in layers.items()}
+    sub, _ = shard_model(dense, layers, omegas)
+    return sub
+
+
+def _loader() -> DataLoader[tuple[torch.Tensor, ...]]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(24, 3, 32, 32, generator=g)
+    return DataLoader(TensorDataset(x, torch.randint(0, 10, (24,), generator=g)), batch_size=8)
+
+
+def _assert_close(a: nn.Module, b: nn.Module, rtol: float, atol: float) -> None:
+    for (key, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        torch.testing.assert_close(x.cpu(), y.cpu(), rtol=rtol, atol=atol, msg=key)
+
+
+CFG = TrainConfig(epochs=1, lr=0.02, log_every_epoch=False, clip_tau=10.0, max_grad_norm=5.0)
+
+
+def test_cuda_training_matches_cpu_training() -> None:
+    on_cpu, on_cuda = _submodel(), _submodel()
+    want = train(on_cpu, _loader(), CFG)
+    got = train(on_cuda, _loader(), dataclasses.replace(CFG, device="cuda"))
+    _assert_close(on_cuda, on_cpu, rtol=1e-4, atol=1e-5)  # float32 rounding, 3 steps
+    assert got.loss == pytest.approx(want.loss, rel=1e-4)
+
+
+def test_compiled_cuda_training_matches_eager() -> None:
+    eager, compiled = _submodel(), _submodel()
+    cfg = dataclasses.replace(CFG, device="cuda", epochs=2)
+    want = train(eager, _loader(), cfg)
+    got = train(compiled, _loader(), dataclasses.replace(cfg, compile=True))
+    _assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+    assert got.loss == pytest.approx(want.loss, rel=1e-4)
+
+
+def test_cuda_step_never_waits_for_the_device() -> None:
+    model = _submodel().cuda()
+    step = TrainStep(model, dataclasses.replace(CFG, device="cuda"))
+    batches = [(x.cuda(), y.cuda()) for x, y in _loader()]
+    step(*batches[0])  # first step: lazy state (momentum buffers, ClipLR scales)
+    before = copy.deepcopy(model.state_dict())
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for x, y in batches[1:]:
+            step(x, y)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert not torch.equal(before["layer1.0.conv1.u"], model.state_dict()["layer1.0.conv1.u"])

@@ -1,0 +1,351 @@
+"""ClipLR as an optimizer, the analytic Frobenius gradient, norm clipping, dict batches,
+the finiteness check without per-step host reads, and torch.compile (against references)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from fedshard.spectral import SpectralLinear
+from fedshard.training import (
+    ClipLR,
+    FrobeniusDecay,
+    TrainConfig,
+    build_optimizer,
+    evaluate,
+    train,
+)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _model(dtype: torch.dtype = torch.float64) -> nn.Sequential:
+    g = _gen(0)
+    lin = SpectralLinear(
+        torch.randn(8, 3, generator=g, dtype=dtype) / 2,
+        torch.randn(6, 3, generator=g, dtype=dtype) / 2,
+        torch.tensor([1.0, 12.0, 30.0], dtype=dtype),
+        torch.zeros(8, dtype=dtype),
+    )
+    head = nn.Linear(8, 3).to(dtype)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(3, 8, generator=g, dtype=dtype))
+        head.bias.zero_()
+    return nn.Sequential(lin, nn.Tanh(), head)
+
+
+def _data(n: int = 24, dtype: torch.dtype = torch.float64) -> TensorDataset:
+    g = _gen(1)
+    return TensorDataset(
+        torch.randn(n, 6, generator=g, dtype=dtype), torch.randint(0, 3, (n,), generator=g)
+    )
+
+
+def _assert_same(a: nn.Module, b: nn.Module, rtol: float = 1e-12, atol: float = 1e-14) -> None:
+    for (key, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        torch.testing.assert_close(x, y, rtol=rtol, atol=atol, msg=key)
+
+
+# -- ClipLR is a torch.optim.Optimizer --------------------------------------------------------
+
+
+def test_cliplr_in_a_user_loop_matches_the_rule_applied_by_hand() -> None:
+    model, reference = _model(), _model()
+    opt = ClipLR(torch.optim.SGD(model.parameters(), lr=0.1), model, tau=10)
+    assert isinstance(opt, torch.optim.Optimizer)
+    x, t = _data()[:8]
+    nn.functional.cross_entropy(model(x), t).backward()
+    nn.functional.cross_entropy(reference(x), t).backward()
+    opt.step()
+    scale = torch.tensor([1.0, 10 / 12, 10 / 30], dtype=torch.float64)  # min(1, τ/ω)
+    with torch.no_grad():
+        for p in reference.parameters():
+            factor = p is reference[0].u or p is reference[0].v
+            p -= 0.1 * p.grad * (scale if factor else 1.0)
+    _assert_same(model, reference)
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_cliplr_without_tau_is_the_wrapped_optimizer() -> None:
+    model, reference = _model(), _model()
+    opt = ClipLR(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, tau=None)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for x, t in DataLoader(_data(), batch_size=8):
+        for m, o in ((model, opt), (reference, plain)):
+            o.zero_grad()
+            nn.functional.cross_entropy(m(x), t).backward()
+            o.step()
+    _assert_same(model, reference, rtol=0, atol=0)
+
+
+def test_cliplr_state_dict_round_trip_and_lr_scheduler() -> None:
+    cfg = TrainConfig(lr=0.2, momentum=0.9, log_every_epoch=False)
+    batches = list(DataLoader(_data(32), batch_size=8))
+
+    def run(model: nn.Module, opt: ClipLR, sched: Any, steps: list[Any]) -> None:
+        for x, t in steps:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), t).backward()
+            opt.step()
+            sched.step()
+
+    straight = _model()
+    opt = build_optimizer(straight, cfg)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    run(straight, opt, sched, batches)
+    assert opt.optimizer.param_groups[0]["lr"] == pytest.approx(0.2 / 16)  # the wrapped SGD's
+
+    first = _model()
+    opt1 = build_optimizer(first, cfg)
+    sched1 = torch.optim.lr_scheduler.StepLR(opt1, step_size=1, gamma=0.5)
+    run(first, opt1, sched1, batches[:2])
+    saved = (copy.deepcopy(first.state_dict()), opt1.state_dict(), sched1.state_dict())
+    resumed = _model()
+    resumed.load_state_dict(saved[0])
+    opt2 = build_optimizer(resumed, cfg)
+    opt2.load_state_dict(saved[1])
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=1, gamma=0.5)
+    sched2.load_state_dict(saved[2])
+    assert "momentum_buffer" in opt2.state[resumed[0].u]
+    run(resumed, opt2, sched2, batches[2:])
+    _assert_same(resumed, straight, rtol=0, atol=0)
+
+
+def test_column_scale_is_the_one_overridable_rule() -> None:
+    class Freeze(ClipLR):
+        def column_scale(self, omega: torch.Tensor) -> torch.Tensor:
+            return torch.zeros_like(omega)
+
+    model = _model()
+    before = copy.deepcopy(model)
+    opt = Freeze(torch.optim.SGD(model.parameters(), lr=0.1), model, tau=1.0)
+    x, t = _data()[:8]
+    nn.functional.cross_entropy(model(x), t).backward()
+    opt.step()
+    assert torch.equal(model[0].u, before[0].u) and torch.equal(model[0].v, before[0].v)
+    assert not torch.equal(model[2].weight, before[2].weight)
+
+
+def test_cliplr_errors() -> None:
+    with pytest.raises(TypeError, match=r"ClipLR wraps a torch\.optim\.Optimizer, got list"):
+        ClipLR([], _model(), tau=1.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"tau=0: expected a finite number > 0 or None"):
+        ClipLR(torch.optim.SGD(_model().parameters(), lr=0.1), _model(), tau=0)
+
+
+# -- Frobenius decay and norm clipping ----------------------------------------------------------
+
+
+def test_frobenius_gradient_equals_autograd_of_the_explicit_dense_norm() -> None:
+    model = _model()
+    layer = model[0]
+    gamma = 0.3
+    w = (layer.u * layer.omega) @ layer.v.mT  # the dense (8, 6) weight, formed explicitly
+    (gamma * (w**2).sum()).backward()
+    want_u, want_v = layer.u.grad.clone(), layer.v.grad.clone()
+    layer.u.grad = None  # None grads are created
+    layer.v.grad = torch.ones_like(layer.v)  # existing grads are added to
+    FrobeniusDecay(model, gamma).add_gradient_()
+    torch.testing.assert_close(layer.u.grad, want_u, rtol=1e-13, atol=1e-15)
+    torch.testing.assert_close(layer.v.grad, want_v + 1, rtol=1e-13, atol=1e-15)
+
+
+def test_max_grad_norm_clips_the_global_norm_before_the_step() -> None:
+    model, reference = _model(), _model()
+    cfg = TrainConfig(
+        lr=0.5,
+        momentum=0.0,
+        frobenius_decay=0.0,
+        clip_tau=None,
+        max_grad_norm=0.05,
+        log_every_epoch=False,
+    )
+    x, t = _data()[:8]
+    train(model, DataLoader(TensorDataset(x, t), batch_size=8), cfg)
+    nn.functional.cross_entropy(reference(x), t).backward()
+    grads = [p.grad for p in reference.parameters()]
+    norm = torch.sqrt(sum((g**2).sum() for g in grads))  # type: ignore[misc]
+    assert norm > 0.05  # the clipping is active
+    with torch.no_grad():
+        for p in reference.parameters():
+            p -= 0.5 * p.grad * (0.05 / (norm + 1e-6))  # torch adds 1e-6 to the norm
+    _assert_same(model, reference, rtol=1e-10, atol=1e-12)
+
+
+# -- batches ----------------------------------------------------------------------------------
+
+
+class _DictData(Dataset[dict[str, Any]]):
+    def __init__(self, base: TensorDataset, x_key: str, y_key: str, extra: dict[str, Any]) -> None:
+        self.base, self.x_key, self.y_key, self.extra = base, x_key, y_key, extra
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        x, y = self.base[i]
+        return {self.x_key: x, self.y_key: y, **self.extra}
+
+
+@pytest.mark.parametrize(
+    ("x_key", "y_key", "cfg_keys"),
+    [
+        ("img", "label", {}),
+        ("pixel_values", "fine_label", {}),
+        ("input_ids", "labels", {}),
+        ("features", "target", {"input_key": "features", "target_key": "target"}),
+    ],
+)
+def test_dict_batches_train_like_pairs(x_key: str, y_key: str, cfg_keys: dict[str, str]) -> None:
+    base = _data()
+    cfg = TrainConfig(epochs=2, log_every_epoch=False, **cfg_keys)
+    pairs, dicts = _model(), _model()
+    want = train(pairs, DataLoader(base, batch_size=8), cfg)
+    extra = {"coarse_label": 0, "id": "a"}  # unrelated keys are ignored
+    got = train(dicts, DataLoader(_DictData(base, x_key, y_key, extra), batch_size=8), cfg)
+    assert got == want
+    _assert_same(dicts, pairs, rtol=0, atol=0)
+    ev = evaluate(
+        dicts,
+        DataLoader(_DictData(base, x_key, y_key, extra), batch_size=8),
+        input_key=cfg.input_key,
+        target_key=cfg.target_key,
+    )
+    assert ev == evaluate(pairs, DataLoader(base, batch_size=8))
+
+
+def test_dict_batch_errors_name_the_keys_and_the_setting() -> None:
+    base = _data(8)
+    cfg = TrainConfig(log_every_epoch=False)
+
+    def run(x_key: str, y_key: str, config: TrainConfig, **extra: Any) -> None:
+        train(_model(), DataLoader(_DictData(base, x_key, y_key, extra), batch_size=8), config)
+
+    with pytest.raises(
+        ValueError,
+        match=r"several of the known keys .*'label', 'labels'.*"
+        r"Set TrainConfig\.target_key",
+    ):
+        run("img", "label", cfg, labels=torch.zeros(()))
+    with pytest.raises(
+        ValueError,
+        match=r"cannot tell the input key .* none of the known keys.*"
+        r"batch has keys \['feat', 'label'\]\. Set TrainConfig\.input_key",
+    ):
+        run("feat", "label", cfg)
+    with pytest.raises(
+        ValueError,
+        match=r"TrainConfig\.input_key='pixels' is not a key of the "
+        r"batch; found keys \['img', 'label'\]",
+    ):
+        run("img", "label", dataclasses.replace(cfg, input_key="pixels"))
+    with pytest.raises(ValueError, match=r"pairs or dicts, got list of length 3"):
+        train(_model(), DataLoader(TensorDataset(*base[:], base[:][1]), batch_size=8), cfg)
+    with pytest.raises(ValueError, match=r"TrainConfig\.max_grad_norm=0\.0: expected a finite"):
+        TrainConfig(max_grad_norm=0.0)
+
+
+# -- finiteness without per-step host reads ------------------------------------------------------
+
+
+class _HostReads:
+    """Counts Tensor.item / __bool__ / __int__ / __float__ / tolist calls (host syncs)."""
+
+    names = ("item", "__bool__", "__int__", "__float__", "tolist")
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __enter__(self) -> _HostReads:
+        self.saved = {n: getattr(torch.Tensor, n) for n in self.names}
+        for name, fn in self.saved.items():
+
+            def counted(t: torch.Tensor, *a: Any, _fn: Any = fn, **k: Any) -> Any:
+                self.count += 1
+                return _fn(t, *a, **k)
+
+            setattr(torch.Tensor, name, counted)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, fn in self.saved.items():
+            setattr(torch.Tensor, name, fn)
+
+
+def test_training_reads_the_device_only_every_32_steps() -> None:
+    model, loader = _model(), DataLoader(_data(96), batch_size=1)  # 96 steps
+    with _HostReads() as reads:
+        train(model, loader, TrainConfig(log_every_epoch=False))
+    # checks after steps 32, 64, 96 and at the epoch end, 3 reads for the TrainResult, and
+    # the DataLoader's own base seed (a CPU generator)
+    assert reads.count == 96 // 32 + 1 + 3 + 1
+
+
+def _broken() -> nn.Module:
+    model = _model()
+    with torch.no_grad():
+        model[2].weight[0, 0] = float("nan")
+    return model
+
+
+def test_non_finite_loss_raises_with_remedies_that_apply() -> None:
+    loader = DataLoader(_data(40), batch_size=1)
+    on = TrainConfig(log_every_epoch=False, clip_tau=10.0)
+    with pytest.raises(
+        FloatingPointError,
+        match=r"became nan in epoch 1 \(found after step 32; "
+        r"checked every 32 steps\).*lower the learning rate \(lr\), add "
+        r"normalization layers.* set TrainConfig\.max_grad_norm",
+    ) as info:
+        train(_broken(), loader, on)
+    assert "ClipLR" not in str(info.value)  # already on: not a remedy
+    off = dataclasses.replace(on, clip_tau=None, max_grad_norm=1.0)
+    with pytest.raises(
+        FloatingPointError,
+        match=r"lower max_grad_norm \(now 1\.0\) or enable "
+        r"ClipLR \(clip_tau\)\.",
+    ):
+        train(_broken(), DataLoader(_data(4), batch_size=4), off)
+
+
+# -- torch.compile -----------------------------------------------------------------------------
+
+
+class _Stream(torch.utils.data.IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, base: TensorDataset) -> None:
+        self.base = base
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return iter(zip(*self.base[:], strict=True))
+
+
+def test_compiled_training_matches_eager_on_cpu() -> None:
+    try:
+        import torch._inductor
+    except ImportError as err:  # pragma: no cover - inductor ships with torch
+        pytest.skip(f"torch.compile's inductor backend cannot be imported here: {err}")
+    cfg = TrainConfig(
+        epochs=2, lr=0.05, frobenius_decay=1e-2, max_grad_norm=5.0, log_every_epoch=False
+    )
+    eager, compiled = _model(torch.float32), _model(torch.float32)
+    loader = DataLoader(_data(32, torch.float32), batch_size=8)
+    want = train(eager, loader, cfg)
+    got = train(compiled, loader, dataclasses.replace(cfg, compile=True))
+    _assert_same(compiled, eager, rtol=1e-5, atol=1e-6)  # float32 rounding
+    assert got.loss == pytest.approx(want.loss, rel=1e-5)
+    assert got.accuracy == want.accuracy
