@@ -67,11 +67,11 @@ def read_count(value: Any, cap: int | None = None) -> float | str:
     (``cap`` ``None``: 2**53), else the reason it is not."""
     limit = MAX_EXACT_COUNT if cap is None else min(cap, MAX_EXACT_COUNT)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return f"{value!r} is not a number (expected an integer ≥ 1)"
-    if not math.isfinite(value) or float(value) != math.floor(value):
+        return f"{value!r:.40} is not a number (expected an integer ≥ 1)"
+    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
         return f"{value!r} is not a finite whole number (expected an integer ≥ 1)"
     if not 1 <= value <= limit:
-        return f"{value!r} is outside [1, {limit}]"
+        return f"{value!r:.40} is outside [1, {limit}]"
     return float(value)
 
 

@@ -127,9 +127,9 @@ def run_app(root: Path, extra: dict, *, tamper: dict | None = None, silent: set 
             data: Path | None = None) -> tuple[dict, InProcessGrid]:
     """``run_server`` over fedshard's real ClientApp on ``n_nodes`` simulated nodes (fake
     Fashion-MNIST unless ``data`` is given); returns its summary and the grid."""
-    import client_app
     import fakedata
 
+    import client_app
     from fedshard.config import RunConfig
     from fedshard.experiment import run_server
 

@@ -10,9 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fault_setup import run_app, scale_arrays
-
 from fakedata import write_idx
+from fault_setup import run_app, scale_arrays
 
 REAL = Path("/usr/share/datasets/fashion-mnist")
 

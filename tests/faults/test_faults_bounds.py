@@ -80,7 +80,6 @@ def test_bad_num_examples_are_dropped(value: object) -> None:
 
 
 def test_num_examples_cap_refuses_1e9_with_zeroed_arrays() -> None:
-    honest, _ = one_round(strategy(), grid())
     g = grid()
     g.tamper[1000] = lambda m: scale_arrays(0.0)(set_metric("num-examples", 10**9)(m))
     new, metrics = one_round(strategy(max_num_examples=1000), g)

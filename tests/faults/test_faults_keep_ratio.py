@@ -29,8 +29,9 @@ def test_only_a_simulated_node_takes_the_mixtures_ratio() -> None:
 def test_the_deployed_nodes_refusal_reaches_the_server_log(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    import client_app
     from flower_grid import InProcessGrid
+
+    import client_app
 
     g = InProcessGrid(client_app.app, [{"data-dir": "/nowhere", "partition-id": 0,
                                         "num-partitions": 1}], {"keep-ratios": "0.5"})
@@ -63,7 +64,7 @@ def test_the_table_binds_nodes_to_their_ratio(tmp_path: Path) -> None:
     for node, key in zip(g.contexts, ["a", "b", "c"], strict=True):
         g.contexts[node].node_config["node-key"] = key
     s = strategy(keep_ratio_table=table)
-    new, metrics = one_round(s, g)
+    _, metrics = one_round(s, g)
     # "b" declared 0.5 but is bound to 0.25; "c" is not listed: both refused
     assert set(s.capabilities) == {1000} and metrics["nodes-sent"] == 1.0
 
@@ -75,5 +76,5 @@ def test_a_bad_table_is_refused(tmp_path: Path) -> None:
         load_keep_ratio_table(path)
     with pytest.raises(ValueError, match="keep-ratio table entry 'a'"):
         strategy(keep_ratio_table={"a": 1.5})
-    with pytest.raises(ValueError, match="keep-ratio-table='/no/such.toml': no such file"):
+    with pytest.raises(ValueError, match=r"keep-ratio-table='/no/such\.toml': no such file"):
         RunConfig(keep_ratio_table="/no/such.toml")

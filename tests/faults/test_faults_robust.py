@@ -26,8 +26,8 @@ def _updates(rng: np.random.Generator, n_terms: int, c_out: int, c_in: int) -> l
     ups = []
     for k in range(7):
         idx = np.sort(rng.choice(n_terms, size=rng.integers(1, n_terms + 1), replace=False))
-        ups.append(TermUpdate(float(k + 1), idx.astype(np.int64),
-                              rng.normal(size=(c_out, idx.size)), rng.normal(size=(c_in, idx.size))))
+        u, v = rng.normal(size=(c_out, idx.size)), rng.normal(size=(c_in, idx.size))
+        ups.append(TermUpdate(float(k + 1), idx.astype(np.int64), u, v))
     return ups
 
 
