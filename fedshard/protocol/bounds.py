@@ -36,7 +36,9 @@ class ReplyLimits:
     max_update_ratio : float
         A returned term may differ from the one sent by at most this factor times the sent
         norm, per factor column ``‖u'_i − u_i‖ ≤ ρ·max(‖u_i‖, ‖U‖_F/√n)`` (and the same for v);
-        a dense array by ``‖x' − x‖ ≤ ρ·max(‖x‖, 0.1·√size)``. 0 disables the bound.
+        a dense array by ``‖x' − x‖ ≤ ρ·max(‖x‖, 0.1·√size)``. 0 disables the bound. A
+        term ``u'v'ᵀ`` can still grow by up to ``(1+ρ)²``; honest replies stay below ρ = 1
+        (the golden-run configs: ≤ 0.65), so the default 10 never touches them.
     update_policy : str
         ``"clip"``: scale the excess change down to the bound; ``"drop"``: drop the reply.
     max_num_examples : int or None
