@@ -178,8 +178,7 @@ class SpectralSharding(FedAvg):
         Wallenius) and no normalization layer, activations grow by up to ω per sharded layer.
         """
         layers = sharded_layer_names(model, example_input=example_input)
-        method = kwargs.get("method", "collective")
-        if multipliers_can_compound(model, method, layers):
+        if multipliers_can_compound(model, method := kwargs.get("method", "collective"), layers):
             log(WARNING, "The model has no normalization layer: with method=%r the multipliers "
                 "ω ≥ 1 scale every sharded layer's output and can compound from layer to layer "
                 "(the paper's models all normalize).", method)
@@ -198,6 +197,7 @@ class SpectralSharding(FedAvg):
         self.round_offset = completed_rounds
         self.nodes.capabilities = {n: P.Capabilities(r, k) for n, (r, k) in capabilities.items()}
         self.history = {int(r): dict(m) for r, m in history.items()}
+        self.rounds_trained = int(max([0, *(m.get("rounds-trained", 0) for m in history.values())]))
 
     def capability_table(self) -> dict[int, tuple[float, str]]:
         """The capability cache as plain values (for checkpoints)."""
