@@ -14,7 +14,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from fedshard.protocol.bounds import UPDATE_POLICIES
 from fedshard.sampling import SAMPLING_DESIGNS, SHARDING_METHODS
+from fedshard.spectral.aggregate import AGGREGATIONS
 
 __all__ = [
     "DESIGNS",
@@ -172,6 +174,13 @@ class RunConfig:
     client_device: str = "auto"
     server_device: str = "auto"
     overwrite: bool = False
+    max_update_ratio: float = 10.0
+    update_policy: str = "clip"
+    max_num_examples: int = 0
+    aggregation: str = "mean"
+    trim_fraction: float = 0.1
+    max_keep_ratio: float = 1.0
+    keep_ratio_table: str = ""
 
     def __post_init__(self) -> None:
         problems = self._problems()
@@ -312,6 +321,21 @@ class RunConfig:
             need(_is_device(value), f"{key.replace('_', '-')}={value!r}: expected 'auto', 'cpu', "
                  "'cuda' or 'cuda:<index>' ('auto': the GPU when torch sees one, else the CPU)")
         p.extend(self._location_problems())
+        need(math.isfinite(self.max_update_ratio) and self.max_update_ratio >= 0,
+             f"max-update-ratio={self.max_update_ratio}: expected ≥ 0 (0 = no bound)")
+        need(self.update_policy in UPDATE_POLICIES,
+             f"update-policy={self.update_policy!r}: expected one of {UPDATE_POLICIES}")
+        need(0 <= self.max_num_examples <= 2**53,
+             f"max-num-examples={self.max_num_examples}: expected in [1, 2**53], or 0 = no cap")
+        need(self.aggregation in AGGREGATIONS,
+             f"aggregation={self.aggregation!r}: expected one of {AGGREGATIONS}")
+        need(0 <= self.trim_fraction < 0.5,
+             f"trim-fraction={self.trim_fraction}: expected in [0, 0.5)")
+        need(0 < self.max_keep_ratio <= 1,
+             f"max-keep-ratio={self.max_keep_ratio}: expected in (0, 1]")
+        need(not self.keep_ratio_table or Path(self.keep_ratio_table).expanduser().is_file(),
+             f"keep-ratio-table={self.keep_ratio_table!r}: no such file (expected a TOML file "
+             "of '\"<node key>\" = <ratio>' lines, or empty for no table)")
         return p
 
     def _location_problems(self) -> list[str]:

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 from fedshard.checkpoint import Checkpoint
 from fedshard.config import RunConfig
 from fedshard.data import load_test_set
+from fedshard.nodes import load_keep_ratio_table
 from fedshard.results import RunRecorder
 from fedshard.strategy import SpectralSharding
 from fedshard.task import build_model, example_input, resolve_device
@@ -57,6 +58,14 @@ def build_strategy(cfg: RunConfig, model: nn.Module, device: str = "cpu") -> Spe
         min_evaluate_nodes=1,
         min_available_nodes=cfg.min_available_nodes,
         device=None if device == "cpu" else device,
+        max_update_ratio=cfg.max_update_ratio,
+        update_policy=cfg.update_policy,
+        max_num_examples=cfg.max_num_examples or None,
+        aggregation=cfg.aggregation,
+        trim_fraction=cfg.trim_fraction,
+        max_keep_ratio=cfg.max_keep_ratio,
+        keep_ratio_table=(load_keep_ratio_table(cfg.keep_ratio_table)
+                          if cfg.keep_ratio_table else None),
     )
 
 
@@ -111,7 +120,16 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
     )
     # Flower's Result holds no arrays when no round produced an update: use the latest model.
     final = result.arrays if len(result.arrays) > 0 else latest[0]
-    return recorder.finish(final.to_torch_state_dict())
+    summary = recorder.finish(final.to_torch_state_dict())
+    if strategy.rounds_trained == 0:
+        raise RuntimeError(
+            f"No round trained: none of the {cfg.num_server_rounds - done} round(s) of run "
+            f"{directory} got a usable training reply, so the saved model is the initial one "
+            "(results were written). Check the replies-dropped/dropped-<reason>/"
+            "replies-missing metrics in metrics.jsonl and the server log: nodes without a "
+            "keep ratio, error replies from the ClientApp, round-timeout too short, or replies "
+            "refused by max-update-ratio/max-num-examples.")
+    return summary
 
 
 def central_evaluate_fn(

@@ -11,7 +11,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from logging import WARNING
+from logging import ERROR, WARNING
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
@@ -20,11 +20,30 @@ from flwr.common.logger import log
 
 from fedshard import protocol as P
 from fedshard.sampling import plan_round
-from fedshard.spectral.aggregate import aggregate_state
+from fedshard.spectral.aggregate import aggregate_state, check_aggregation
 from fedshard.spectral.decompose import LayerSpectrum, layer_spectrum
-from fedshard.telemetry import send_metrics
+from fedshard.telemetry import reply_metrics, send_metrics
 
-__all__ = ["RoundState", "shard_round"]
+__all__ = ["Aggregation", "RoundState", "shard_round"]
+
+
+@dataclass(frozen=True)
+class Aggregation:
+    """How replies become the new model: the reply bounds and the averaging rule.
+
+    ``limits`` (:class:`fedshard.protocol.ReplyLimits`) bound each reply; ``rule`` is
+    ``"mean"`` (the paper's weighted mean), ``"median"`` or ``"trimmed-mean"`` (dropping
+    ``trim_fraction`` of the holders at each end), see :mod:`fedshard.spectral.aggregate`.
+    """
+
+    limits: P.ReplyLimits = field(default_factory=P.ReplyLimits)
+    rule: str = "mean"
+    trim_fraction: float = 0.1
+
+    def __post_init__(self) -> None:
+        problems = check_aggregation(self.rule, self.trim_fraction)
+        if problems:
+            raise ValueError("Aggregation: " + "; ".join(problems) + "; no round was started")
 
 
 @dataclass
@@ -36,29 +55,72 @@ class RoundState:
     spectra: dict[str, LayerSpectrum]
     sent: dict[int, P.SentShard]
     metrics: dict[str, float] = field(default_factory=dict)
+    current: dict[str, np.ndarray] = field(default_factory=dict)  # ``arrays`` decoded
+    messages: list[Message] = field(default_factory=list)  # ids are set when pushed
+    how: Aggregation = field(default_factory=Aggregation)
     device: str | None = None  # where the SVD and the rebuild run (None: numpy on the host)
 
     def collect(self, replies: Iterable[Message]) -> tuple[list[P.TrainReply], Counter[str], int]:
         """The valid replies, the dropped ones counted by reason (each logged), and the
-        number of nodes sent a message that did not answer."""
+        number of nodes sent a message that did not answer.
+
+        A reply belongs to the node its message was sent to (``reply_to_message_id``; an
+        error reply from the SuperLink for a dead node names no useful sender), else to its
+        sender."""
+        to_node = {m.metadata.message_id: m.metadata.dst_node_id for m in self.messages
+                   if m.metadata.message_id}
         accepted, dropped, seen = [], Counter[str](), set[int]()
         for msg in replies:
-            node = msg.metadata.src_node_id
-            reply = P.check_train_reply(msg, self.sent.get(node), seen)
+            node = to_node.get(msg.metadata.reply_to_message_id, msg.metadata.src_node_id)
+            reply = P.check_train_reply(msg, self.sent.get(node), seen, self.how.limits, node)
             seen.add(node)
             if isinstance(reply, str):
                 dropped[reply.split(":", 1)[0]] += 1
                 log(WARNING, "Round %d: dropping the reply of node %d (%s); it does not touch "
                     "the global model.", self.server_round, node, reply)
-            else:
-                accepted.append(reply)
+                continue
+            if reply.clipped:
+                log(WARNING, "Round %d: node %d changed %d factor column(s)/array(s) by more "
+                    "than max_update_ratio=%g times what it was sent (largest ratio %.3g); "
+                    "the change is clipped to the bound.", self.server_round, node,
+                    reply.clipped, self.how.limits.max_update_ratio, reply.update_ratio)
+            if reply.ignored_metrics:
+                log(WARNING, "Round %d: node %d sent metrics that are not averaged (%s); its "
+                    "arrays are still used.", self.server_round, node,
+                    "; ".join(reply.ignored_metrics))
+            accepted.append(reply)
         return accepted, dropped, len(set(self.sent) - seen)
 
-    def aggregate(self, accepted: Sequence[P.TrainReply]) -> ArrayRecord:
-        """The new global model from the valid replies (:func:`aggregate_state`)."""
-        new = aggregate_state({k: a.numpy() for k, a in self.arrays.items()}, self.spectra,
-                              [r.weight for r in accepted], [r.values for r in accepted],
-                              [r.terms() for r in accepted], device=self.device)
+    def finish(self, replies: Iterable[Message]) -> tuple[ArrayRecord | None, dict[str, float]]:
+        """Check the replies and aggregate the valid ones: the new model (``None``: keep the
+        old one, logged) and the round's metrics (sent, replies, losses, times)."""
+        t0 = time.perf_counter()
+        accepted, dropped, missing = self.collect(replies)
+        new_arrays = self.aggregate(accepted) if accepted else None
+        metrics = reply_metrics(self.metrics, accepted, dropped, missing)
+        if new_arrays is None:
+            log(WARNING, "Round %d: no usable aggregate (%d replies used, %d dropped, %d "
+                "missing); the global model is kept unchanged.", self.server_round,
+                len(accepted), sum(dropped.values()), missing)
+        metrics["aggregate-s"] = time.perf_counter() - t0
+        return new_arrays, metrics
+
+    def aggregate(self, accepted: Sequence[P.TrainReply]) -> ArrayRecord | None:
+        """The new global model from the valid replies (:func:`aggregate_state`), or
+        ``None`` if it holds NaN or inf (then the previous model is kept, and
+        ``aggregate-non-finite`` is set in the round's metrics)."""
+        current = self.current or {k: a.numpy() for k, a in self.arrays.items()}
+        new = aggregate_state(current, self.spectra, [r.weight for r in accepted],
+                              [r.values for r in accepted], [r.terms() for r in accepted],
+                              self.how.rule, self.how.trim_fraction, self.device)
+        bad = [k for k, v in new.items()
+               if np.issubdtype(v.dtype, np.floating) and not np.isfinite(v).all()]
+        if bad:
+            self.metrics["aggregate-non-finite"] = 1.0
+            log(ERROR, "Round %d: the aggregate of %d replies holds NaN or inf in %s; it is "
+                "not applied, the previous global model is kept.", self.server_round,
+                len(accepted), ", ".join(bad[:5]))
+            return None
         return ArrayRecord({k: Array(v) for k, v in new.items()})
 
 
@@ -76,13 +138,16 @@ def shard_round(
     seed: int,
     scaled: bool = False,
     prism_exponent: float | None = None,
+    how: Aggregation | None = None,
     device: str | None = None,
 ) -> tuple[list[Message], RoundState]:
     """One ``train`` message per node (``nodes`` in canonical order) and the round's state.
 
     Takes the SVD of every sharded layer, plans the terms (:func:`plan_round`), encodes each
     node's shard and its settings (``settings(node)`` on top of the caller's ``config``);
-    ``lr`` is the round's learning rate, for the metrics; ``device`` where the SVD runs.
+    ``lr`` is the round's learning rate, for the metrics; ``how`` bounds the replies and
+    sets the averaging rule (default: :class:`Aggregation`'s defaults); ``device`` is where the
+    SVD and the rebuild run.
     """
     t0 = time.perf_counter()
     spectra = {layer: layer_spectrum(_weight(arrays, layer), device)
@@ -93,14 +158,17 @@ def shard_round(
                       server_round=server_round, scaled=scaled, prism_exponent=prism_exponent)
     t2 = time.perf_counter()
     messages, sent = [], {}
+    current = {k: a.numpy() for k, a in arrays.items()}  # decoded once, shared by all nodes
     for node, terms in plan.terms.items():
-        record, sent[node] = P.encode_shard(arrays, spectra, terms, nodes[node].keep_ratio)
+        record, sent[node] = P.encode_shard(arrays, spectra, terms, nodes[node].keep_ratio,
+                                            current)
         cfg = settings(nodes[node]).to_record(config)
         messages.append(Message(RecordDict({P.ARRAYS: record, P.CONFIG: cfg}), dst_node_id=node,
                                 message_type=MessageType.TRAIN, group_id=str(server_round)))
     metrics = send_metrics(arrays, sent, lr, (t0, t1, t2, time.perf_counter()))
-    return messages, RoundState(server_round, arrays, spectra, sent, {**metrics, **plan.anme},
-                                device)
+    state = RoundState(server_round, arrays, spectra, sent, {**metrics, **plan.anme}, current,
+                       messages, how if how is not None else Aggregation(), device)
+    return messages, state
 
 
 def _weight(arrays: ArrayRecord, layer: str) -> np.ndarray:

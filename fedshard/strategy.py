@@ -8,11 +8,11 @@ client gets and their ω), :mod:`fedshard.protocol` (the wire codec and reply ch
 
 from __future__ import annotations
 
-import time
+import sys
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
-from logging import INFO, WARNING
+from logging import ERROR, INFO, WARNING
 from typing import Any
 
 import torch
@@ -20,15 +20,16 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.common import MessageType
 from flwr.common.logger import log
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy import FedAvg, Result
 
 from fedshard import protocol as P
-from fedshard.nodes import NodeDirectory
-from fedshard.rounds import RoundState, shard_round
+from fedshard.nodes import KeepRatioRules, NodeDirectory
+from fedshard.privacy import refuse_wrappers
+from fedshard.rounds import Aggregation, RoundState, shard_round
 from fedshard.sampling import SHARDING_METHODS, Stream, method_problems, stream_rng
 from fedshard.schedule import round_lr
-from fedshard.spectral import sharded_layer_names
-from fedshard.telemetry import metric_record, reply_metrics, weighted_means
+from fedshard.spectral import multipliers_can_compound, sharded_layer_names
+from fedshard.telemetry import eval_metrics, metric_record
 
 __all__ = ["SHARDING_METHODS", "SpectralSharding"]
 
@@ -66,21 +67,24 @@ class SpectralSharding(FedAvg):
     seed : int
         Root of every random stream (:mod:`fedshard.sampling.streams`).
     query_timeout, node_wait_timeout : float
-        Seconds to wait for capability answers, and for ``min_available_nodes`` to connect
-        (``None``: forever).
+        Seconds to wait for capability answers, for nodes to connect (``None``: forever).
     fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes :
         As in :class:`flwr.serverapp.strategy.FedAvg`.
+    max_update_ratio, update_policy, max_num_examples :
+        Reply bounds (:class:`fedshard.protocol.ReplyLimits`; ``max_update_ratio=0``: off).
+    aggregation, trim_fraction :
+        ``"mean"`` (the paper's), ``"median"`` or ``"trimmed-mean"``, per term over its holders.
+    max_keep_ratio, keep_ratio_table :
+        Node rules (:class:`fedshard.nodes.KeepRatioRules`): the largest keep ratio, and
+        node key or public key (hex) -> the only keep ratio that node may declare.
     device : str or None
-        Where the server's SVD and rebuild run (e.g. ``"cuda"``); ``None``: the CPU (numpy).
+        Where the SVD and the rebuild of W run (e.g. ``"cuda"``); ``None``: the CPU.
 
     Notes
     -----
     The client contract (record keys, shapes, ω, what must come back) is the docstring of
-    :mod:`fedshard.protocol`: a node receives ``L.u`` (c_out, n), ``L.v`` (c_in·k·k, n),
-    ``L.omega`` (n,), ``L.indices`` (n,) per sharded layer ``L`` and every dense entry,
-    trains ``U·diag(ω)·Vᵀ`` with ω frozen, and returns the same keys without ``L.omega`` plus
-    ``num-examples``. Every reply is checked (:func:`fedshard.protocol.check_train_reply`); a bad
-    one is dropped with a logged reason and counted in the round's metrics.
+    :mod:`fedshard.protocol`. Every reply is checked (:func:`fedshard.protocol.check_train_reply`);
+    a bad one is dropped or clipped with a logged reason, counted in the round's metrics.
     """
 
     def __init__(
@@ -107,6 +111,13 @@ class SpectralSharding(FedAvg):
         min_train_nodes: int = 1,
         min_evaluate_nodes: int = 1,
         min_available_nodes: int = 1,
+        max_update_ratio: float = 10.0,
+        update_policy: str = "clip",
+        max_num_examples: int | None = None,
+        aggregation: str = "mean",
+        trim_fraction: float = 0.1,
+        max_keep_ratio: float = 1.0,
+        keep_ratio_table: Mapping[str, float] | None = None,
         device: str | None = None,
     ) -> None:
         super().__init__(
@@ -139,7 +150,11 @@ class SpectralSharding(FedAvg):
             weight_decay=weight_decay, keep_ratio=1.0, train_seed=0, method=method)
         self.nodes = NodeDirectory(seed=seed, min_available_nodes=min_available_nodes,
                                    query_timeout=query_timeout,
-                                   node_wait_timeout=node_wait_timeout)
+                                   node_wait_timeout=node_wait_timeout,
+                                   rules=KeepRatioRules(max_keep_ratio, keep_ratio_table))
+        self.how = Aggregation(P.ReplyLimits(max_update_ratio, update_policy, max_num_examples),
+                               aggregation, trim_fraction)
+        self.rounds_trained = 0  # rounds whose aggregate replaced the global model
         # server_round -> the round's training metrics (also returned to Flower per round).
         self.history: dict[int, dict[str, float]] = {}
         # Rounds already completed before this start() (a resumed run): Flower's round r is
@@ -163,11 +178,7 @@ class SpectralSharding(FedAvg):
         Wallenius) and no normalization layer, activations grow by up to ω per sharded layer.
         """
         layers = sharded_layer_names(model, example_input=example_input)
-        method = kwargs.get("method", "collective")
-        norms = (torch.nn.GroupNorm, torch.nn.LayerNorm, torch.nn.modules.batchnorm._BatchNorm)
-        if method in ("unbiased", "collective", "prism-wallenius") and layers and not any(
-            isinstance(m, norms) for m in model.modules()
-        ):
+        if multipliers_can_compound(model, method := kwargs.get("method", "collective"), layers):
             log(WARNING, "The model has no normalization layer: with method=%r the multipliers "
                 "ω ≥ 1 scale every sharded layer's output and can compound from layer to layer "
                 "(the paper's models all normalize).", method)
@@ -186,6 +197,7 @@ class SpectralSharding(FedAvg):
         self.round_offset = completed_rounds
         self.nodes.capabilities = {n: P.Capabilities(r, k) for n, (r, k) in capabilities.items()}
         self.history = {int(r): dict(m) for r, m in history.items()}
+        self.rounds_trained = int(max([0, *(m.get("rounds-trained", 0) for m in history.values())]))
 
     def capability_table(self) -> dict[int, tuple[float, str]]:
         """The capability cache as plain values (for checkpoints)."""
@@ -203,11 +215,21 @@ class SpectralSharding(FedAvg):
             t.batch_size, t.momentum, t.frobenius_decay, t.clip_lr_tau)
         super().summary()
 
+    def start(self, *args: Any, **kwargs: Any) -> Result:
+        """Flower's ``Strategy.start``; ends with an ERROR if no round changed the model."""
+        result = super().start(*args, **kwargs)
+        if self.rounds_trained == 0:
+            log(ERROR, "No round trained: no round of this run got a usable training reply, "
+                "the model is the initial one. Check the dropped-<reason> metrics and the "
+                "warnings above (nodes without a keep ratio, error replies, timeouts).")
+        return result
+
     # ------------------------------------------------------------------ train
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Sample nodes, shard every sharded layer per keep-ratio group, one message per node."""
+        refuse_wrappers(self, sys._getframe(1))
         server_round += self.round_offset
         self._round = None
         if self.fraction_train == 0.0:
@@ -222,7 +244,7 @@ class SpectralSharding(FedAvg):
             server_round, arrays, self.sharded_layers, nodes,
             lambda node: self._settings(server_round, node, lr), config, lr=lr,
             method=self.method, design=self.design, seed=self.seed, scaled=self.scaled,
-            prism_exponent=self.prism_exponent, device=self.device)
+            prism_exponent=self.prism_exponent, how=self.how, device=self.device)
         m = self._round.metrics
         log(INFO, "configure_train: round %d, %d nodes (keep ratios %s), lr=%.4g, svd %.2fs, "
             "sampling %.2fs, packing %.2fs", server_round, len(messages),
@@ -243,16 +265,11 @@ class SpectralSharding(FedAvg):
         state = self._round
         if state is None or state.server_round != server_round:
             return None, None
-        t0 = time.perf_counter()
-        accepted, dropped, missing = state.collect(replies)
-        metrics = reply_metrics(state.metrics, accepted, dropped, missing)
-        new_arrays = state.aggregate(accepted) if accepted else None
-        if new_arrays is None:
-            log(WARNING, "Round %d: no valid reply (%d dropped, %d missing); the global model is "
-                "kept unchanged.", server_round, sum(dropped.values()), missing)
-        else:
+        new_arrays, metrics = state.finish(replies)
+        if new_arrays is not None:
             self._round = None
-        metrics["aggregate-s"] = time.perf_counter() - t0
+            self.rounds_trained += 1
+        metrics["rounds-trained"] = float(self.rounds_trained)
         self.history[server_round] = metrics
         return new_arrays, metric_record(metrics)
 
@@ -279,16 +296,5 @@ class SpectralSharding(FedAvg):
     ) -> MetricRecord | None:
         """Weighted mean of valid evaluation replies; invalid ones are logged and dropped."""
         server_round += self.round_offset
-        rows: list[tuple[float, Any]] = []
-        for msg in replies:
-            row = P.check_eval_reply(msg)
-            if isinstance(row, str):
-                log(WARNING, "Round %d: dropping the evaluation reply of node %d (%s).",
-                    server_round, msg.metadata.src_node_id, row)
-            else:
-                rows.append(row)
-        if not rows:
-            return None
-        out = {P.NUM_EXAMPLES: sum(w for w, _ in rows), "eval-nodes": float(len(rows))}
-        out.update(weighted_means(rows, (P.EVAL_LOSS, P.EVAL_ACCURACY)))
-        return metric_record(out)
+        out = eval_metrics(server_round, replies)
+        return metric_record(out) if out is not None else None

@@ -7,15 +7,17 @@ change them only together.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from logging import WARNING
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, MetricRecord
+from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.common.logger import log
 
 from fedshard import protocol as P
 
-__all__ = ["metric_record", "reply_metrics", "send_metrics", "weighted_means"]
+__all__ = ["eval_metrics", "metric_record", "reply_metrics", "send_metrics", "weighted_means"]
 
 
 def send_metrics(arrays: ArrayRecord, sent: dict[int, P.SentShard], lr: float,
@@ -40,14 +42,21 @@ def send_metrics(arrays: ArrayRecord, sent: dict[int, P.SentShard], lr: float,
 
 def reply_metrics(sent_metrics: dict[str, float], accepted: Sequence[P.TrainReply],
                   dropped: Counter[str], missing: int) -> dict[str, float]:
-    """The round's metrics: ``sent_metrics``, replies used/dropped (per reason)/missing, the
-    weighted training loss and accuracy, and the bytes received."""
+    """The round's metrics: ``sent_metrics``, replies used/dropped (per reason)/clipped/
+    missing, metric values left out, the largest update ratio, the weighted training loss and
+    accuracy, and the bytes received."""
     metrics = dict(sent_metrics)
     metrics["replies-used"] = float(len(accepted))
     metrics["replies-dropped"] = float(sum(dropped.values()))
     metrics["replies-missing"] = float(missing)
     metrics.update({f"dropped-{c}": float(k) for c, k in dropped.items()})
+    clipped = [r for r in accepted if r.clipped]
+    if clipped:  # replies whose change exceeded max_update_ratio and was scaled down
+        metrics["clipped-update-norm"] = float(len(clipped))
+    if any(r.ignored_metrics for r in accepted):
+        metrics["ignored-metrics"] = float(sum(len(r.ignored_metrics) for r in accepted))
     if accepted:
+        metrics["update-ratio-max"] = max(r.update_ratio for r in accepted)
         rows = [(r.weight, r.metrics) for r in accepted]
         metrics.update(weighted_means(rows, (P.TRAIN_LOSS, P.TRAIN_ACCURACY)))
         metrics[P.NUM_EXAMPLES] = float(sum(r.weight for r in accepted))
@@ -73,3 +82,21 @@ def metric_record(values: dict[str, float]) -> MetricRecord:
         k: float(v) for k, v in values.items()
     }
     return MetricRecord(data)
+
+
+def eval_metrics(server_round: int, replies: Iterable[Message]) -> dict[str, float] | None:
+    """The weighted means of the valid evaluation replies (invalid ones logged and dropped;
+    non-scalar or non-finite metric values are left out), or ``None`` if none is valid."""
+    rows: list[tuple[float, Any]] = []
+    for msg in replies:
+        row = P.check_eval_reply(msg)
+        if isinstance(row, str):
+            log(WARNING, "Round %d: dropping the evaluation reply of node %d (%s).",
+                server_round, msg.metadata.src_node_id, row)
+        else:
+            rows.append(row)
+    if not rows:
+        return None
+    out = {P.NUM_EXAMPLES: sum(w for w, _ in rows), "eval-nodes": float(len(rows))}
+    out.update(weighted_means(rows, (P.EVAL_LOSS, P.EVAL_ACCURACY)))
+    return out

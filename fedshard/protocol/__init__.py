@@ -28,6 +28,7 @@ Messages
     ``"metrics"``: ``num-examples``, ``eval-loss``, ``eval-accuracy``.
 """
 
+from fedshard.protocol.bounds import UPDATE_POLICIES, ReplyLimits, read_count, scalar_metrics
 from fedshard.protocol.capabilities import (
     Capabilities,
     capabilities_reply,
@@ -77,7 +78,9 @@ __all__ = [
     "TRAIN_ACCURACY",
     "TRAIN_CONFIG_KEYS",
     "TRAIN_LOSS",
+    "UPDATE_POLICIES",
     "Capabilities",
+    "ReplyLimits",
     "SentShard",
     "TrainReply",
     "TrainSettings",
@@ -92,5 +95,7 @@ __all__ = [
     "positive_weight",
     "query_message",
     "read_capabilities",
+    "read_count",
+    "scalar_metrics",
     "train_reply",
 ]

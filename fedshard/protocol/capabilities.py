@@ -23,8 +23,11 @@ class Capabilities:
 
     @property
     def stream(self) -> int:
-        """Integer identity of the node for its random stream."""
-        return int(self.key) if self.key.isdigit() else zlib.crc32(self.key.encode())
+        """Integer identity of the node for its random stream: the key itself if it is plain
+        ASCII digits (at most 18; ``"²"`` passes ``isdigit`` but is not), else its CRC-32."""
+        if self.key.isascii() and self.key.isdecimal() and len(self.key) <= 18:
+            return int(self.key)
+        return zlib.crc32(self.key.encode("utf-8", "surrogatepass"))
 
 
 def query_message(node: int) -> Message:

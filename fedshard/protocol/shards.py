@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
+from fedshard.protocol.bounds import (
+    ReplyLimits,
+    bound_dense,
+    bound_terms,
+    read_count,
+    scalar_metrics,
+)
 from fedshard.protocol.keys import ARRAYS, METRICS, NUM_EXAMPLES, factor_key, layer_of
 from fedshard.spectral.aggregate import TermUpdate
 from fedshard.spectral.decompose import LayerSpectrum
@@ -27,6 +34,9 @@ class SentShard:
     indices: dict[str, np.ndarray]  # layer -> (n,) term indices
     expected: dict[str, tuple[tuple[int, ...], np.dtype[Any]]]  # reply key -> (shape, dtype)
     bytes_sent: int
+    # reply key -> what was sent (references to the round's arrays, not copies): the update
+    # bound compares the reply with it
+    values: Mapping[str, np.ndarray] = field(default_factory=dict, repr=False)
 
 
 def encode_shard(
@@ -34,18 +44,22 @@ def encode_shard(
     spectra: dict[str, LayerSpectrum],
     terms: dict[str, tuple[np.ndarray, np.ndarray]],
     keep_ratio: float,
+    current: Mapping[str, np.ndarray] | None = None,
 ) -> tuple[ArrayRecord, SentShard]:
     """One node's ``train`` arrays (fresh arrays, nothing shared with other nodes' factors):
     the dense entries of ``arrays`` and, per sharded layer, ``u``/``v``/``omega``/``indices``
-    of the terms ``terms[layer] = (indices, ω)``."""
+    of the terms ``terms[layer] = (indices, ω)``. ``current`` is ``arrays`` decoded (shared
+    by every node of the round; decoded here if not given)."""
     sharded_weights = {f"{layer}.weight" for layer in spectra}
     out: dict[str, Array] = {}
     expected: dict[str, tuple[tuple[int, ...], np.dtype[Any]]] = {}
+    values: dict[str, np.ndarray] = {}
     for key, arr in arrays.items():
         if key in sharded_weights:
             continue
         out[key] = arr  # dense entries are read-only on the wire; sharing the Array is safe
         expected[key] = (tuple(arr.shape), np.dtype(arr.dtype))
+        values[key] = current[key] if current is not None else arr.numpy()
     indices = {}
     for layer, spec in spectra.items():
         idx, omega = terms[layer]
@@ -60,9 +74,11 @@ def encode_shard(
             out[key] = Array(value)
             if part != "omega":
                 expected[key] = (value.shape, value.dtype)
+            if part in ("u", "v"):
+                values[key] = value
         indices[layer] = parts["indices"]
     nbytes = sum(len(a.data) for a in out.values())
-    return ArrayRecord(out), SentShard(keep_ratio, indices, expected, nbytes)
+    return ArrayRecord(out), SentShard(keep_ratio, indices, expected, nbytes, values)
 
 
 def decode_shard(
@@ -95,14 +111,19 @@ def train_reply(msg: Message, state: dict[str, np.ndarray], num_examples: int,
 
 @dataclass(frozen=True)
 class TrainReply:
-    """A checked ``train`` reply: weight, decoded arrays, metrics and bytes on the wire."""
+    """A checked ``train`` reply: weight, decoded (and bounded) arrays, its finite scalar
+    metrics, bytes on the wire, how many columns/arrays were clipped, the largest update
+    ratio seen and the metrics left out (with their reasons)."""
 
     node: int
     weight: float
     values: dict[str, np.ndarray]
-    metrics: MetricRecord
+    metrics: dict[str, float]
     nbytes: int
     layers: tuple[str, ...]
+    clipped: int = 0
+    update_ratio: float = 0.0
+    ignored_metrics: tuple[str, ...] = ()
 
     def terms(self) -> dict[str, TermUpdate]:
         """The trained terms, by layer."""
@@ -112,44 +133,53 @@ class TrainReply:
 
 
 def positive_weight(metrics: MetricRecord | None) -> float | None:
-    """``num-examples`` if it is a finite number > 0, else ``None``."""
-    weight = metrics.get(NUM_EXAMPLES) if metrics is not None else None
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (
-        math.isfinite(weight) and weight > 0
-    ):
-        return None
-    return float(weight)
+    """``num-examples`` if it is a finite integer-valued number in ``[1, 2**53]``, else
+    ``None`` (:func:`fedshard.protocol.bounds.read_count`)."""
+    weight = read_count(metrics.get(NUM_EXAMPLES)) if metrics is not None else None
+    return weight if isinstance(weight, float) else None
 
 
-def check_eval_reply(msg: Message) -> tuple[float, MetricRecord] | str:
-    """``(num-examples, metrics)`` of an ``evaluate`` reply, or the reason to drop it."""
+def check_eval_reply(msg: Message) -> tuple[float, dict[str, float]] | str:
+    """``(num-examples, finite scalar metrics)`` of an ``evaluate`` reply, or the reason to
+    drop it. Non-scalar or non-finite metric values are left out (logged by the caller via
+    :func:`fedshard.protocol.bounds.scalar_metrics`'s reasons: none reach the averages)."""
     if msg.has_error():
         return f"error reply: {msg.error.reason}"
     metrics = msg.content.metric_records.get(METRICS)
-    weight = positive_weight(metrics)
-    if metrics is None or weight is None:
-        return f"no positive {NUM_EXAMPLES}"
-    return weight, metrics
+    weight = read_count(metrics.get(NUM_EXAMPLES)) if metrics is not None else "no metrics"
+    if metrics is None or isinstance(weight, str):
+        return f"bad {NUM_EXAMPLES}: {weight}"
+    return weight, scalar_metrics(metrics, NUM_EXAMPLES)[0]
 
 
-def check_train_reply(msg: Message, sent: SentShard | None, seen: set[int]) -> TrainReply | str:
-    """The checked reply, or the reason (``"category: details"``) it must be dropped."""
-    node = msg.metadata.src_node_id
+def check_train_reply(msg: Message, sent: SentShard | None, seen: set[int],
+                      limits: ReplyLimits | None = None,
+                      node: int | None = None) -> TrainReply | str:
+    """The checked reply, or the reason (``"category: details"``) it must be dropped.
+
+    ``node`` is the node the answered message was sent to (default: the reply's sender);
+    ``limits`` bound ``num-examples`` and the change from what was sent
+    (:class:`~fedshard.protocol.bounds.ReplyLimits`; default: its defaults).
+    """
+    limits = limits if limits is not None else ReplyLimits()
+    node = msg.metadata.src_node_id if node is None else node
     if msg.has_error():
         return f"error-reply: code {msg.error.code}, {msg.error.reason}"
     if sent is None:
         return "unexpected-sender: this node was not sent a training message this round"
     if node in seen:
         return "duplicate: a second reply from this node in the same round"
+    if msg.metadata.src_node_id != node:
+        return (f"wrong-sender: the reply to node {node}'s message came from node "
+                f"{msg.metadata.src_node_id}")
     content = msg.content
     if ARRAYS not in content.array_records or METRICS not in content.metric_records:
         return (f"missing-record: expected an ArrayRecord {ARRAYS!r} and a MetricRecord "
                 f"{METRICS!r}, got {sorted(content.keys())}")
     metrics = content.metric_records[METRICS]
-    weight = positive_weight(metrics)
-    if weight is None:
-        return (f"bad-num-examples: {NUM_EXAMPLES}={metrics.get(NUM_EXAMPLES)!r}, expected a "
-                "number > 0")
+    weight = read_count(metrics.get(NUM_EXAMPLES), limits.max_num_examples)
+    if isinstance(weight, str):
+        return f"bad-num-examples: {NUM_EXAMPLES} {weight}"
     record = content.array_records[ARRAYS]
     keys, want = set(record.keys()), set(sent.expected)
     if keys != want:
@@ -170,6 +200,21 @@ def check_train_reply(msg: Message, sent: SentShard | None, seen: set[int]) -> T
     for layer, idx in sent.indices.items():
         if not np.array_equal(values[factor_key(layer, "indices")], idx):
             return f"bad-indices: {layer}.indices differ from the terms this node was sent"
+    clipped, ratio = 0, 0.0
+    if limits.max_update_ratio > 0:
+        factors = {factor_key(layer, p) for layer in sent.indices for p in ("u", "v")}
+        for key, before in sent.values.items():
+            if not np.issubdtype(before.dtype, np.floating):
+                continue
+            bound = bound_terms if key in factors else bound_dense
+            values[key], hits, seen_ratio = bound(before, values[key], limits.max_update_ratio)
+            clipped, ratio = clipped + hits, max(ratio, seen_ratio)
+        if clipped and limits.update_policy == "drop":
+            return (f"update-norm: {clipped} factor column(s)/array(s) changed by more than "
+                    f"max_update_ratio={limits.max_update_ratio:g} times what was sent "
+                    f"(largest ratio {ratio:.3g})")
+    kept, ignored = scalar_metrics(metrics, NUM_EXAMPLES)
     # bytes on the wire, counted as for the sent records (serialized Array data)
     nbytes = sum(len(a.data) for a in record.values())
-    return TrainReply(node, weight, values, metrics, nbytes, tuple(sent.indices))
+    return TrainReply(node, weight, values, kept, nbytes, tuple(sent.indices), clipped, ratio,
+                      tuple(ignored))

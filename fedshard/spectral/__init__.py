@@ -9,7 +9,11 @@ Torch only (no Flower). Typical client flow::
 
 from fedshard.spectral.decompose import check_indices, compose, decompose, num_terms, take_terms
 from fedshard.spectral.layers import SpectralConv2d, SpectralLayer, SpectralLinear
-from fedshard.spectral.selection import check_shardable, sharded_layer_names
+from fedshard.spectral.selection import (
+    check_shardable,
+    multipliers_can_compound,
+    sharded_layer_names,
+)
 from fedshard.spectral.surgery import (
     LayerFactors,
     build_submodel,
@@ -28,6 +32,7 @@ __all__ = [
     "compose",
     "decompose",
     "extract_factors",
+    "multipliers_can_compound",
     "num_terms",
     "shard_model",
     "sharded_layer_names",

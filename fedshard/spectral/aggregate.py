@@ -1,10 +1,15 @@
 """Server-side aggregation: each term averaged over the clients that held it, W rebuilt.
 
-The paper's Sec. 3.1, step 3: client k returns the trained columns ``u'_i``, ``v'_i`` of
-the terms ``i ∈ I_k`` it held; the server averages every term over its holders, weighted by
-their data sizes ``D_k``, keeps the terms nobody held, and sets ``W = Σ_i u'_i v'_iᵀ`` (ω is
-not part of the stored weight). Dense parameters are averaged over all clients as in FedAvg.
-Numpy; torch only when the rebuild is asked to run on a device (a GPU).
+The paper's Sec. 3.1, step 3: client k returns the trained columns ``u'_i``,
+``v'_i`` of the terms ``i ∈ I_k`` it held; the server averages every term over its holders,
+weighted by their data sizes ``D_k``, keeps the terms nobody held, and sets
+``W = Σ_i u'_i v'_iᵀ`` (ω is not part of the stored weight). Dense parameters are averaged
+over all clients as in FedAvg.
+
+Robust options (``aggregation="median"`` or ``"trimmed-mean"``) replace each weighted mean by
+the coordinate-wise median / trimmed mean over the same holders, unweighted, as Flower's
+``FedMedian`` and ``FedTrimmedAvg`` do for dense arrays (those work only on equal-shape arrays,
+not on per-term shards). Numpy; torch only when the rebuild is asked to run on a device (a GPU).
 """
 
 from __future__ import annotations
@@ -17,7 +22,37 @@ import numpy as np
 
 from fedshard.spectral.decompose import LayerSpectrum
 
-__all__ = ["TermUpdate", "aggregate_state", "dense_mean", "rebuild_weight", "term_means"]
+__all__ = [
+    "AGGREGATIONS", "TermUpdate", "aggregate_state", "check_aggregation", "dense_mean",
+    "rebuild_weight", "robust_reduce", "term_means",
+]
+
+AGGREGATIONS = ("mean", "median", "trimmed-mean")
+
+
+def check_aggregation(aggregation: str, trim_fraction: float) -> list[str]:
+    """The problems of an aggregation setting (empty if fine)."""
+    problems = []
+    if aggregation not in AGGREGATIONS:
+        problems.append(f"aggregation={aggregation!r}: expected one of {AGGREGATIONS}")
+    if not 0 <= trim_fraction < 0.5:
+        problems.append(f"trim_fraction={trim_fraction}: expected in [0, 0.5)")
+    return problems
+
+
+def robust_reduce(stack: np.ndarray, aggregation: str, trim_fraction: float) -> np.ndarray:
+    """Coordinate-wise median or trimmed mean over axis 0 (the m contributors).
+
+    The trimmed mean drops the ``⌊trim_fraction·m⌋`` smallest and as many largest values of
+    every coordinate and averages the rest (Yin et al., ICML 2018, Def. 2).
+    """
+    if aggregation == "median":
+        return np.asarray(np.median(stack, axis=0))
+    if aggregation == "trimmed-mean":
+        k = int(np.floor(trim_fraction * stack.shape[0]))
+        ordered = np.sort(stack, axis=0)
+        return np.asarray(ordered[k: stack.shape[0] - k].mean(axis=0))
+    raise ValueError(f"aggregation={aggregation!r}: expected 'median' or 'trimmed-mean'")
 
 
 @dataclass(frozen=True)
@@ -42,9 +77,11 @@ class TermUpdate:
 
 
 def term_means(
-    spec: LayerSpectrum, updates: Sequence[TermUpdate]
+    spec: LayerSpectrum, updates: Sequence[TermUpdate], aggregation: str = "mean",
+    trim_fraction: float = 0.1,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The held terms and their weighted means over their holders.
+    """The held terms and their weighted means (or, with ``aggregation``, their unweighted
+    coordinate-wise median / trimmed mean, :func:`robust_reduce`) over their holders.
 
     Returns
     -------
@@ -63,6 +100,17 @@ def term_means(
     row[held] = np.arange(held.size)
     u_mean = np.zeros((held.size, spec.ut.shape[1]))  # (h, c_out)
     v_mean = np.zeros((held.size, spec.vt.shape[1]))  # (h, c_in·k·k)
+    if aggregation != "mean":
+        cols: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(held.size)]
+        for up in updates:
+            for j, r in enumerate(row[up.indices]):
+                cols[r].append((up.u[:, j], up.v[:, j]))
+        for r, pairs in enumerate(cols):
+            u_mean[r] = robust_reduce(np.stack([u for u, _ in pairs]).astype(np.float64),
+                                      aggregation, trim_fraction)
+            v_mean[r] = robust_reduce(np.stack([v for _, v in pairs]).astype(np.float64),
+                                      aggregation, trim_fraction)
+        return held, u_mean, v_mean
     for up in updates:
         rows = row[up.indices]
         u_mean[rows] += up.weight * up.u.T
@@ -126,8 +174,13 @@ def _rebuild_torch(spec: LayerSpectrum, held: np.ndarray, u_new: np.ndarray, v_n
     return w.cpu().numpy().reshape(spec.shape).astype(spec.dtype, copy=False)
 
 
-def dense_mean(values: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
-    """FedAvg's weighted mean of one dense array (accumulated in float64, cast back)."""
+def dense_mean(values: Sequence[np.ndarray], weights: Sequence[float],
+               aggregation: str = "mean", trim_fraction: float = 0.1) -> np.ndarray:
+    """FedAvg's weighted mean of one dense array (accumulated in float64, cast back), or
+    its unweighted coordinate-wise median / trimmed mean (:func:`robust_reduce`)."""
+    if aggregation != "mean":
+        stack = np.stack([np.asarray(x, dtype=np.float64) for x in values])
+        return robust_reduce(stack, aggregation, trim_fraction).astype(values[0].dtype)
     total = sum(weights)
     acc = np.zeros(values[0].shape, dtype=np.float64)
     for w, x in zip(weights, values, strict=True):
@@ -141,6 +194,8 @@ def aggregate_state(
     weights: Sequence[float],
     dense: Sequence[Mapping[str, np.ndarray]],
     terms: Sequence[Mapping[str, TermUpdate]],
+    aggregation: str = "mean",
+    trim_fraction: float = 0.1,
     device: str | None = None,
 ) -> dict[str, np.ndarray]:
     """The new global state: sharded weights rebuilt from their per-term means, floating
@@ -155,6 +210,9 @@ def aggregate_state(
         The round's decompositions, by layer.
     weights, dense, terms : sequences, one entry per client
         Its weight ``D_k``, its dense entries by key, its :class:`TermUpdate` by layer.
+    aggregation, trim_fraction : str, float
+        ``"mean"`` (weighted, the paper's), ``"median"`` or ``"trimmed-mean"``
+        (:func:`robust_reduce`), per term over its holders and per dense entry over all.
     device : str or None
         Where the rebuild's products run (:func:`rebuild_weight`).
     """
@@ -163,10 +221,12 @@ def aggregate_state(
         layer = key[: -len(".weight")] if key.endswith(".weight") else None
         if layer is not None and layer in spectra:
             spec = spectra[layer]
-            out[key] = rebuild_weight(spec, *term_means(spec, [t[layer] for t in terms]),
+            out[key] = rebuild_weight(spec, *term_means(spec, [t[layer] for t in terms],
+                                                        aggregation, trim_fraction),
                                       device=device)
         elif not np.issubdtype(value.dtype, np.floating):
             out[key] = value
         else:
-            out[key] = dense_mean([d[key] for d in dense], weights)
+            out[key] = dense_mean([d[key] for d in dense], weights, aggregation,
+                                  trim_fraction)
     return out

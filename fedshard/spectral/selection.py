@@ -11,7 +11,15 @@ from torch import nn
 
 from fedshard.spectral.layers import SpectralLayer
 
-__all__ = ["check_shardable", "sharded_layer_names"]
+__all__ = ["check_shardable", "multipliers_can_compound", "sharded_layer_names"]
+
+
+def multipliers_can_compound(model: nn.Module, method: str, layers: Iterable[str]) -> bool:
+    """Whether ω > 1 (Unbiased, Collective, PriSM + Wallenius) can compound from sharded layer
+    to sharded layer: some layer is sharded and the model has no normalization layer."""
+    norms = (nn.GroupNorm, nn.LayerNorm, nn.modules.batchnorm._BatchNorm)
+    return method in ("unbiased", "collective", "prism-wallenius") and any(True for _ in layers) \
+        and not any(isinstance(m, norms) for m in model.modules())
 
 logger = logging.getLogger(__name__)
 
