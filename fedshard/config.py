@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fedshard.sampling import SAMPLING_DESIGNS, SHARDING_METHODS
+from fedshard.schedule import LR_SCHEDULES
 
 __all__ = [
     "DESIGNS",
@@ -169,6 +170,8 @@ class RunConfig:
     results_dir: str = ""
     run_name: str = ""
     resume: bool = False
+    lr_schedule: str = "cosine"
+    tensorboard: bool = False
 
     def __post_init__(self) -> None:
         problems = self._problems()
@@ -266,6 +269,8 @@ class RunConfig:
             v = getattr(self, name)
             need(math.isfinite(v) and v >= 0, f"{name.replace('_', '-')}={v}: expected ≥ 0")
         need(math.isfinite(self.lr) and self.lr > 0, f"lr={self.lr}: expected > 0")
+        need(self.lr_schedule in LR_SCHEDULES,
+             f"lr-schedule={self.lr_schedule!r}: expected one of {LR_SCHEDULES}")
         need(0 <= self.momentum < 1, f"momentum={self.momentum}: expected in [0, 1)")
         need(self.batch_size >= 1, f"batch-size={self.batch_size}: expected ≥ 1")
         need(self.local_epochs >= 1, f"local-epochs={self.local_epochs}: expected ≥ 1")

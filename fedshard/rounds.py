@@ -11,10 +11,10 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from logging import WARNING
+from logging import DEBUG, INFO, WARNING
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import MessageType
 from flwr.common.logger import log
 
@@ -22,9 +22,12 @@ from fedshard import protocol as P
 from fedshard.sampling import plan_round
 from fedshard.spectral.aggregate import aggregate_state
 from fedshard.spectral.decompose import LayerSpectrum, layer_spectrum
-from fedshard.telemetry import send_metrics
+from fedshard.telemetry import one_line, reply_metrics, send_metrics
 
-__all__ = ["RoundState", "shard_round"]
+__all__ = ["MetricsAggrFn", "RoundState", "evaluate_round", "shard_round"]
+
+#: Flower's ``train_metrics_aggr_fn`` / ``evaluate_metrics_aggr_fn`` signature.
+MetricsAggrFn = Callable[[list[RecordDict], str], MetricRecord]
 
 
 @dataclass
@@ -48,10 +51,32 @@ class RoundState:
             if isinstance(reply, str):
                 dropped[reply.split(":", 1)[0]] += 1
                 log(WARNING, "Round %d: dropping the reply of node %d (%s); it does not touch "
-                    "the global model.", self.server_round, node, reply)
+                    "the global model.", self.server_round, node, one_line(reply))
+                log(DEBUG, "Round %d, node %d, the full reason: %s", self.server_round, node,
+                    reply)
             else:
                 accepted.append(reply)
         return accepted, dropped, len(set(self.sent) - seen)
+
+    def finish(self, replies: Iterable[Message], aggr_fn: MetricsAggrFn, weight_key: str,
+               ) -> tuple[ArrayRecord | None, MetricRecord | None, dict[str, float]]:
+        """Check, aggregate and report the replies: the new global arrays (``None`` if no
+        reply is valid), the client-side metrics (``aggr_fn`` over the valid replies) and the
+        round's full metrics (the server's statistics and the client-side ones; logged)."""
+        t0 = time.perf_counter()
+        accepted, dropped, missing = self.collect(replies)
+        metrics = reply_metrics(self.metrics, accepted, dropped, missing)
+        new_arrays = self.aggregate(accepted) if accepted else None
+        if new_arrays is None:
+            log(WARNING, "Round %d: no valid reply (%d dropped, %d missing); the global model is "
+                "kept unchanged.", self.server_round, sum(dropped.values()), missing)
+        metrics["aggregate-s"] = time.perf_counter() - t0
+        client = aggr_fn([RecordDict({P.METRICS: r.metrics}) for r in accepted],
+                         weight_key) if accepted else None
+        metrics.update(_floats(client, weight_key))
+        log(INFO, "Round %d server metrics: %s", self.server_round,
+            ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+        return new_arrays, client, metrics
 
     def aggregate(self, accepted: Sequence[P.TrainReply]) -> ArrayRecord:
         """The new global model from the valid replies (:func:`aggregate_state`)."""
@@ -106,3 +131,30 @@ def _weight(arrays: ArrayRecord, layer: str) -> np.ndarray:
                        "the state_dict of the model whose layer names were given as "
                        "sharded_layers.")
     return arrays[key].numpy()
+
+
+def evaluate_round(server_round: int, replies: Iterable[Message], aggr_fn: MetricsAggrFn,
+                   weight_key: str) -> tuple[MetricRecord | None, dict[str, float]]:
+    """``aggr_fn`` over the valid evaluation replies (each invalid one logged in one line and
+    dropped) and the round's evaluation metrics for the history (with ``eval-nodes``)."""
+    records: list[RecordDict] = []
+    for msg in replies:
+        row = P.check_eval_reply(msg)
+        if isinstance(row, str):
+            log(WARNING, "Round %d: dropping the evaluation reply of node %d (%s).",
+                server_round, msg.metadata.src_node_id, one_line(row))
+            log(DEBUG, "Round %d, the full reason: %s", server_round, row)
+        else:
+            records.append(RecordDict({P.METRICS: row[1]}))
+    if not records:
+        return None, {}
+    out = aggr_fn(records, weight_key)
+    return out, {**_floats(out, weight_key), "eval-nodes": float(len(records))}
+
+
+def _floats(record: MetricRecord | None, weight_key: str) -> dict[str, float]:
+    """The scalar entries of ``record`` as floats, ``weight_key`` left out."""
+    if record is None:
+        return {}
+    return {k: float(v) for k, v in record.items()
+            if k != weight_key and isinstance(v, (int, float)) and not isinstance(v, bool)}

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["LR_SCHEDULES", "cosine_lr", "round_lr"]
+__all__ = ["FLOWER_DEFAULT_ROUNDS", "LR_SCHEDULES", "cosine_lr", "round_lr", "schedule_length"]
+
+#: ``Strategy.start``'s default number of rounds in Flower.
+FLOWER_DEFAULT_ROUNDS = 3
 
 #: ``cosine`` (the paper's, Sec. 4.1) or ``constant``.
 LR_SCHEDULES = ("cosine", "constant")
@@ -28,3 +31,42 @@ def round_lr(schedule: str, lr: float, server_round: int, num_rounds: int) -> fl
     if schedule == "constant":
         return lr
     raise ValueError(f"lr schedule {schedule!r}: expected one of {LR_SCHEDULES}")
+
+
+def schedule_length(given: int | None, at_start: int | None, completed: int = 0) -> int:
+    """The total number of rounds of a run (the length of its lr schedule).
+
+    Parameters
+    ----------
+    given : int or None
+        ``num_rounds`` of the strategy's constructor (optional).
+    at_start : int or None
+        ``num_rounds`` of ``start()``: the rounds this call runs.
+    completed : int
+        Rounds done before this ``start()`` (a resumed run).
+
+    Returns
+    -------
+    int
+        ``completed + at_start``; without ``at_start``, ``given`` (or ``completed`` + Flower's
+        default of 3 rounds).
+
+    Raises
+    ------
+    ValueError
+        If both are given and disagree, or the result is < 1.
+    """
+    if at_start is None:
+        total = given if given is not None else completed + FLOWER_DEFAULT_ROUNDS
+    else:
+        total = completed + at_start
+        if given is not None and given != total:
+            after = f" after {completed} completed rounds" if completed else ""
+            raise ValueError(
+                f"num_rounds is given twice and differs: SpectralSharding(num_rounds={given}) but "
+                f"start(num_rounds={at_start}){after}, i.e. {total} rounds in all. Give it once "
+                "(to start(); the lr schedule follows it); no round was run.")
+    if total < 1 or total <= completed:
+        raise ValueError(f"num_rounds: expected at least one round to run after {completed} "
+                         f"completed, found a schedule of {total}; no round was run.")
+    return total

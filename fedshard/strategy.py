@@ -1,16 +1,12 @@
-"""``SpectralSharding``: the Flower (Message API) strategy of spectral model sharding.
-
-A thin strategy over parts with one concern each: :mod:`fedshard.nodes` (waiting for nodes,
-capabilities, seeded node sampling), :func:`fedshard.sampling.plan_round` (which terms each
-client gets and their ω), :mod:`fedshard.protocol` (the wire codec and reply checks) and
-:mod:`fedshard.spectral.aggregate` (per-term averaging and the rebuild of W).
+"""``SpectralSharding``: the Flower (Message API) strategy of spectral model sharding; thin
+hooks over :mod:`fedshard.nodes`, :func:`fedshard.sampling.plan_round`, :mod:`fedshard.rounds`
+(:mod:`fedshard.protocol`, :mod:`fedshard.spectral.aggregate`) and :mod:`fedshard.schedule`.
 """
 
 from __future__ import annotations
 
-import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from logging import INFO, WARNING
 from typing import Any
@@ -20,15 +16,15 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.common import MessageType
 from flwr.common.logger import log
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy import FedAvg, Result
 
 from fedshard import protocol as P
 from fedshard.nodes import NodeDirectory
-from fedshard.rounds import RoundState, shard_round
+from fedshard.rounds import MetricsAggrFn, RoundState, evaluate_round, shard_round
 from fedshard.sampling import SHARDING_METHODS, Stream, method_problems, stream_rng
-from fedshard.schedule import round_lr
+from fedshard.schedule import LR_SCHEDULES, round_lr, schedule_length
 from fedshard.spectral import sharded_layer_names
-from fedshard.telemetry import metric_record, reply_metrics, weighted_means
+from fedshard.telemetry import mean_client_metrics
 
 __all__ = ["SHARDING_METHODS", "SpectralSharding"]
 
@@ -48,8 +44,9 @@ class SpectralSharding(FedAvg):
     sharded_layers : sequence of str
         Module names of the sharded ``Linear``/``Conv2d`` layers (their ``"<name>.weight"``
         arrays); :meth:`from_model` picks the paper's default (all but the first and last).
-    num_rounds : int
-        Number of server rounds; sets the cosine learning-rate schedule.
+    num_rounds : int, optional
+        Number of server rounds (the length of the lr schedule); give it here or to
+        :meth:`start` (once: both and different raise ``ValueError`` at ``start``).
     method : str
         ``"unbiased"`` (Theorem 1, ω = 1/π), ``"collective"`` (Theorem 2, C = group size),
         ``"top-n"`` (FedHM), ``"prism"`` (successive sampling ∝ λᵏ, ω = 1),
@@ -66,10 +63,17 @@ class SpectralSharding(FedAvg):
     seed : int
         Root of every random stream (:mod:`fedshard.sampling.streams`).
     query_timeout, node_wait_timeout : float
-        Seconds to wait for capability answers, and for ``min_available_nodes`` to connect
-        (``None``: forever).
+        Seconds to wait for capability answers, for ``min_available_nodes`` (``None``: forever).
     fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes :
-        As in :class:`flwr.serverapp.strategy.FedAvg`.
+        As in :class:`flwr.serverapp.strategy.FedAvg` (same defaults but ``fraction_evaluate``:
+        0, the dense model is evaluated centrally).
+    lr_schedule : str
+        ``"cosine"`` (the paper's, over ``num_rounds``) or ``"constant"``.
+    train_metrics_aggr_fn, evaluate_metrics_aggr_fn : callable, optional
+        As in ``FedAvg``; default: every numeric client metric's weighted mean
+        (:func:`~fedshard.telemetry.mean_client_metrics`). Only these client-side aggregates go
+        to Flower; the server's statistics (replies, bytes, times, ANME, lr) are logged and
+        kept with them in :attr:`history` (round -> metrics).
 
     Notes
     -----
@@ -85,7 +89,7 @@ class SpectralSharding(FedAvg):
         self,
         *,
         sharded_layers: Sequence[str],
-        num_rounds: int,
+        num_rounds: int | None = None,
         method: str = "collective",
         design: str = "cps",
         scaled: bool = False,
@@ -102,29 +106,35 @@ class SpectralSharding(FedAvg):
         node_wait_timeout: float | None = 600.0,
         fraction_train: float = 1.0,
         fraction_evaluate: float = 0.0,
-        min_train_nodes: int = 1,
-        min_evaluate_nodes: int = 1,
-        min_available_nodes: int = 1,
+        min_train_nodes: int = 2,
+        min_evaluate_nodes: int = 2,
+        min_available_nodes: int = 2,
+        lr_schedule: str = "cosine",
+        train_metrics_aggr_fn: MetricsAggrFn | None = None,
+        evaluate_metrics_aggr_fn: MetricsAggrFn | None = None,
     ) -> None:
         super().__init__(
             fraction_train=fraction_train, fraction_evaluate=fraction_evaluate,
             min_train_nodes=min_train_nodes, min_evaluate_nodes=min_evaluate_nodes,
             min_available_nodes=min_available_nodes, weighted_by_key=P.NUM_EXAMPLES,
             arrayrecord_key=P.ARRAYS, configrecord_key=P.CONFIG,
+            train_metrics_aggr_fn=train_metrics_aggr_fn or mean_client_metrics,
+            evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn or mean_client_metrics,
         )
         problems = method_problems(method, design, scaled, prism_exponent)
         if clip_lr_tau is not None and not clip_lr_tau >= 1:
             problems.append(f"clip_lr_tau={clip_lr_tau}: expected τ ≥ 1 or None (off)")
-        if num_rounds < 1:
-            problems.append(f"num_rounds={num_rounds}: expected ≥ 1")
-        if not lr > 0:
-            problems.append(f"lr={lr}: expected > 0")
+        problems += [msg for bad, msg in (
+            (num_rounds is not None and num_rounds < 1, f"num_rounds={num_rounds}: expected ≥ 1"),
+            (lr_schedule not in LR_SCHEDULES, f"lr_schedule={lr_schedule!r}: expected one of "
+             f"{LR_SCHEDULES}"), (not lr > 0, f"lr={lr}: expected > 0")) if bad]
         if len(set(sharded_layers)) != len(sharded_layers):
             problems.append(f"sharded_layers={list(sharded_layers)}: names repeat")
         if problems:
             raise ValueError("SpectralSharding: " + "; ".join(problems))
         self.sharded_layers = tuple(sharded_layers) if method != "none" else ()
-        self.num_rounds = num_rounds
+        # num_rounds: the schedule's length, set by start() from the one given (see start).
+        self.num_rounds, self.lr_schedule, self._given_rounds = num_rounds, lr_schedule, num_rounds
         self.method, self.design, self.scaled = method, design, scaled
         self.prism_exponent = prism_exponent
         self.seed = seed
@@ -134,9 +144,8 @@ class SpectralSharding(FedAvg):
             momentum=momentum, frobenius_decay=frobenius_decay, clip_lr_tau=clip_lr_tau,
             weight_decay=weight_decay, keep_ratio=1.0, train_seed=0, method=method)
         self.nodes = NodeDirectory(seed=seed, min_available_nodes=min_available_nodes,
-                                   query_timeout=query_timeout,
-                                   node_wait_timeout=node_wait_timeout)
-        # server_round -> the round's training metrics (also returned to Flower per round).
+                                   query_timeout=query_timeout, node_wait_timeout=node_wait_timeout)
+        # server_round -> the round's metrics (server statistics and client aggregates).
         self.history: dict[int, dict[str, float]] = {}
         # Rounds already completed before this start() (a resumed run): Flower's round r is
         # this run's round r + round_offset, for the schedule, the random streams and history.
@@ -145,7 +154,7 @@ class SpectralSharding(FedAvg):
 
     @property
     def capabilities(self) -> dict[int, P.Capabilities]:
-        """node id -> what it declared (the cache of :class:`~fedshard.nodes.NodeDirectory`)."""
+        """node id -> what it declared (:class:`~fedshard.nodes.NodeDirectory`'s cache)."""
         return self.nodes.capabilities
 
     @classmethod
@@ -176,9 +185,9 @@ class SpectralSharding(FedAvg):
         Call ``start(initial_arrays=<checkpoint arrays>, num_rounds=num_rounds -
         completed_rounds)`` afterwards; every random stream continues as if uninterrupted.
         """
-        if not 0 <= completed_rounds < self.num_rounds:
+        if not 0 <= completed_rounds < (self._given_rounds or completed_rounds + 1):
             raise ValueError(f"completed_rounds={completed_rounds}: expected in "
-                             f"[0, num_rounds={self.num_rounds})")
+                             f"[0, num_rounds={self._given_rounds})")
         self.round_offset = completed_rounds
         self.nodes.capabilities = {n: P.Capabilities(r, k) for n, (r, k) in capabilities.items()}
         self.history = {int(r): dict(m) for r, m in history.items()}
@@ -194,10 +203,25 @@ class SpectralSharding(FedAvg):
             self.design, self.scaled)
         log(INFO, "\t│\t├── sharded layers (%d): %s", len(self.sharded_layers),
             ", ".join(self.sharded_layers))
-        log(INFO, "\t│\t└── lr=%g (cosine over %d rounds), local epochs=%d, batch=%d, "
-            "momentum=%g, FD=%g, ClipLR τ=%s", t.lr, self.num_rounds, t.local_epochs,
-            t.batch_size, t.momentum, t.frobenius_decay, t.clip_lr_tau)
+        log(INFO, "\t│\t└── lr=%g (%s over %s rounds), local epochs=%d, batch=%d, "
+            "momentum=%g, FD=%g, ClipLR τ=%s", t.lr, self.lr_schedule, self.num_rounds,
+            t.local_epochs, t.batch_size, t.momentum, t.frobenius_decay, t.clip_lr_tau)
         super().summary()
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int | None = None,
+              timeout: float = 3600, train_config: ConfigRecord | None = None,
+              evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+              ) -> Result:
+        """Flower's ``start``; ``num_rounds`` (this call's rounds, after any resumed ones)
+        also sets the lr schedule's length (see the constructor's ``num_rounds``)."""
+        self.num_rounds = schedule_length(self._given_rounds, num_rounds, self.round_offset)
+        if train_config is not None and "lr" in train_config:
+            log(WARNING, "train_config['lr']=%s is replaced every round: the strategy's lr=%g "
+                "and its %s schedule set the lr each node gets.", train_config["lr"],
+                self.training.lr, self.lr_schedule)
+        return super().start(grid, initial_arrays, self.num_rounds - self.round_offset,
+                             timeout, train_config, evaluate_config, evaluate_fn)
 
     # ------------------------------------------------------------------ train
     def configure_train(
@@ -213,7 +237,8 @@ class SpectralSharding(FedAvg):
             log(WARNING, "Round %d: no connected node declared a keep ratio; no training this "
                 "round.", server_round)
             return []
-        lr = round_lr("cosine", self.training.lr, server_round, self.num_rounds)
+        lr = round_lr(self.lr_schedule, self.training.lr, server_round,
+                      self.num_rounds or server_round)
         messages, self._round = shard_round(
             server_round, arrays, self.sharded_layers, nodes,
             lambda node: self._settings(server_round, node, lr), config, lr=lr,
@@ -239,18 +264,11 @@ class SpectralSharding(FedAvg):
         state = self._round
         if state is None or state.server_round != server_round:
             return None, None
-        t0 = time.perf_counter()
-        accepted, dropped, missing = state.collect(replies)
-        metrics = reply_metrics(state.metrics, accepted, dropped, missing)
-        new_arrays = state.aggregate(accepted) if accepted else None
-        if new_arrays is None:
-            log(WARNING, "Round %d: no valid reply (%d dropped, %d missing); the global model is "
-                "kept unchanged.", server_round, sum(dropped.values()), missing)
-        else:
+        new_arrays, client, self.history[server_round] = state.finish(
+            replies, self.train_metrics_aggr_fn, self.weighted_by_key)
+        if new_arrays is not None:
             self._round = None
-        metrics["aggregate-s"] = time.perf_counter() - t0
-        self.history[server_round] = metrics
-        return new_arrays, metric_record(metrics)
+        return new_arrays, client
 
     # ------------------------------------------------------------------ evaluate
     def configure_evaluate(
@@ -273,18 +291,10 @@ class SpectralSharding(FedAvg):
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
-        """Weighted mean of valid evaluation replies; invalid ones are logged and dropped."""
+        """``evaluate_metrics_aggr_fn`` over the valid evaluation replies (invalid ones are
+        logged in one line and dropped); the aggregate and ``eval-nodes`` go to :attr:`history`."""
         server_round += self.round_offset
-        rows: list[tuple[float, Any]] = []
-        for msg in replies:
-            row = P.check_eval_reply(msg)
-            if isinstance(row, str):
-                log(WARNING, "Round %d: dropping the evaluation reply of node %d (%s).",
-                    server_round, msg.metadata.src_node_id, row)
-            else:
-                rows.append(row)
-        if not rows:
-            return None
-        out = {P.NUM_EXAMPLES: sum(w for w, _ in rows), "eval-nodes": float(len(rows))}
-        out.update(weighted_means(rows, (P.EVAL_LOSS, P.EVAL_ACCURACY)))
-        return metric_record(out)
+        out, row = evaluate_round(server_round, replies, self.evaluate_metrics_aggr_fn,
+                                  self.weighted_by_key)
+        self.history.setdefault(server_round, {}).update(row)
+        return out
