@@ -33,6 +33,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -53,11 +54,13 @@ __all__ = [
     "DEFAULT_TARGET_KEY",
     "PairBatches",
     "Shard",
+    "ShardingClientApp",
     "handle_evaluate",
     "handle_query",
     "handle_train",
     "keep_ratio_of",
     "receive",
+    "sharding_mod",
     "submodel_from_record",
 ]
 
@@ -213,28 +216,77 @@ class Shard:
         TypeError, ValueError
             For a non-numeric metric or ``num_examples`` ≤ 0.
         """
-        if isinstance(num_examples, bool) or not int(num_examples) > 0:
-            raise ValueError(f"num_examples={num_examples!r}: expected an int > 0 (the "
-                             "aggregation weight); no reply was built.")
-        values: dict[str, float] = {}
-        for key, value in (metrics or {}).items():
-            if isinstance(value, torch.Tensor) and value.numel() == 1:
-                value = value.item()
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
-                raise TypeError(f"metric {key!r}={value!r}: expected a number (int or float); "
-                                "no reply was built.")
-            values[key] = float(value)
         state = {k: v.detach().cpu().numpy() for k, v in self.model.state_dict().items()}
-        bad = [k for k, v in state.items()
-               if np.issubdtype(v.dtype, np.floating) and not np.isfinite(v).all()]
-        if bad:
-            raise FloatingPointError(
-                f"Training diverged: {', '.join(bad[:4])} hold NaN or inf after local training at "
-                f"lr={self.settings.lr:g}; nothing is sent this round. The factorized layers "
-                "take larger steps than the dense model at the same lr: start the strategy "
-                "with about 1/10 of the dense learning rate, clip the gradient norm, or add a "
-                "normalization layer.")
-        return P.train_reply(self.message, state, int(num_examples), values)
+        return _shard_reply(self.message, state, num_examples, metrics or {}, self.settings.lr)
+
+
+def _shard_reply(msg: Message, state: Mapping[str, np.ndarray], num_examples: Any,
+                 metrics: Mapping[str, Any], lr: float) -> Message:
+    """The checked train reply: ``num_examples`` > 0, numeric metrics, finite arrays."""
+    if isinstance(num_examples, bool) or not isinstance(num_examples, (int, float, np.number)) \
+            or not num_examples > 0:
+        raise ValueError(f"{P.NUM_EXAMPLES}={num_examples!r}: expected a number > 0 (the "
+                         "aggregation weight); no reply was built.")
+    values: dict[str, float] = {}
+    for key, value in metrics.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+            raise TypeError(f"metric {key!r}={value!r}: expected a number (int or float); "
+                            "no reply was built.")
+        values[key] = float(value)
+    bad = [k for k, v in state.items()
+           if np.issubdtype(v.dtype, np.floating) and not np.isfinite(v).all()]
+    if bad:
+        raise FloatingPointError(
+            f"Training diverged at lr={lr:g}: {', '.join(sorted(bad)[:4])} hold NaN or inf; "
+            "nothing is sent this round. The factorized layers take larger steps than the dense "
+            "model at the same lr: give the strategy about 1/10 of the dense learning rate, clip "
+            "the gradient norm, or add a normalization layer.")
+    return P.train_reply(msg, dict(state), int(num_examples), values)
+
+
+def sharding_mod(msg: Message, context: Context, call_next: Any) -> Message:
+    """A Flower mod that turns a ``train`` handler written for FedAvg into a fedshard one.
+
+    Your handler loads the sub-model with ``model = receive(msg, Net()).model``, trains it and
+    replies as for FedAvg (``ArrayRecord(model.state_dict())`` and a ``MetricRecord`` with
+    ``num-examples``); the mod re-encodes that reply in the wire format (ω left out, the term
+    indices echoed) with the same checks as :meth:`Shard.reply`. Other replies pass unchanged.
+    """
+    reply = call_next(msg, context)
+    if msg.metadata.message_type != "train" or reply.has_error():
+        return reply
+    sent = msg.content.array_records.get(P.ARRAYS)
+    arrays = reply.content.array_records.get(P.ARRAYS)
+    if sent is None or arrays is None or not any(k.endswith(".indices") for k in sent) \
+            or any(k.endswith(".indices") for k in arrays):
+        return reply  # not a shard, or already encoded (Shard.reply)
+    metrics = dict(reply.content.metric_records.get(P.METRICS, {}))
+    num_examples = metrics.pop(P.NUM_EXAMPLES, None)
+    lr = msg.content.config_records[P.CONFIG].get("lr", float("nan"))
+    return _shard_reply(msg, {k: a.numpy() for k, a in arrays.items()}, num_examples, metrics,
+                        float(lr))  # type: ignore[arg-type]
+
+
+class ShardingClientApp(ClientApp):
+    """A ``ClientApp`` that takes part in spectral model sharding: it answers the server's
+    capability query with :func:`keep_ratio_of` (``default_keep_ratio`` as its default; the
+    node's ``partition-id`` as its stable key) and applies :func:`sharding_mod` to its handlers.
+
+    Drop-in for ``ClientApp()``; register ``train``/``evaluate`` as usual.
+    """
+
+    def __init__(self, default_keep_ratio: float | None = None,
+                 mods: list[Any] | None = None) -> None:
+        super().__init__(mods=[sharding_mod, *(mods or [])])
+        self.default_keep_ratio = default_keep_ratio
+
+        @self.query()
+        def _query(msg: Message, context: Context) -> Message:
+            key = context.node_config.get("partition-id")  # stable across launches
+            return handle_query(msg, keep_ratio_of(context, self.default_keep_ratio),
+                                None if key is None else str(key))
 
 
 def receive(msg: Message, model: nn.Module, *, device: str | torch.device = "cpu") -> Shard:

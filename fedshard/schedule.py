@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 import math
+from logging import INFO, WARNING
+from typing import Any
 
-__all__ = ["FLOWER_DEFAULT_ROUNDS", "LR_SCHEDULES", "cosine_lr", "round_lr", "schedule_length"]
+from flwr.common.logger import log
+
+__all__ = [
+    "DEFAULT_LR", "FLOWER_DEFAULT_ROUNDS", "LR_SCHEDULES", "base_lr", "cosine_lr", "round_lr",
+    "schedule_length",
+]
+
+#: The strategy's lr when neither its ``lr`` nor the caller's ``train_config["lr"]`` gives one.
+DEFAULT_LR = 0.05
 
 #: ``Strategy.start``'s default number of rounds in Flower.
 FLOWER_DEFAULT_ROUNDS = 3
@@ -70,3 +80,21 @@ def schedule_length(given: int | None, at_start: int | None, completed: int = 0)
         raise ValueError(f"num_rounds: expected at least one round to run after {completed} "
                          f"completed, found a schedule of {total}; no round was run.")
     return total
+
+
+def base_lr(given: float | None, caller: Any, schedule: str) -> float:
+    """The lr the schedule starts from: the strategy's ``lr`` if given, else the caller's
+    ``train_config["lr"]`` (``caller``, ``None`` if absent; FedAvg users pass it there), else
+    :data:`DEFAULT_LR`. A caller's lr that the strategy's replaces is warned about."""
+    if given is not None:
+        if caller is not None:
+            log(WARNING, "train_config['lr']=%s is replaced: the strategy's lr=%g and its %s "
+                "schedule set the lr each node gets every round.", caller, given, schedule)
+        return given
+    if caller is not None:
+        if isinstance(caller, bool) or not isinstance(caller, (int, float)) or not caller > 0:
+            raise ValueError(f"train_config['lr']={caller!r}: expected a number > 0 (the base "
+                             "of the strategy's lr schedule); no round was run.")
+        log(INFO, "lr=%g from train_config['lr'], with the %s schedule.", caller, schedule)
+        return float(caller)
+    return DEFAULT_LR

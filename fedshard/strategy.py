@@ -22,7 +22,7 @@ from fedshard import protocol as P
 from fedshard.nodes import NodeDirectory
 from fedshard.rounds import MetricsAggrFn, RoundState, evaluate_round, shard_round
 from fedshard.sampling import SHARDING_METHODS, Stream, method_problems, stream_rng
-from fedshard.schedule import LR_SCHEDULES, round_lr, schedule_length
+from fedshard.schedule import DEFAULT_LR, LR_SCHEDULES, base_lr, round_lr, schedule_length
 from fedshard.spectral import sharded_layer_names
 from fedshard.telemetry import mean_client_metrics
 
@@ -59,14 +59,15 @@ class SpectralSharding(FedAvg):
     prism_exponent : float or None
         PriSM's k; ``None`` = 4 if n/N ≤ 0.2 else 2.5.
     lr, local_epochs, batch_size, momentum, frobenius_decay, clip_lr_tau, weight_decay :
-        Local training (:class:`fedshard.protocol.TrainSettings`; ``clip_lr_tau=None``: off).
+        Local training (:class:`fedshard.protocol.TrainSettings`; ``clip_lr_tau=None``: off);
+        ``lr=None``: the ``train_config["lr"]`` given to :meth:`start`, else 0.05.
     seed : int
         Root of every random stream (:mod:`fedshard.sampling.streams`).
     query_timeout, node_wait_timeout : float
         Seconds to wait for capability answers, for ``min_available_nodes`` (``None``: forever).
     fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes :
-        As in :class:`flwr.serverapp.strategy.FedAvg` (same defaults but ``fraction_evaluate``:
-        0, the dense model is evaluated centrally).
+        As in :class:`flwr.serverapp.strategy.FedAvg`, same defaults (nodes evaluate the dense
+        global model with their own ``evaluate`` handler).
     lr_schedule : str
         ``"cosine"`` (the paper's, over ``num_rounds``) or ``"constant"``.
     train_metrics_aggr_fn, evaluate_metrics_aggr_fn : callable, optional
@@ -94,7 +95,7 @@ class SpectralSharding(FedAvg):
         design: str = "cps",
         scaled: bool = False,
         prism_exponent: float | None = None,
-        lr: float = 0.05,
+        lr: float | None = None,
         local_epochs: int = 1,
         batch_size: int = 32,
         momentum: float = 0.9,
@@ -105,7 +106,7 @@ class SpectralSharding(FedAvg):
         query_timeout: float = 600.0,
         node_wait_timeout: float | None = 600.0,
         fraction_train: float = 1.0,
-        fraction_evaluate: float = 0.0,
+        fraction_evaluate: float = 1.0,
         min_train_nodes: int = 2,
         min_evaluate_nodes: int = 2,
         min_available_nodes: int = 2,
@@ -127,7 +128,7 @@ class SpectralSharding(FedAvg):
         problems += [msg for bad, msg in (
             (num_rounds is not None and num_rounds < 1, f"num_rounds={num_rounds}: expected ≥ 1"),
             (lr_schedule not in LR_SCHEDULES, f"lr_schedule={lr_schedule!r}: expected one of "
-             f"{LR_SCHEDULES}"), (not lr > 0, f"lr={lr}: expected > 0")) if bad]
+             f"{LR_SCHEDULES}"), (lr is not None and not lr > 0, f"lr={lr}: expected > 0")) if bad]
         if len(set(sharded_layers)) != len(sharded_layers):
             problems.append(f"sharded_layers={list(sharded_layers)}: names repeat")
         if problems:
@@ -135,12 +136,13 @@ class SpectralSharding(FedAvg):
         self.sharded_layers = tuple(sharded_layers) if method != "none" else ()
         # num_rounds: the schedule's length, set by start() from the one given (see start).
         self.num_rounds, self.lr_schedule, self._given_rounds = num_rounds, lr_schedule, num_rounds
+        self._given_lr = lr
         self.method, self.design, self.scaled = method, design, scaled
         self.prism_exponent = prism_exponent
         self.seed = seed
         # The settings every node gets; round, lr, keep ratio and seed are set per node.
         self.training = P.TrainSettings(
-            server_round=0, lr=lr, local_epochs=local_epochs, batch_size=batch_size,
+            server_round=0, lr=lr or DEFAULT_LR, local_epochs=local_epochs, batch_size=batch_size,
             momentum=momentum, frobenius_decay=frobenius_decay, clip_lr_tau=clip_lr_tau,
             weight_decay=weight_decay, keep_ratio=1.0, train_seed=0, method=method)
         self.nodes = NodeDirectory(seed=seed, min_available_nodes=min_available_nodes,
@@ -213,13 +215,11 @@ class SpectralSharding(FedAvg):
               evaluate_config: ConfigRecord | None = None,
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
               ) -> Result:
-        """Flower's ``start``; ``num_rounds`` (this call's rounds, after any resumed ones)
-        also sets the lr schedule's length (see the constructor's ``num_rounds``)."""
+        """Flower's ``start``; ``num_rounds`` (after resumed rounds) sets the schedule too."""
         self.num_rounds = schedule_length(self._given_rounds, num_rounds, self.round_offset)
-        if train_config is not None and "lr" in train_config:
-            log(WARNING, "train_config['lr']=%s is replaced every round: the strategy's lr=%g "
-                "and its %s schedule set the lr each node gets.", train_config["lr"],
-                self.training.lr, self.lr_schedule)
+        caller_lr = train_config.get("lr") if train_config else None
+        self.training = replace(self.training, lr=base_lr(self._given_lr, caller_lr,
+                                                          self.lr_schedule))
         return super().start(grid, initial_arrays, self.num_rounds - self.round_offset,
                              timeout, train_config, evaluate_config, evaluate_fn)
 

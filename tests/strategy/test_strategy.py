@@ -90,7 +90,8 @@ LAYERS = ["body", "hidden"]
 def strategy(**kw: object) -> SpectralSharding:
     args: dict = dict(sharded_layers=LAYERS, num_rounds=4, method="collective", lr=0.05,
                       fraction_train=1.0, seed=7, query_timeout=5, node_wait_timeout=5,
-                      min_train_nodes=1, min_evaluate_nodes=1, min_available_nodes=1)
+                      min_train_nodes=1, min_evaluate_nodes=1, min_available_nodes=1,
+                      fraction_evaluate=0.0)
     args.update(kw)
     return SpectralSharding(**args)
 
