@@ -36,7 +36,8 @@ class Net(nn.Module):
 class Dicts(Dataset):
     def __init__(self, seed: int) -> None:
         g = torch.Generator().manual_seed(seed)
-        self.x, self.y = torch.randn(20, 1, 28, 28, generator=g), torch.randint(0, 10, (20,), generator=g)
+        self.x = torch.randn(20, 1, 28, 28, generator=g)
+        self.y = torch.randint(0, 10, (20,), generator=g)
 
     def __len__(self) -> int:
         return 20
