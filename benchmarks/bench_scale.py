@@ -66,7 +66,7 @@ def measure(num_nodes: int, sampled: int, rounds: int) -> dict[str, float]:
     strategy = SpectralSharding(
         sharded_layers=sharded_layer_names(net, example_input=torch.zeros(1, IN)),
         num_rounds=rounds, method="collective", fraction_train=sampled / num_nodes,
-        min_available_nodes=num_nodes, seed=0)
+        min_available_nodes=num_nodes, fraction_evaluate=0.0, seed=0)
     times: dict[int, float] = {}
     peaks: list[float] = []
 
@@ -91,7 +91,8 @@ def measure(num_nodes: int, sampled: int, rounds: int) -> dict[str, float]:
     result = strategy.start(grid=grid, initial_arrays=ArrayRecord(net.state_dict()),
                             num_rounds=rounds, timeout=600)
     wall = time.perf_counter() - t
-    used = [result.train_metrics_clientapp[r]["replies-used"] for r in range(1, rounds + 1)]
+    used = [strategy.history[r]["replies-used"] for r in range(1, rounds + 1)]
+    assert sorted(result.train_metrics_clientapp) == list(range(1, rounds + 1))
     assert all(u == sampled for u in used), used
     return {
         "first_round_server_s": times[1],

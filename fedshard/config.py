@@ -16,6 +16,7 @@ from typing import Any
 
 from fedshard.protocol.bounds import UPDATE_POLICIES
 from fedshard.sampling import SAMPLING_DESIGNS, SHARDING_METHODS
+from fedshard.schedule import LR_SCHEDULES
 from fedshard.spectral.aggregate import AGGREGATIONS
 
 __all__ = [
@@ -181,6 +182,8 @@ class RunConfig:
     trim_fraction: float = 0.1
     max_keep_ratio: float = 1.0
     keep_ratio_table: str = ""
+    lr_schedule: str = "cosine"
+    tensorboard: bool = False
 
     def __post_init__(self) -> None:
         problems = self._problems()
@@ -278,6 +281,8 @@ class RunConfig:
             v = getattr(self, name)
             need(math.isfinite(v) and v >= 0, f"{name.replace('_', '-')}={v}: expected ≥ 0")
         need(math.isfinite(self.lr) and self.lr > 0, f"lr={self.lr}: expected > 0")
+        need(self.lr_schedule in LR_SCHEDULES,
+             f"lr-schedule={self.lr_schedule!r}: expected one of {LR_SCHEDULES}")
         need(0 <= self.momentum < 1, f"momentum={self.momentum}: expected in [0, 1)")
         need(self.batch_size >= 1, f"batch-size={self.batch_size}: expected ≥ 1")
         need(self.local_epochs >= 1, f"local-epochs={self.local_epochs}: expected ≥ 1")

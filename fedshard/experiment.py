@@ -24,6 +24,7 @@ from fedshard.nodes import load_keep_ratio_table
 from fedshard.results import RunRecorder
 from fedshard.strategy import SpectralSharding
 from fedshard.task import build_model, example_input, resolve_device
+from fedshard.telemetry import TensorBoardLog
 from fedshard.training import evaluate
 
 __all__ = ["build_strategy", "central_evaluate_fn", "run_server"]
@@ -66,6 +67,7 @@ def build_strategy(cfg: RunConfig, model: nn.Module, device: str = "cpu") -> Spe
         max_keep_ratio=cfg.max_keep_ratio,
         keep_ratio_table=(load_keep_ratio_table(cfg.keep_ratio_table)
                           if cfg.keep_ratio_table else None),
+        lr_schedule=cfg.lr_schedule,
     )
 
 
@@ -148,6 +150,7 @@ def central_evaluate_fn(
     test = load_test_set(cfg.dataset, data_dir=cfg.data_dir or None,
                          max_examples=cfg.test_max_examples or None, download=cfg.download)
     loader = DataLoader(test, batch_size=256, shuffle=False)
+    board = TensorBoardLog(cfg.results_path / "tensorboard") if cfg.tensorboard else None
 
     def evaluate_fn(flower_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         server_round = flower_round + strategy.round_offset
@@ -163,6 +166,8 @@ def central_evaluate_fn(
             metrics.update({"test-loss": res.loss, "test-accuracy": res.accuracy,
                             "test-examples": float(res.num_examples)})
         recorder.record_round(server_round, metrics)
+        if board is not None:
+            board.write(server_round, metrics)
         if on_round is not None and server_round > 0:
             on_round(server_round, arrays)
         if not due:

@@ -11,10 +11,10 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from logging import ERROR, WARNING
+from logging import DEBUG, ERROR, INFO, WARNING
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import MessageType
 from flwr.common.logger import log
 
@@ -22,9 +22,21 @@ from fedshard import protocol as P
 from fedshard.sampling import plan_round
 from fedshard.spectral.aggregate import aggregate_state, check_aggregation
 from fedshard.spectral.decompose import LayerSpectrum, layer_spectrum
-from fedshard.telemetry import reply_metrics, send_metrics
+from fedshard.telemetry import one_line, reply_metrics, send_metrics
 
-__all__ = ["Aggregation", "RoundState", "shard_round"]
+__all__ = [
+    "NO_ROUND_TRAINED", "Aggregation", "MetricsAggrFn", "RoundState", "evaluate_messages",
+    "evaluate_round", "shard_round",
+]
+
+#: The ERROR a run logs when no round changed the model.
+NO_ROUND_TRAINED = (
+    "No round trained: no round of this run got a usable training reply, the model is the "
+    "initial one. Check the dropped-<reason> metrics and the warnings above (nodes without a "
+    "keep ratio, error replies, timeouts).")
+
+#: Flower's ``train_metrics_aggr_fn`` / ``evaluate_metrics_aggr_fn`` signature.
+MetricsAggrFn = Callable[[list[RecordDict], str], MetricRecord]
 
 
 @dataclass(frozen=True)
@@ -77,7 +89,9 @@ class RoundState:
             if isinstance(reply, str):
                 dropped[reply.split(":", 1)[0]] += 1
                 log(WARNING, "Round %d: dropping the reply of node %d (%s); it does not touch "
-                    "the global model.", self.server_round, node, reply)
+                    "the global model.", self.server_round, node, one_line(reply))
+                log(DEBUG, "Round %d, node %d, the full reason: %s", self.server_round, node,
+                    reply)
                 continue
             if reply.clipped:
                 log(WARNING, "Round %d: node %d changed %d factor column(s)/array(s) by more "
@@ -91,9 +105,11 @@ class RoundState:
             accepted.append(reply)
         return accepted, dropped, len(set(self.sent) - seen)
 
-    def finish(self, replies: Iterable[Message]) -> tuple[ArrayRecord | None, dict[str, float]]:
-        """Check the replies and aggregate the valid ones: the new model (``None``: keep the
-        old one, logged) and the round's metrics (sent, replies, losses, times)."""
+    def finish(self, replies: Iterable[Message], aggr_fn: MetricsAggrFn, weight_key: str,
+               ) -> tuple[ArrayRecord | None, MetricRecord | None, dict[str, float]]:
+        """Check, aggregate and report the replies: the new global arrays (``None``: keep the
+        old model, logged), the client-side metrics (``aggr_fn`` over the valid replies) and
+        the round's full metrics (the server's statistics and the client-side ones; logged)."""
         t0 = time.perf_counter()
         accepted, dropped, missing = self.collect(replies)
         new_arrays = self.aggregate(accepted) if accepted else None
@@ -103,7 +119,12 @@ class RoundState:
                 "missing); the global model is kept unchanged.", self.server_round,
                 len(accepted), sum(dropped.values()), missing)
         metrics["aggregate-s"] = time.perf_counter() - t0
-        return new_arrays, metrics
+        client = aggr_fn([_record(r.metrics, r.weight, weight_key) for r in accepted],
+                         weight_key) if accepted else None
+        metrics.update(_floats(client, weight_key))
+        log(INFO, "Round %d server metrics: %s", self.server_round,
+            ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+        return new_arrays, client, metrics
 
     def aggregate(self, accepted: Sequence[P.TrainReply]) -> ArrayRecord | None:
         """The new global model from the valid replies (:func:`aggregate_state`), or
@@ -168,6 +189,10 @@ def shard_round(
     metrics = send_metrics(arrays, sent, lr, (t0, t1, t2, time.perf_counter()))
     state = RoundState(server_round, arrays, spectra, sent, {**metrics, **plan.anme}, current,
                        messages, how if how is not None else Aggregation(), device)
+    log(INFO, "configure_train: round %d, %d nodes (keep ratios %s), lr=%.4g, svd %.2fs, "
+        "sampling %.2fs, packing %.2fs", server_round, len(messages),
+        dict(Counter(c.keep_ratio for c in nodes.values())), lr, metrics["svd-s"],
+        metrics["sampling-s"], metrics["pack-s"])
     return messages, state
 
 
@@ -178,3 +203,48 @@ def _weight(arrays: ArrayRecord, layer: str) -> np.ndarray:
                        "the state_dict of the model whose layer names were given as "
                        "sharded_layers.")
     return arrays[key].numpy()
+
+
+def evaluate_messages(server_round: int, nodes: Sequence[int], arrays: ArrayRecord,
+                      config: ConfigRecord) -> list[Message]:
+    """One ``evaluate`` message per node: the dense global ``arrays`` and a copy of
+    ``config`` with ``server-round`` (the caller's record is not modified)."""
+    messages = []
+    for node in nodes:
+        cfg = ConfigRecord(dict(config))
+        cfg["server-round"] = server_round
+        messages.append(Message(RecordDict({P.ARRAYS: arrays, P.CONFIG: cfg}),
+                                dst_node_id=node, message_type=MessageType.EVALUATE))
+    return messages
+
+
+def evaluate_round(server_round: int, replies: Iterable[Message], aggr_fn: MetricsAggrFn,
+                   weight_key: str) -> tuple[MetricRecord | None, dict[str, float]]:
+    """``aggr_fn`` over the valid evaluation replies (each invalid one logged in one line and
+    dropped) and the round's evaluation metrics for the history (with ``eval-nodes``)."""
+    records: list[RecordDict] = []
+    for msg in replies:
+        row = P.check_eval_reply(msg)
+        if isinstance(row, str):
+            log(WARNING, "Round %d: dropping the evaluation reply of node %d (%s).",
+                server_round, msg.metadata.src_node_id, one_line(row))
+            log(DEBUG, "Round %d, the full reason: %s", server_round, row)
+        else:
+            records.append(_record(row[1], row[0], weight_key))
+    if not records:
+        return None, {}
+    out = aggr_fn(records, weight_key)
+    return out, {**_floats(out, weight_key), "eval-nodes": float(len(records))}
+
+
+def _record(metrics: dict[str, float], weight: float, weight_key: str) -> RecordDict:
+    """A checked reply's metrics (finite scalars) and weight, as ``aggr_fn`` expects them."""
+    return RecordDict({P.METRICS: MetricRecord({**metrics, weight_key: weight})})
+
+
+def _floats(record: MetricRecord | None, weight_key: str) -> dict[str, float]:
+    """The scalar entries of ``record`` as floats, ``weight_key`` left out."""
+    if record is None:
+        return {}
+    return {k: float(v) for k, v in record.items()
+            if k != weight_key and isinstance(v, (int, float)) and not isinstance(v, bool)}

@@ -1,35 +1,28 @@
-"""``SpectralSharding``: the Flower (Message API) strategy of spectral model sharding.
-
-A thin strategy over parts with one concern each: :mod:`fedshard.nodes` (waiting for nodes,
-capabilities, seeded node sampling), :func:`fedshard.sampling.plan_round` (which terms each
-client gets and their ω), :mod:`fedshard.protocol` (the wire codec and reply checks) and
-:mod:`fedshard.spectral.aggregate` (per-term averaging and the rebuild of W).
-"""
+"""``SpectralSharding``, the Flower strategy: thin hooks over :mod:`fedshard.nodes`,
+:mod:`fedshard.rounds` (plan, protocol, aggregate) and :mod:`fedshard.schedule`."""
 
 from __future__ import annotations
 
 import sys
-from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from logging import ERROR, INFO, WARNING
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-from flwr.common import MessageType
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
 from fedshard import protocol as P
+from fedshard import rounds
 from fedshard.nodes import KeepRatioRules, NodeDirectory
 from fedshard.privacy import refuse_wrappers
-from fedshard.rounds import Aggregation, RoundState, shard_round
 from fedshard.sampling import SHARDING_METHODS, Stream, method_problems, stream_rng
-from fedshard.schedule import round_lr
+from fedshard.schedule import DEFAULT_LR, LR_SCHEDULES, base_lr, round_lr, schedule_length
 from fedshard.spectral import multipliers_can_compound, sharded_layer_names
-from fedshard.telemetry import eval_metrics, metric_record
+from fedshard.telemetry import mean_client_metrics
 
 __all__ = ["SHARDING_METHODS", "SpectralSharding"]
 
@@ -49,8 +42,9 @@ class SpectralSharding(FedAvg):
     sharded_layers : sequence of str
         Module names of the sharded ``Linear``/``Conv2d`` layers (their ``"<name>.weight"``
         arrays); :meth:`from_model` picks the paper's default (all but the first and last).
-    num_rounds : int
-        Number of server rounds; sets the cosine learning-rate schedule.
+    num_rounds : int, optional
+        Number of server rounds (the length of the lr schedule); give it here or to
+        :meth:`start` (once: both and different raise ``ValueError`` at ``start``).
     method : str
         ``"unbiased"`` (Theorem 1, ω = 1/π), ``"collective"`` (Theorem 2, C = group size),
         ``"top-n"`` (FedHM), ``"prism"`` (successive sampling ∝ λᵏ, ω = 1),
@@ -63,22 +57,26 @@ class SpectralSharding(FedAvg):
     prism_exponent : float or None
         PriSM's k; ``None`` = 4 if n/N ≤ 0.2 else 2.5.
     lr, local_epochs, batch_size, momentum, frobenius_decay, clip_lr_tau, weight_decay :
-        Local training (:class:`fedshard.protocol.TrainSettings`; ``clip_lr_tau=None``: off).
+        Local training (:class:`fedshard.protocol.TrainSettings`; ``clip_lr_tau=None``: off);
+        ``lr=None``: the ``train_config["lr"]`` given to :meth:`start`, else 0.05.
     seed : int
         Root of every random stream (:mod:`fedshard.sampling.streams`).
     query_timeout, node_wait_timeout : float
         Seconds to wait for capability answers, for nodes to connect (``None``: forever).
     fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes :
-        As in :class:`flwr.serverapp.strategy.FedAvg`.
-    max_update_ratio, update_policy, max_num_examples :
-        Reply bounds (:class:`fedshard.protocol.ReplyLimits`; ``max_update_ratio=0``: off).
-    aggregation, trim_fraction :
-        ``"mean"`` (the paper's), ``"median"`` or ``"trimmed-mean"``, per term over its holders.
-    max_keep_ratio, keep_ratio_table :
-        Node rules (:class:`fedshard.nodes.KeepRatioRules`): the largest keep ratio, and
-        node key or public key (hex) -> the only keep ratio that node may declare.
+        As in :class:`flwr.serverapp.strategy.FedAvg`, with its defaults.
+    max_update_ratio, update_policy, max_num_examples, aggregation, trim_fraction : optional
+        Reply bounds (:class:`fedshard.protocol.ReplyLimits`) and the per-term rule (``"mean"``,
+        ``"median"``, ``"trimmed-mean"``); see README's "Faults and attacks".
+    max_keep_ratio, keep_ratio_table : optional
+        Node rules (:class:`fedshard.nodes.KeepRatioRules`).
     device : str or None
         Where the SVD and the rebuild of W run (e.g. ``"cuda"``); ``None``: the CPU.
+    lr_schedule : str
+        ``"cosine"`` (the paper's, over ``num_rounds``) or ``"constant"``.
+    train_metrics_aggr_fn, evaluate_metrics_aggr_fn : callable, optional
+        As in ``FedAvg``; default: every numeric client metric's weighted mean. Only these go
+        to Flower; the server's statistics are logged and kept with them in :attr:`history`.
 
     Notes
     -----
@@ -91,12 +89,12 @@ class SpectralSharding(FedAvg):
         self,
         *,
         sharded_layers: Sequence[str],
-        num_rounds: int,
+        num_rounds: int | None = None,
         method: str = "collective",
         design: str = "cps",
         scaled: bool = False,
         prism_exponent: float | None = None,
-        lr: float = 0.05,
+        lr: float | None = None,
         local_epochs: int = 1,
         batch_size: int = 32,
         momentum: float = 0.9,
@@ -107,10 +105,10 @@ class SpectralSharding(FedAvg):
         query_timeout: float = 600.0,
         node_wait_timeout: float | None = 600.0,
         fraction_train: float = 1.0,
-        fraction_evaluate: float = 0.0,
-        min_train_nodes: int = 1,
-        min_evaluate_nodes: int = 1,
-        min_available_nodes: int = 1,
+        fraction_evaluate: float = 1.0,
+        min_train_nodes: int = 2,
+        min_evaluate_nodes: int = 2,
+        min_available_nodes: int = 2,
         max_update_ratio: float = 10.0,
         update_policy: str = "clip",
         max_num_examples: int | None = None,
@@ -119,52 +117,54 @@ class SpectralSharding(FedAvg):
         max_keep_ratio: float = 1.0,
         keep_ratio_table: Mapping[str, float] | None = None,
         device: str | None = None,
+        lr_schedule: str = "cosine",
+        train_metrics_aggr_fn: rounds.MetricsAggrFn | None = None,
+        evaluate_metrics_aggr_fn: rounds.MetricsAggrFn | None = None,
     ) -> None:
         super().__init__(
             fraction_train=fraction_train, fraction_evaluate=fraction_evaluate,
             min_train_nodes=min_train_nodes, min_evaluate_nodes=min_evaluate_nodes,
             min_available_nodes=min_available_nodes, weighted_by_key=P.NUM_EXAMPLES,
             arrayrecord_key=P.ARRAYS, configrecord_key=P.CONFIG,
+            train_metrics_aggr_fn=train_metrics_aggr_fn or mean_client_metrics,
+            evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn or mean_client_metrics,
         )
-        problems = method_problems(method, design, scaled, prism_exponent)
-        if clip_lr_tau is not None and not clip_lr_tau >= 1:
-            problems.append(f"clip_lr_tau={clip_lr_tau}: expected τ ≥ 1 or None (off)")
-        if num_rounds < 1:
-            problems.append(f"num_rounds={num_rounds}: expected ≥ 1")
-        if not lr > 0:
-            problems.append(f"lr={lr}: expected > 0")
-        if len(set(sharded_layers)) != len(sharded_layers):
-            problems.append(f"sharded_layers={list(sharded_layers)}: names repeat")
+        problems = method_problems(method, design, scaled, prism_exponent) + [msg for bad, msg in (
+            (clip_lr_tau is not None and not clip_lr_tau >= 1,
+             f"clip_lr_tau={clip_lr_tau}: expected τ ≥ 1 or None (off)"),
+            (num_rounds is not None and num_rounds < 1, f"num_rounds={num_rounds}: expected ≥ 1"),
+            (lr_schedule not in LR_SCHEDULES, f"lr_schedule={lr_schedule!r}: expected one of "
+             f"{LR_SCHEDULES}"), (lr is not None and not lr > 0, f"lr={lr}: expected > 0"),
+            (len(set(sharded_layers)) != len(sharded_layers),
+             f"sharded_layers={list(sharded_layers)}: names repeat")) if bad]
         if problems:
             raise ValueError("SpectralSharding: " + "; ".join(problems))
         self.sharded_layers = tuple(sharded_layers) if method != "none" else ()
-        self.num_rounds = num_rounds
-        self.method, self.design, self.scaled = method, design, scaled
-        self.prism_exponent = prism_exponent
-        self.seed = seed
-        self.device = device
+        # num_rounds: the schedule's length, set by start() from the one given (see start).
+        self.num_rounds, self.lr_schedule, self._given_rounds = num_rounds, lr_schedule, num_rounds
+        self.method, self.design, self.scaled, self._given_lr = method, design, scaled, lr
+        self.prism_exponent, self.seed, self.device = prism_exponent, seed, device
         # The settings every node gets; round, lr, keep ratio and seed are set per node.
         self.training = P.TrainSettings(
-            server_round=0, lr=lr, local_epochs=local_epochs, batch_size=batch_size,
+            server_round=0, lr=lr or DEFAULT_LR, local_epochs=local_epochs, batch_size=batch_size,
             momentum=momentum, frobenius_decay=frobenius_decay, clip_lr_tau=clip_lr_tau,
             weight_decay=weight_decay, keep_ratio=1.0, train_seed=0, method=method)
         self.nodes = NodeDirectory(seed=seed, min_available_nodes=min_available_nodes,
-                                   query_timeout=query_timeout,
-                                   node_wait_timeout=node_wait_timeout,
+                                   query_timeout=query_timeout, node_wait_timeout=node_wait_timeout,
                                    rules=KeepRatioRules(max_keep_ratio, keep_ratio_table))
-        self.how = Aggregation(P.ReplyLimits(max_update_ratio, update_policy, max_num_examples),
-                               aggregation, trim_fraction)
+        limits = P.ReplyLimits(max_update_ratio, update_policy, max_num_examples)
+        self.how = rounds.Aggregation(limits, aggregation, trim_fraction)
         self.rounds_trained = 0  # rounds whose aggregate replaced the global model
-        # server_round -> the round's training metrics (also returned to Flower per round).
+        # server_round -> the round's metrics (server statistics and client aggregates).
         self.history: dict[int, dict[str, float]] = {}
         # Rounds already completed before this start() (a resumed run): Flower's round r is
         # this run's round r + round_offset, for the schedule, the random streams and history.
         self.round_offset = 0
-        self._round: RoundState | None = None
+        self._round: rounds.RoundState | None = None
 
     @property
     def capabilities(self) -> dict[int, P.Capabilities]:
-        """node id -> what it declared (the cache of :class:`~fedshard.nodes.NodeDirectory`)."""
+        """node id -> what it declared (:class:`~fedshard.nodes.NodeDirectory`'s cache)."""
         return self.nodes.capabilities
 
     @classmethod
@@ -191,17 +191,16 @@ class SpectralSharding(FedAvg):
         Call ``start(initial_arrays=<checkpoint arrays>, num_rounds=num_rounds -
         completed_rounds)`` afterwards; every random stream continues as if uninterrupted.
         """
-        if not 0 <= completed_rounds < self.num_rounds:
+        if not 0 <= completed_rounds < (self._given_rounds or completed_rounds + 1):
             raise ValueError(f"completed_rounds={completed_rounds}: expected in "
-                             f"[0, num_rounds={self.num_rounds})")
+                             f"[0, num_rounds={self._given_rounds})")
         self.round_offset = completed_rounds
         self.nodes.capabilities = {n: P.Capabilities(r, k) for n, (r, k) in capabilities.items()}
         self.history = {int(r): dict(m) for r, m in history.items()}
         self.rounds_trained = int(max([0, *(m.get("rounds-trained", 0) for m in history.values())]))
 
     def capability_table(self) -> dict[int, tuple[float, str]]:
-        """The capability cache as plain values (for checkpoints)."""
-        return {n: (c.keep_ratio, c.key) for n, c in self.capabilities.items()}
+        return {n: (c.keep_ratio, c.key) for n, c in self.capabilities.items()}  # checkpoints
 
     def summary(self) -> None:
         """Log the configuration."""
@@ -210,21 +209,28 @@ class SpectralSharding(FedAvg):
             self.design, self.scaled)
         log(INFO, "\t│\t├── sharded layers (%d): %s", len(self.sharded_layers),
             ", ".join(self.sharded_layers))
-        log(INFO, "\t│\t└── lr=%g (cosine over %d rounds), local epochs=%d, batch=%d, "
-            "momentum=%g, FD=%g, ClipLR τ=%s", t.lr, self.num_rounds, t.local_epochs,
-            t.batch_size, t.momentum, t.frobenius_decay, t.clip_lr_tau)
+        log(INFO, "\t│\t└── lr=%g (%s over %s rounds), local epochs=%d, batch=%d, "
+            "momentum=%g, FD=%g, ClipLR τ=%s", t.lr, self.lr_schedule, self.num_rounds,
+            t.local_epochs, t.batch_size, t.momentum, t.frobenius_decay, t.clip_lr_tau)
         super().summary()
 
-    def start(self, *args: Any, **kwargs: Any) -> Result:
-        """Flower's ``Strategy.start``; ends with an ERROR if no round changed the model."""
-        result = super().start(*args, **kwargs)
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int | None = None,
+              timeout: float = 3600, train_config: ConfigRecord | None = None,
+              evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+              ) -> Result:
+        """Flower's ``start``; ``num_rounds`` (after resumed rounds) sets the schedule too.
+        Ends with an ERROR in the log if no round changed the model."""
+        self.num_rounds = schedule_length(self._given_rounds, num_rounds, self.round_offset)
+        caller_lr = train_config.get("lr") if train_config else None
+        self.training = replace(self.training, lr=base_lr(self._given_lr, caller_lr,
+                                                          self.lr_schedule))
+        result = super().start(grid, initial_arrays, self.num_rounds - self.round_offset,
+                               timeout, train_config, evaluate_config, evaluate_fn)
         if self.rounds_trained == 0:
-            log(ERROR, "No round trained: no round of this run got a usable training reply, "
-                "the model is the initial one. Check the dropped-<reason> metrics and the "
-                "warnings above (nodes without a keep ratio, error replies, timeouts).")
+            log(ERROR, rounds.NO_ROUND_TRAINED)
         return result
 
-    # ------------------------------------------------------------------ train
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
@@ -236,20 +242,16 @@ class SpectralSharding(FedAvg):
             return []
         nodes = self.nodes.sample(grid, server_round, self.fraction_train, self.min_train_nodes)
         if not nodes:
-            log(WARNING, "Round %d: no connected node declared a keep ratio; no training this "
-                "round.", server_round)
+            log(WARNING, "Round %d: no connected node declared a keep ratio; no training.",
+                server_round)
             return []
-        lr = round_lr("cosine", self.training.lr, server_round, self.num_rounds)
-        messages, self._round = shard_round(
+        lr = round_lr(self.lr_schedule, self.training.lr, server_round,
+                      self.num_rounds or server_round)
+        messages, self._round = rounds.shard_round(
             server_round, arrays, self.sharded_layers, nodes,
             lambda node: self._settings(server_round, node, lr), config, lr=lr,
             method=self.method, design=self.design, seed=self.seed, scaled=self.scaled,
             prism_exponent=self.prism_exponent, how=self.how, device=self.device)
-        m = self._round.metrics
-        log(INFO, "configure_train: round %d, %d nodes (keep ratios %s), lr=%.4g, svd %.2fs, "
-            "sampling %.2fs, packing %.2fs", server_round, len(messages),
-            dict(Counter(c.keep_ratio for c in nodes.values())), lr, m["svd-s"],
-            m["sampling-s"], m["pack-s"])
         return messages
 
     def _settings(self, server_round: int, node: P.Capabilities, lr: float) -> P.TrainSettings:
@@ -265,15 +267,15 @@ class SpectralSharding(FedAvg):
         state = self._round
         if state is None or state.server_round != server_round:
             return None, None
-        new_arrays, metrics = state.finish(replies)
+        new_arrays, client, metrics = state.finish(replies, self.train_metrics_aggr_fn,
+                                                   self.weighted_by_key)
         if new_arrays is not None:
             self._round = None
             self.rounds_trained += 1
         metrics["rounds-trained"] = float(self.rounds_trained)
         self.history[server_round] = metrics
-        return new_arrays, metric_record(metrics)
+        return new_arrays, client
 
-    # ------------------------------------------------------------------ evaluate
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
@@ -283,18 +285,15 @@ class SpectralSharding(FedAvg):
             return []
         nodes = self.nodes.sample(grid, server_round, self.fraction_evaluate,
                                   self.min_evaluate_nodes)
-        messages = []
-        for node in nodes:
-            cfg = ConfigRecord(dict(config))
-            cfg["server-round"] = server_round
-            messages.append(Message(RecordDict({P.ARRAYS: arrays, P.CONFIG: cfg}),
-                                    dst_node_id=node, message_type=MessageType.EVALUATE))
-        return messages
+        return rounds.evaluate_messages(server_round, list(nodes), arrays, config)
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
-        """Weighted mean of valid evaluation replies; invalid ones are logged and dropped."""
+        """``evaluate_metrics_aggr_fn`` over the valid evaluation replies (invalid ones are
+        logged in one line and dropped); the aggregate and ``eval-nodes`` go to :attr:`history`."""
         server_round += self.round_offset
-        out = eval_metrics(server_round, replies)
-        return metric_record(out) if out is not None else None
+        out, row = rounds.evaluate_round(server_round, replies, self.evaluate_metrics_aggr_fn,
+                                  self.weighted_by_key)
+        self.history.setdefault(server_round, {}).update(row)
+        return out

@@ -6,18 +6,21 @@ change them only together.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
-from collections.abc import Iterable, Sequence
-from logging import WARNING
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, Message, MetricRecord
-from flwr.common.logger import log
+from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
 from fedshard import protocol as P
 
-__all__ = ["eval_metrics", "metric_record", "reply_metrics", "send_metrics", "weighted_means"]
+__all__ = [
+    "TensorBoardLog", "mean_client_metrics", "metric_record", "one_line", "reply_metrics",
+    "send_metrics", "weighted_means",
+]
 
 
 def send_metrics(arrays: ArrayRecord, sent: dict[int, P.SentShard], lr: float,
@@ -84,19 +87,77 @@ def metric_record(values: dict[str, float]) -> MetricRecord:
     return MetricRecord(data)
 
 
-def eval_metrics(server_round: int, replies: Iterable[Message]) -> dict[str, float] | None:
-    """The weighted means of the valid evaluation replies (invalid ones logged and dropped;
-    non-scalar or non-finite metric values are left out), or ``None`` if none is valid."""
-    rows: list[tuple[float, Any]] = []
-    for msg in replies:
-        row = P.check_eval_reply(msg)
-        if isinstance(row, str):
-            log(WARNING, "Round %d: dropping the evaluation reply of node %d (%s).",
-                server_round, msg.metadata.src_node_id, row)
-        else:
-            rows.append(row)
-    if not rows:
-        return None
-    out = {P.NUM_EXAMPLES: sum(w for w, _ in rows), "eval-nodes": float(len(rows))}
-    out.update(weighted_means(rows, (P.EVAL_LOSS, P.EVAL_ACCURACY)))
-    return out
+def mean_client_metrics(records: list[RecordDict], weight_key: str) -> MetricRecord:
+    """The default ``*_metrics_aggr_fn``: per metric name, the ``weight_key``-weighted mean of
+    every numeric scalar over the replies that report it; ``weight_key`` itself is summed.
+
+    Same signature as Flower's ``aggregate_metricrecords`` (``FedAvg``'s default), but the
+    replies need not report the same names, and lists and non-finite values are left out.
+    """
+    rows: list[tuple[float, dict[str, float]]] = []
+    for record in records:
+        values: dict[str, float] = {}
+        for metrics in record.metric_records.values():
+            values.update({k: float(v) for k, v in metrics.items()
+                           if isinstance(v, (int, float)) and not isinstance(v, bool)
+                           and math.isfinite(v)})
+        weight = values.pop(weight_key, 0.0)
+        if weight > 0:
+            rows.append((weight, values))
+    names = sorted({k for _, values in rows for k in values})
+    out = weighted_means(rows, names)
+    out[weight_key] = sum(w for w, _ in rows)
+    return metric_record(out)
+
+
+def one_line(reason: str, limit: int = 300) -> str:
+    """One line of an error reason for a log: the exception's message where ``reason`` holds a
+    (Ray) traceback, else its first non-empty line; at most ``limit`` characters."""
+    lines = [line.strip() for line in reason.splitlines() if line.strip()]
+    if not lines:
+        return ""
+    marked = [line.rpartition("Message: ")[2] for line in lines if "Message: " in line]
+    if marked:
+        line = marked[-1]
+    elif lines[0].startswith("Traceback") or any("Traceback (most" in x for x in lines):
+        line = lines[-1]
+    else:
+        line = lines[0]
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+class TensorBoardLog:
+    """Per-round metrics as TensorBoard scalars (``torch.utils.tensorboard.SummaryWriter``).
+
+    Parameters
+    ----------
+    directory : str or Path
+        Where the event files are written (local files only).
+
+    Raises
+    ------
+    ImportError
+        If the ``tensorboard`` package is not installed (``pip install tensorboard``).
+    """
+
+    def __init__(self, directory: str | Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as err:
+            raise ImportError(
+                "TensorBoard logging was asked for (tensorboard=true) but the 'tensorboard' "
+                "package is not installed; install it (pip install tensorboard) or set "
+                "tensorboard=false. No round was started.") from err
+        self.directory = Path(directory)
+        self.writer = SummaryWriter(log_dir=str(self.directory))
+
+    def write(self, server_round: int, metrics: Mapping[str, float]) -> None:
+        """Add every finite scalar of ``metrics`` at step ``server_round`` and flush."""
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self.writer.add_scalar(key, float(value), global_step=server_round)
+        self.writer.flush()
+
+    def close(self) -> None:
+        """Close the event file."""
+        self.writer.close()

@@ -70,7 +70,8 @@ def grid(n: int = 3, ratio: float = 0.5, **extra: object) -> InProcessGrid:
 
 def strategy(**kw: object) -> SpectralSharding:
     args: dict = dict(sharded_layers=LAYERS, num_rounds=3, lr=0.05, fraction_train=1.0, seed=3,
-                      query_timeout=5, node_wait_timeout=5)
+                      query_timeout=5, node_wait_timeout=5, fraction_evaluate=0.0,
+                      min_train_nodes=1, min_evaluate_nodes=1, min_available_nodes=1)
     args.update(kw)
     return SpectralSharding(**args)
 
@@ -81,9 +82,11 @@ def initial() -> ArrayRecord:
 
 def one_round(s: SpectralSharding, g: InProcessGrid, server_round: int = 1,
               arrays: ArrayRecord | None = None) -> tuple[ArrayRecord | None, dict[str, float]]:
+    """One training round; the new arrays and the round's full metrics (the server's
+    statistics live in ``history``; Flower gets only the client-side aggregates)."""
     msgs = list(s.configure_train(server_round, arrays or initial(), ConfigRecord(), g))
-    new, metrics = s.aggregate_train(server_round, g.send_and_receive(msgs))
-    return new, dict(metrics or {})
+    new, _ = s.aggregate_train(server_round, g.send_and_receive(msgs))
+    return new, dict(s.history.get(server_round + s.round_offset, {}))
 
 
 def scale_arrays(factor: float, keys: Callable[[str], bool] = lambda k: True

@@ -89,7 +89,9 @@ LAYERS = ["body", "hidden"]
 
 def strategy(**kw: object) -> SpectralSharding:
     args: dict = dict(sharded_layers=LAYERS, num_rounds=4, method="collective", lr=0.05,
-                      fraction_train=1.0, seed=7, query_timeout=5, node_wait_timeout=5)
+                      fraction_train=1.0, seed=7, query_timeout=5, node_wait_timeout=5,
+                      min_train_nodes=1, min_evaluate_nodes=1, min_available_nodes=1,
+                      fraction_evaluate=0.0)
     args.update(kw)
     return SpectralSharding(**args)
 
@@ -188,7 +190,8 @@ def test_aggregation_matches_hand_computation() -> None:
     arrays = initial()
     msgs = list(s.configure_train(1, arrays, ConfigRecord(), grid))
     replies = grid.send_and_receive(msgs)
-    new, metrics = s.aggregate_train(1, replies)
+    new, _ = s.aggregate_train(1, replies)
+    metrics = s.history[1]
     assert new is not None and metrics is not None
     D = {1000: 10.0, 1001: 20.0, 1002: 30.0}
     sent = {m.metadata.dst_node_id: m.content[P.ARRAYS] for m in msgs}
@@ -279,9 +282,12 @@ TAMPERS = {
 
 
 def _run_round(grid: InProcessGrid, s: SpectralSharding
-               ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+               ) -> tuple[ArrayRecord | None, dict[str, float] | None]:
+    """One round by hand: the new arrays and the round's metrics (server statistics and
+    client aggregates, ``s.history``)."""
     msgs = list(s.configure_train(1, initial(), ConfigRecord(), grid))
-    return s.aggregate_train(1, grid.send_and_receive(msgs))
+    new, _ = s.aggregate_train(1, grid.send_and_receive(msgs))
+    return new, s.history.get(1)
 
 
 @pytest.mark.parametrize("name", sorted(TAMPERS))
@@ -323,7 +329,7 @@ def test_error_reply_and_silent_node() -> None:
 def test_all_nodes_fail_keeps_model_unchanged() -> None:
     grid = grid_with([0.5, 0.25])
     grid.silent.update({1000, 1001})
-    s = strategy()
+    s = strategy(num_rounds=2)
     arrays = initial()
     before = weights(arrays)
     seen: list[dict[str, np.ndarray]] = []
@@ -338,7 +344,8 @@ def test_all_nodes_fail_keeps_model_unchanged() -> None:
     for state in seen:  # the global model after rounds 0, 1, 2: bitwise the initial one
         for k, v in before.items():
             np.testing.assert_array_equal(state[k], v)
-    assert result.train_metrics_clientapp[2]["replies-missing"] == 2
+    assert 2 not in result.train_metrics_clientapp  # no client metrics without a valid reply
+    assert s.history[2]["replies-missing"] == 2
 
 
 def test_node_without_capability_is_skipped_then_asked_again(caplog) -> None:
@@ -378,7 +385,8 @@ def test_round_trip_with_zero_learning_rate_is_identity(method: str, design: str
     grid = grid_with([0.25, 0.25, 0.5, 1.0])
     arrays = initial()
     msgs = list(s.configure_train(1, arrays, ConfigRecord(), grid))
-    new, metrics = s.aggregate_train(1, grid.send_and_receive(msgs))
+    new, _ = s.aggregate_train(1, grid.send_and_receive(msgs))
+    metrics = s.history[1]
     assert new is not None and metrics is not None and metrics["replies-used"] == 4
     for key, arr in arrays.items():
         np.testing.assert_allclose(new[key].numpy(), arr.numpy(), rtol=0, atol=2e-6,
@@ -424,7 +432,10 @@ def test_start_runs_rounds_with_metrics_and_central_evaluation() -> None:
     result = s.start(grid=grid, initial_arrays=initial(), num_rounds=2, timeout=5,
                      evaluate_fn=evaluate_fn)
     assert seen == [0, 1, 2]
-    m = result.train_metrics_clientapp[2]
+    # Flower's "ClientApp-side" train metrics: only what the clients reported, aggregated
+    assert set(result.train_metrics_clientapp[2]) == {"train-loss", "train-accuracy",
+                                                      P.NUM_EXAMPLES}
+    m = s.history[2]  # the server's statistics and the client aggregates
     for key in ("train-loss", "anme", "svd-s", "sampling-s", "pack-s", "aggregate-s",
                 "bytes-sent-ratio-mean", "bytes-received-ratio-mean", "bytes-sent-ratio-r0.25"):
         assert key in m, key
@@ -540,7 +551,7 @@ def test_client_side_evaluation_of_the_dense_model() -> None:
     s = strategy(num_rounds=1, fraction_evaluate=1.0)
     result = s.start(grid=grid, initial_arrays=initial(), num_rounds=1, timeout=5)
     m = result.evaluate_metrics_clientapp[1]
-    assert m["eval-nodes"] == 2 and m[P.NUM_EXAMPLES] == 48
+    assert s.history[1]["eval-nodes"] == 2 and m[P.NUM_EXAMPLES] == 48
     # independent check: evaluate the final model on the two nodes' data by hand
     net = make_net()
     net.load_state_dict(result.arrays.to_torch_state_dict())

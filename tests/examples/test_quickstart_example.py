@@ -1,0 +1,108 @@
+"""examples/quickstart-pytorch/after: 2 rounds on 4 simulated nodes (in-process grid) at the
+project's own lr, on local Fashion-MNIST; accuracy improves. And a flwr-datasets partitioner
+over the same local files feeding dict samples to handle_train."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flower_grid import InProcessGrid
+from flwr.app import Context, RecordDict
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "quickstart-pytorch" / "after"
+FMNIST = Path("/usr/share/datasets/fashion-mnist")
+pytestmark = pytest.mark.skipif(not (FMNIST / "t10k-labels-idx1-ubyte.gz").exists(),
+                                reason=f"Fashion-MNIST idx files not in {FMNIST}")
+
+
+@pytest.fixture
+def example(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):  # type: ignore[no-untyped-def]
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    for name in [m for m in sys.modules if m.startswith("pytorchexample")]:
+        monkeypatch.delitem(sys.modules, name)
+    task = importlib.import_module("pytorchexample.task")
+    monkeypatch.setattr(task, "MAX_EXAMPLES", 6000)
+    monkeypatch.chdir(tmp_path)
+    return task
+
+
+def test_after_example_trains_two_rounds_at_the_projects_lr(example) -> None:  # type: ignore[no-untyped-def]
+    import tomllib
+
+    client = importlib.import_module("pytorchexample.client_app")
+    server = importlib.import_module("pytorchexample.server_app")
+    run_config = tomllib.loads((EXAMPLE / "pyproject.toml").read_text())["tool"]["flwr"]["app"][
+        "config"]
+    run_config["num-server-rounds"] = 2
+    assert run_config["lr"] == 0.01  # the project's own learning rate, unchanged
+    grid = InProcessGrid(client.app, [{"partition-id": i, "num-partitions": 4} for i in range(4)],
+                         run_config=run_config)
+    torch.manual_seed(0)
+    initial = example.Net()
+    torch.manual_seed(0)
+    server.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                              run_config=run_config))
+    final = example.Net()
+    final.load_state_dict(torch.load("final_model.pt"))
+    test = example.load_centralized_dataset(2000)
+    _, acc0 = example.test(initial, test, "cpu")
+    _, acc2 = example.test(final, test, "cpu")
+    assert acc2 > acc0 + 0.2, (acc0, acc2)
+
+
+def test_flwr_datasets_partitioner_over_local_files() -> None:
+    datasets = pytest.importorskip("datasets", reason="flwr-datasets extra not installed")
+    partitioner_mod = pytest.importorskip("flwr_datasets.partitioner",
+                                          reason="flwr-datasets extra not installed")
+    import gzip
+
+    from flwr.app import ArrayRecord, ConfigRecord, Message
+    from flwr.clientapp import ClientApp
+    from torch import nn
+    from torch.utils.data import DataLoader
+
+    from fedshard import protocol as P
+    from fedshard.client import handle_query, handle_train
+    from fedshard.strategy import SpectralSharding
+
+    with gzip.open(FMNIST / "t10k-images-idx3-ubyte.gz") as f:
+        images = np.frombuffer(f.read(), np.uint8, offset=16).reshape(-1, 28, 28)[:400]
+    with gzip.open(FMNIST / "t10k-labels-idx1-ubyte.gz") as f:
+        labels = np.frombuffer(f.read(), np.uint8, offset=8)[:400]
+    ds = datasets.Dataset.from_dict({"image": list(images), "label": labels.astype(np.int64)})
+    part = partitioner_mod.IidPartitioner(num_partitions=4)
+    part.dataset = ds
+
+    def to_tensors(batch: dict) -> dict:
+        batch["image"] = [torch.tensor(np.asarray(x), dtype=torch.float32)[None] / 255
+                          for x in batch["image"]]
+        return batch
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Flatten(), nn.Linear(784, 32), nn.ReLU(), nn.Linear(32, 16),
+                             nn.ReLU(), nn.Linear(16, 10))
+
+    app = ClientApp()
+
+    @app.query()
+    def _q(msg: Message, context: Context) -> Message:
+        return handle_query(msg, 0.5)
+
+    @app.train()
+    def _t(msg: Message, context: Context) -> Message:
+        p = part.load_partition(int(context.node_config["partition-id"]))
+        loader = DataLoader(p.with_transform(to_tensors), batch_size=20, shuffle=True)
+        return handle_train(msg, model(), loader)
+
+    grid = InProcessGrid(app, [{"partition-id": i} for i in range(4)])
+    s = SpectralSharding.from_model(model(), lr=0.01, fraction_evaluate=0.0)
+    result = s.start(grid=grid, initial_arrays=ArrayRecord(model().state_dict()), num_rounds=1,
+                     train_config=ConfigRecord())
+    assert s.history[1]["replies-used"] == 4
+    assert result.train_metrics_clientapp[1][P.NUM_EXAMPLES] == 400
