@@ -32,7 +32,8 @@ def query(msg: Message, context: Context) -> Message:
 def train(msg: Message, context: Context) -> Message:
     cfg, pid, num = _node(context)
     return handle_train(msg, build_model(cfg), client_dataset(cfg, pid, num),
-                        device=resolve_device(cfg.client_device))
+                        device=resolve_device(cfg.client_device),
+                        train_options={"compile": cfg.compile, "cuda_graph": cfg.cuda_graph})
 
 
 @app.evaluate()

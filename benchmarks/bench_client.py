@@ -69,10 +69,11 @@ from fedshard.spectral import (
 from fedshard.training import TrainConfig, TrainStep, train
 
 
-def config(device: str, channels_last: bool, compile: bool = False) -> TrainConfig:
+def config(device: str, channels_last: bool, compile: bool = False,
+           cuda_graph: bool = False) -> TrainConfig:
     return TrainConfig(
         epochs=1, lr=0.01, log_every_epoch=False, seed=0, device=device,
-        channels_last=channels_last, compile=compile,
+        channels_last=channels_last, compile=compile, cuda_graph=cuda_graph,
     )
 
 
@@ -260,6 +261,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--channels-last", action="store_true", help="TrainConfig.channels_last")
     ap.add_argument("--compile", action="store_true", help="also time TrainConfig.compile=True")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="also time TrainConfig.cuda_graph=True (CUDA only)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration")
     ap.add_argument("--quick", action="store_true", help="time the steps only")
     ap.add_argument("--rss-worker", default=None, help=argparse.SUPPRESS)
@@ -284,6 +287,8 @@ def main() -> None:
     modes: dict[str, tuple[type, TrainConfig]] = {"fedshard": (TrainStep, cfg)}
     if args.compile:
         modes["compiled"] = (TrainStep, cfg_compiled)
+    if args.cuda_graph:
+        modes["graph"] = (TrainStep, config(args.device, args.channels_last, cuda_graph=True))
     modes["plain"] = (PlainStep, cfg)
     steps = {
         f"{mode}/{key}": make(prepare(m, c), c)
@@ -304,6 +309,11 @@ def main() -> None:
                 if key != "dense":
                     quick[f"{prefix}step_time_ratio_{key}"] = round(
                         step_ms[mode][key] / step_ms[mode]["dense"], 4)
+        if "graph" in modes:  # the graphed sub-model against the eager dense step
+            for key in configs:
+                if key != "dense":
+                    quick[f"graph_vs_eager_dense_{key}"] = round(
+                        step_ms["graph"][key] / step_ms["fedshard"]["dense"], 4)
         quick["step_time_ms"] = step_ms
         quick["setup"] = setup(args, device)
         print(json.dumps(quick, indent=1))

@@ -18,7 +18,8 @@ wall time of a 1,000-round cell, ``bare_s_per_round`` and ``flower_overhead_rati
 (fedshard − bare) / bare. ``--quick`` runs a reduced size (width 16, 100 images per client,
 1 epoch) for a CPU.
 
-Usage: ``python benchmarks/bench_simulation.py [--device auto|cpu|cuda] [--quick] [--rounds 3]``
+Usage: ``python benchmarks/bench_simulation.py [--device auto|cpu|cuda] [--quick] [--rounds 3]
+[--cuda-graph]``
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--clients", type=int, default=10)
     ap.add_argument("--keep-ratio", type=float, default=0.1)
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="clients capture their training step as a CUDA graph (both ways)")
     args = ap.parse_args()
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" \
         else args.device
@@ -93,7 +96,8 @@ def main() -> None:
         pid = context.node_config["partition-id"]
         if msg.metadata.message_type == "query":
             return handle_query(msg, args.keep_ratio, pid)
-        return handle_train(msg, model(), data[pid], device=device)
+        return handle_train(msg, model(), data[pid], device=device,
+                            train_options={"cuda_graph": args.cuda_graph})
 
     grid = InProcessGrid(client, [{"partition-id": i} for i in range(args.clients)])
     net = model()
@@ -143,7 +147,7 @@ def main() -> None:
                 epochs=s.local_epochs, lr=s.lr, momentum=s.momentum,
                 frobenius_decay=s.frobenius_decay, clip_tau=s.clip_lr_tau,
                 weight_decay=s.weight_decay, device=device, seed=s.train_seed,
-                log_every_epoch=False))
+                log_every_epoch=False, cuda_graph=args.cuda_graph))
         sync(device)
         bare.append(time.perf_counter() - t0)
 
@@ -155,7 +159,7 @@ def main() -> None:
         "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
         "shape": {"clients": args.clients, "examples_per_client": examples, "epochs": epochs,
                   "batch": 32, "resnet18_width": width, "keep_ratio": args.keep_ratio,
-                  "method": "collective"},
+                  "method": "collective", "cuda_graph": args.cuda_graph},
         "round_s": [round(x, 3) for x in rounds],
         "s_per_round": round(s_round, 3),
         "projected_1000_rounds_min": round(1000 * s_round / 60, 1),

@@ -382,6 +382,7 @@ def handle_train(
     device: str = "cpu",
     input_key: str | None = None,
     target_key: str = DEFAULT_TARGET_KEY,
+    train_options: Mapping[str, Any] | None = None,
 ) -> Message:
     """Train the received shard of ``model`` with fedshard's loop; reply with the factors.
 
@@ -399,6 +400,9 @@ def handle_train(
         Where to train.
     input_key, target_key : str
         Keys of dict samples.
+    train_options : mapping, optional
+        This node's own :class:`~fedshard.training.TrainConfig` fields, e.g. ``compile``,
+        ``cuda_graph``, ``channels_last`` (speed only); they replace the fields they name.
 
     Returns
     -------
@@ -408,7 +412,7 @@ def handle_train(
     shard = receive(msg, model, device=device)
     s = shard.settings
     loader = _loader(data, s.batch_size, s.train_seed, input_key, target_key)
-    result = train(shard.model, loader, shard.train_config())
+    result = train(shard.model, loader, shard.train_config(**dict(train_options or {})))
     return shard.reply(result.num_examples,
                        {P.TRAIN_LOSS: result.loss, P.TRAIN_ACCURACY: result.accuracy})
 

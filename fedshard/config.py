@@ -173,6 +173,8 @@ class RunConfig:
     run_name: str = ""
     resume: bool = False
     client_device: str = "auto"
+    compile: bool = False
+    cuda_graph: bool = False
     server_device: str = "auto"
     overwrite: bool = False
     max_update_ratio: float = 10.0

@@ -349,3 +349,12 @@ def test_compiled_training_matches_eager_on_cpu() -> None:
     _assert_same(compiled, eager, rtol=1e-5, atol=1e-6)  # float32 rounding
     assert got.loss == pytest.approx(want.loss, rel=1e-5)
     assert got.accuracy == want.accuracy
+
+
+def test_cuda_graph_needs_a_cuda_device() -> None:
+    from fedshard.training import TrainConfig as _Cfg
+    from fedshard.training import TrainStep as _Step
+
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError, match=r"cuda_graph=True needs the model on a CUDA device"):
+        _Step(model, _Cfg(cuda_graph=True))
