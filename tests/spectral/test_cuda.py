@@ -90,14 +90,22 @@ def test_cuda_step_never_waits_for_the_device() -> None:
 
 def test_cuda_graph_training_matches_eager() -> None:
     """A whole-step CUDA graph replays the eager kernels: 3 warm-up steps, a capture, then
-    replays, and a short last batch (its own warm-up, no graph) in every epoch."""
+    replays, and a short last batch (its own warm-up, no graph) in every epoch. cuDNN's
+    deterministic algorithms make both runs use the same kernels, so the only differences
+    are rounding; a graph that replayed a stale batch or skipped an update would be far off."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(60, 3, 32, 32, generator=g)  # 7 full batches of 8 and one of 4 per epoch
     data = TensorDataset(x, torch.randint(0, 10, (60,), generator=g))
     cfg = dataclasses.replace(CFG, device="cuda", epochs=2)
-    eager, graphed = _submodel(), _submodel()
-    r1 = train(eager, DataLoader(data, batch_size=8), cfg)
-    r2 = train(graphed, DataLoader(data, batch_size=8), dataclasses.replace(cfg, cuda_graph=True))
+    saved = torch.backends.cudnn.deterministic
+    torch.backends.cudnn.deterministic = True
+    try:
+        eager, graphed = _submodel(), _submodel()
+        r1 = train(eager, DataLoader(data, batch_size=8), cfg)
+        r2 = train(graphed, DataLoader(data, batch_size=8),
+                   dataclasses.replace(cfg, cuda_graph=True))
+    finally:
+        torch.backends.cudnn.deterministic = saved
     assert r1.num_examples == r2.num_examples == 60
-    assert r2.loss == pytest.approx(r1.loss, rel=1e-5)
-    _assert_close(eager, graphed, rtol=1e-5, atol=1e-6)
+    assert r2.loss == pytest.approx(r1.loss, rel=1e-5), (r1.loss, r2.loss)
+    _assert_close(eager, graphed, rtol=1e-4, atol=1e-5)
