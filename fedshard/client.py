@@ -27,25 +27,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
-from flwr.clientapp import ClientApp
+from flwr.app import Context, Message, MetricRecord, RecordDict
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from fedshard import protocol as P
 from fedshard.sampling import as_keep_ratio
-from fedshard.spectral import LayerFactors, build_submodel
+from fedshard.shard import Shard, receive, submodel_from_record  # re-exported
 from fedshard.training import (
-    ClipLR,
-    TrainConfig,
-    build_optimizer,
     evaluate,
-    frobenius_penalty,
     train,
 )
 
@@ -54,13 +48,11 @@ __all__ = [
     "DEFAULT_TARGET_KEY",
     "PairBatches",
     "Shard",
-    "ShardingClientApp",
     "handle_evaluate",
     "handle_query",
     "handle_train",
     "keep_ratio_of",
     "receive",
-    "sharding_mod",
     "submodel_from_record",
 ]
 
@@ -118,201 +110,6 @@ def handle_query(msg: Message, keep_ratio: float, node_key: str | int | None = N
     server's sampling reproducible across launches; Flower's node ids are random.
     """
     return P.capabilities_reply(msg, keep_ratio, node_key)
-
-
-# ---------------------------------------------------------------------------- the shard
-def submodel_from_record(model: nn.Module, record: ArrayRecord) -> tuple[nn.Module, list[str]]:
-    """Build the sub-model described by a train ``record`` on a copy of ``model``.
-
-    Returns the sub-model with every received entry loaded (strictly: a missing or extra key
-    raises) and the names of its sharded layers. ``model`` itself is not modified.
-    """
-    factors, state = P.decode_shard(record)
-    dtype = next(iter(model.parameters())).dtype
-    sub = build_submodel(model, {
-        layer: LayerFactors(**{p: torch.as_tensor(x, dtype=dtype) for p, x in parts.items()})
-        for layer, parts in factors.items()
-    })
-    missing, unexpected = sub.load_state_dict(
-        {k: torch.as_tensor(np.array(x)) for k, x in state.items()}, strict=False)
-    if missing or unexpected:
-        raise ValueError(
-            f"The received arrays do not fit this node's model: missing {sorted(missing)[:8]}, "
-            f"unexpected {sorted(unexpected)[:8]}. Server and node must use the same model "
-            "(model, model-width, dataset); this round's reply will be an error."
-        )
-    return sub, sorted(factors)
-
-
-@dataclass
-class Shard:
-    """A received shard, ready to train with any loop; :func:`receive` builds it.
-
-    Attributes
-    ----------
-    model : nn.Module
-        A copy of your model with each sharded layer replaced by its ``U·diag(ω)·Vᵀ`` layer
-        (trainable ``u``, ``v``; frozen buffer ``omega``), on ``device``.
-    settings : fedshard.protocol.TrainSettings
-        The server's settings for this round: ``lr`` (already scheduled), ``local_epochs``,
-        ``batch_size``, ``momentum``, ``frobenius_decay`` γ, ``clip_lr_tau`` τ, ...
-    layers : tuple of str
-        Names of the sharded layers.
-    message : flwr.app.Message
-        The ``train`` message (the reply answers it).
-    device : torch.device
-        Where ``model`` lives.
-    """
-
-    model: nn.Module
-    settings: P.TrainSettings
-    layers: tuple[str, ...]
-    message: Message
-    device: torch.device
-
-    @classmethod
-    def from_message(cls, msg: Message, model: nn.Module, *,
-                     device: str | torch.device = "cpu") -> Shard:
-        """Same as :func:`receive`."""
-        settings = P.TrainSettings.from_record(msg.content.config_records[P.CONFIG])
-        sub, layers = submodel_from_record(model, msg.content.array_records[P.ARRAYS])
-        dev = torch.device(device)
-        return cls(sub.to(dev), settings, tuple(layers), msg, dev)
-
-    def train_config(self, **overrides: Any) -> TrainConfig:
-        """fedshard's :class:`~fedshard.training.TrainConfig` for these settings
-        (``overrides`` replace fields, e.g. ``epochs=2``)."""
-        s = self.settings
-        cfg = TrainConfig(epochs=s.local_epochs, lr=s.lr, momentum=s.momentum,
-                          frobenius_decay=s.frobenius_decay, clip_tau=s.clip_lr_tau,
-                          weight_decay=s.weight_decay, device=self.device, seed=s.train_seed)
-        return replace(cfg, **overrides) if overrides else cfg
-
-    def optimizer(self, **overrides: Any) -> ClipLR:
-        """SGD with the server's lr, momentum and weight decay, wrapped in ClipLR (τ from the
-        settings); ``overrides`` replace :class:`TrainConfig` fields (e.g. ``lr=0.01``).
-
-        Call ``zero_grad()``, ``loss.backward()``, ``step()`` on it as on any optimizer.
-        """
-        return build_optimizer(self.model, self.train_config(**overrides))
-
-    def penalty(self) -> torch.Tensor:
-        """The Frobenius decay term ``γ Σ_L ‖U Ω Vᵀ‖²_F`` to add to your loss (γ from the
-        settings; a differentiable scalar, ``0`` when γ = 0 or nothing is sharded)."""
-        gamma = self.settings.frobenius_decay
-        if gamma == 0:
-            return torch.zeros((), device=self.device)
-        return gamma * frobenius_penalty(self.model).to(self.device)
-
-    def reply(self, num_examples: int, metrics: Mapping[str, float] | None = None) -> Message:
-        """The reply ``Message``: the trained factors and dense entries, ``num_examples``
-        (the aggregation weight, > 0) and your ``metrics`` (any numeric scalars; the server
-        averages each over the nodes that report it, weighted by ``num_examples``).
-
-        Raises
-        ------
-        FloatingPointError
-            If training left NaN or inf in the model (nothing is sent; see the message).
-        TypeError, ValueError
-            For a non-numeric metric or ``num_examples`` ≤ 0.
-        """
-        state = {k: v.detach().cpu().numpy() for k, v in self.model.state_dict().items()}
-        return _shard_reply(self.message, state, num_examples, metrics or {}, self.settings.lr)
-
-
-def _shard_reply(msg: Message, state: Mapping[str, np.ndarray], num_examples: Any,
-                 metrics: Mapping[str, Any], lr: float) -> Message:
-    """The checked train reply: ``num_examples`` > 0, numeric metrics, finite arrays."""
-    if isinstance(num_examples, bool) or not isinstance(num_examples, (int, float, np.number)) \
-            or not num_examples > 0:
-        raise ValueError(f"{P.NUM_EXAMPLES}={num_examples!r}: expected a number > 0 (the "
-                         "aggregation weight); no reply was built.")
-    values: dict[str, float] = {}
-    for key, value in metrics.items():
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
-            raise TypeError(f"metric {key!r}={value!r}: expected a number (int or float); "
-                            "no reply was built.")
-        values[key] = float(value)
-    bad = [k for k, v in state.items()
-           if np.issubdtype(v.dtype, np.floating) and not np.isfinite(v).all()]
-    if bad:
-        raise FloatingPointError(
-            f"Training diverged at lr={lr:g}: {', '.join(sorted(bad)[:4])} hold NaN or inf; "
-            "nothing is sent this round. The factorized layers take larger steps than the dense "
-            "model at the same lr: give the strategy about 1/10 of the dense learning rate, clip "
-            "the gradient norm, or add a normalization layer.")
-    return P.train_reply(msg, dict(state), int(num_examples), values)
-
-
-def sharding_mod(msg: Message, context: Context, call_next: Any) -> Message:
-    """A Flower mod that turns a ``train`` handler written for FedAvg into a fedshard one.
-
-    Your handler loads the sub-model with ``model = receive(msg, Net()).model``, trains it and
-    replies as for FedAvg (``ArrayRecord(model.state_dict())`` and a ``MetricRecord`` with
-    ``num-examples``); the mod re-encodes that reply in the wire format (ω left out, the term
-    indices echoed) with the same checks as :meth:`Shard.reply`. Other replies pass unchanged.
-    """
-    reply = call_next(msg, context)
-    if msg.metadata.message_type != "train" or reply.has_error():
-        return reply
-    sent = msg.content.array_records.get(P.ARRAYS)
-    arrays = reply.content.array_records.get(P.ARRAYS)
-    if sent is None or arrays is None or not any(k.endswith(".indices") for k in sent) \
-            or any(k.endswith(".indices") for k in arrays):
-        return reply  # not a shard, or already encoded (Shard.reply)
-    metrics = dict(reply.content.metric_records.get(P.METRICS, {}))
-    num_examples = metrics.pop(P.NUM_EXAMPLES, None)
-    lr = msg.content.config_records[P.CONFIG].get("lr", float("nan"))
-    return _shard_reply(msg, {k: a.numpy() for k, a in arrays.items()}, num_examples, metrics,
-                        float(lr))  # type: ignore[arg-type]
-
-
-class ShardingClientApp(ClientApp):
-    """A ``ClientApp`` that takes part in spectral model sharding: it answers the server's
-    capability query with :func:`keep_ratio_of` (``default_keep_ratio`` as its default; the
-    node's ``partition-id`` as its stable key) and applies :func:`sharding_mod` to its handlers.
-
-    Drop-in for ``ClientApp()``; register ``train``/``evaluate`` as usual.
-    """
-
-    def __init__(self, default_keep_ratio: float | None = None,
-                 mods: list[Any] | None = None) -> None:
-        super().__init__(mods=[sharding_mod, *(mods or [])])
-        self.default_keep_ratio = default_keep_ratio
-
-        @self.query()
-        def _query(msg: Message, context: Context) -> Message:
-            key = context.node_config.get("partition-id")  # stable across launches
-            return handle_query(msg, keep_ratio_of(context, self.default_keep_ratio),
-                                None if key is None else str(key))
-
-
-def receive(msg: Message, model: nn.Module, *, device: str | torch.device = "cpu") -> Shard:
-    """The shard of a ``train`` message as a ready sub-model of ``model`` (not modified).
-
-    Parameters
-    ----------
-    msg : flwr.app.Message
-        The ``train`` message from :class:`~fedshard.strategy.SpectralSharding`.
-    model : nn.Module
-        A fresh instance of the model the server was started with.
-    device : str or torch.device
-        Where the sub-model is put.
-
-    Returns
-    -------
-    Shard
-        ``shard.model``, ``shard.settings``, ``shard.optimizer()``, ``shard.penalty()`` and
-        ``shard.reply(num_examples=..., metrics=...)``.
-
-    Raises
-    ------
-    ValueError
-        If the message's settings or arrays do not fit (the reply becomes an error).
-    """
-    return Shard.from_message(msg, model, device=device)
 
 
 # ---------------------------------------------------------------------------- data
@@ -435,3 +232,13 @@ def handle_evaluate(
         P.EVAL_ACCURACY: float(result.accuracy),
     })
     return Message(RecordDict({P.METRICS: metrics}), reply_to=msg)
+
+
+def __getattr__(name: str) -> Any:
+    """``ShardingClientApp`` and ``sharding_mod`` live in :mod:`fedshard.clientapp` (which
+    imports this module); ``from fedshard.client import ShardingClientApp`` still works."""
+    if name in ("ShardingClientApp", "sharding_mod"):
+        from fedshard import clientapp
+
+        return getattr(clientapp, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

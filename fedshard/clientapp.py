@@ -1,0 +1,58 @@
+"""Flower glue for existing projects: a ``ClientApp`` that declares its keep ratio, and a mod
+that turns a FedAvg-style ``train`` reply into a shard reply (see README's quickstart diff)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+
+from fedshard import protocol as P
+from fedshard.client import handle_query, keep_ratio_of
+from fedshard.shard import shard_reply
+
+__all__ = ["ShardingClientApp", "sharding_mod"]
+
+
+def sharding_mod(msg: Message, context: Context, call_next: Any) -> Message:
+    """A Flower mod that turns a ``train`` handler written for FedAvg into a fedshard one.
+
+    Your handler loads the sub-model with ``model = receive(msg, Net()).model``, trains it and
+    replies as for FedAvg (``ArrayRecord(model.state_dict())`` and a ``MetricRecord`` with
+    ``num-examples``); the mod re-encodes that reply in the wire format (ω left out, the term
+    indices echoed) with the same checks as :meth:`Shard.reply`. Other replies pass unchanged.
+    """
+    reply = call_next(msg, context)
+    if msg.metadata.message_type != "train" or reply.has_error():
+        return reply
+    sent = msg.content.array_records.get(P.ARRAYS)
+    arrays = reply.content.array_records.get(P.ARRAYS)
+    if sent is None or arrays is None or not any(k.endswith(".indices") for k in sent) \
+            or any(k.endswith(".indices") for k in arrays):
+        return reply  # not a shard, or already encoded (Shard.reply)
+    metrics = dict(reply.content.metric_records.get(P.METRICS, {}))
+    num_examples = metrics.pop(P.NUM_EXAMPLES, None)
+    lr = P.TrainSettings.from_record(msg.content.config_records[P.CONFIG]).lr
+    return shard_reply(msg, {k: a.numpy() for k, a in arrays.items()}, num_examples, metrics,
+                       lr)
+
+
+class ShardingClientApp(ClientApp):
+    """A ``ClientApp`` that takes part in spectral model sharding: it answers the server's
+    capability query with :func:`keep_ratio_of` (``default_keep_ratio`` as its default; the
+    node's ``partition-id`` as its stable key) and applies :func:`sharding_mod` to its handlers.
+
+    Drop-in for ``ClientApp()``; register ``train``/``evaluate`` as usual.
+    """
+
+    def __init__(self, default_keep_ratio: float | None = None,
+                 mods: list[Any] | None = None) -> None:
+        super().__init__(mods=[sharding_mod, *(mods or [])])
+        self.default_keep_ratio = default_keep_ratio
+
+        @self.query()
+        def _query(msg: Message, context: Context) -> Message:
+            key = context.node_config.get("partition-id")  # stable across launches
+            return handle_query(msg, keep_ratio_of(context, self.default_keep_ratio),
+                                None if key is None else str(key))

@@ -1,0 +1,175 @@
+"""A received shard as a ready sub-model, for any training loop (fedshard's or yours).
+
+:func:`receive` turns a ``train`` message into a :class:`Shard`: the user's own model class
+with the sharded layers swapped for ``U·diag(ω)·Vᵀ`` (:mod:`fedshard.spectral`), the round's
+settings, SGD + ClipLR with them (:meth:`Shard.optimizer`), the Frobenius-decay term
+(:meth:`Shard.penalty`) and the checked reply (:meth:`Shard.reply`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, Message
+from torch import nn
+
+from fedshard import protocol as P
+from fedshard.spectral import LayerFactors, build_submodel
+from fedshard.training import ClipLR, TrainConfig, build_optimizer, frobenius_penalty
+
+__all__ = ["Shard", "receive", "shard_reply", "submodel_from_record"]
+
+
+def submodel_from_record(model: nn.Module, record: ArrayRecord) -> tuple[nn.Module, list[str]]:
+    """Build the sub-model described by a train ``record`` on a copy of ``model``.
+
+    Returns the sub-model with every received entry loaded (strictly: a missing or extra key
+    raises) and the names of its sharded layers. ``model`` itself is not modified.
+    """
+    factors, state = P.decode_shard(record)
+    dtype = next(iter(model.parameters())).dtype
+    sub = build_submodel(model, {
+        layer: LayerFactors(**{p: torch.as_tensor(x, dtype=dtype) for p, x in parts.items()})
+        for layer, parts in factors.items()
+    })
+    missing, unexpected = sub.load_state_dict(
+        {k: torch.as_tensor(np.array(x)) for k, x in state.items()}, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"The received arrays do not fit this node's model: missing {sorted(missing)[:8]}, "
+            f"unexpected {sorted(unexpected)[:8]}. Server and node must use the same model "
+            "(model, model-width, dataset); this round's reply will be an error."
+        )
+    return sub, sorted(factors)
+
+
+@dataclass
+class Shard:
+    """A received shard, ready to train with any loop; :func:`receive` builds it.
+
+    Attributes
+    ----------
+    model : nn.Module
+        A copy of your model with each sharded layer replaced by its ``U·diag(ω)·Vᵀ`` layer
+        (trainable ``u``, ``v``; frozen buffer ``omega``), on ``device``.
+    settings : fedshard.protocol.TrainSettings
+        The server's settings for this round: ``lr`` (already scheduled), ``local_epochs``,
+        ``batch_size``, ``momentum``, ``frobenius_decay`` γ, ``clip_lr_tau`` τ, ...
+    layers : tuple of str
+        Names of the sharded layers.
+    message : flwr.app.Message
+        The ``train`` message (the reply answers it).
+    device : torch.device
+        Where ``model`` lives.
+    """
+
+    model: nn.Module
+    settings: P.TrainSettings
+    layers: tuple[str, ...]
+    message: Message
+    device: torch.device
+
+    @classmethod
+    def from_message(cls, msg: Message, model: nn.Module, *,
+                     device: str | torch.device = "cpu") -> Shard:
+        """Same as :func:`receive`."""
+        settings = P.TrainSettings.from_record(msg.content.config_records[P.CONFIG])
+        sub, layers = submodel_from_record(model, msg.content.array_records[P.ARRAYS])
+        dev = torch.device(device)
+        return cls(sub.to(dev), settings, tuple(layers), msg, dev)
+
+    def train_config(self, **overrides: Any) -> TrainConfig:
+        """fedshard's :class:`~fedshard.training.TrainConfig` for these settings
+        (``overrides`` replace fields, e.g. ``epochs=2``)."""
+        s = self.settings
+        cfg = TrainConfig(epochs=s.local_epochs, lr=s.lr, momentum=s.momentum,
+                          frobenius_decay=s.frobenius_decay, clip_tau=s.clip_lr_tau,
+                          weight_decay=s.weight_decay, device=self.device, seed=s.train_seed)
+        return replace(cfg, **overrides) if overrides else cfg
+
+    def optimizer(self, **overrides: Any) -> ClipLR:
+        """SGD with the server's lr, momentum and weight decay, wrapped in ClipLR (τ from the
+        settings); ``overrides`` replace :class:`TrainConfig` fields (e.g. ``lr=0.01``).
+
+        Call ``zero_grad()``, ``loss.backward()``, ``step()`` on it as on any optimizer.
+        """
+        return build_optimizer(self.model, self.train_config(**overrides))
+
+    def penalty(self) -> torch.Tensor:
+        """The Frobenius decay term ``γ Σ_L ‖U Ω Vᵀ‖²_F`` to add to your loss (γ from the
+        settings; a differentiable scalar, ``0`` when γ = 0 or nothing is sharded)."""
+        gamma = self.settings.frobenius_decay
+        if gamma == 0:
+            return torch.zeros((), device=self.device)
+        return gamma * frobenius_penalty(self.model).to(self.device)
+
+    def reply(self, num_examples: int, metrics: Mapping[str, float] | None = None) -> Message:
+        """The reply ``Message``: the trained factors and dense entries, ``num_examples``
+        (the aggregation weight, > 0) and your ``metrics`` (any numeric scalars; the server
+        averages each over the nodes that report it, weighted by ``num_examples``).
+
+        Raises
+        ------
+        FloatingPointError
+            If training left NaN or inf in the model (nothing is sent; see the message).
+        TypeError, ValueError
+            For a non-numeric metric or ``num_examples`` ≤ 0.
+        """
+        state = {k: v.detach().cpu().numpy() for k, v in self.model.state_dict().items()}
+        return shard_reply(self.message, state, num_examples, metrics or {}, self.settings.lr)
+
+
+def shard_reply(msg: Message, state: Mapping[str, np.ndarray], num_examples: Any,
+                 metrics: Mapping[str, Any], lr: float) -> Message:
+    """The checked train reply: ``num_examples`` > 0, numeric metrics, finite arrays."""
+    if isinstance(num_examples, bool) or not isinstance(num_examples, (int, float, np.number)) \
+            or not num_examples > 0:
+        raise ValueError(f"{P.NUM_EXAMPLES}={num_examples!r}: expected a number > 0 (the "
+                         "aggregation weight); no reply was built.")
+    values: dict[str, float] = {}
+    for key, value in metrics.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+            raise TypeError(f"metric {key!r}={value!r}: expected a number (int or float); "
+                            "no reply was built.")
+        values[key] = float(value)
+    bad = [k for k, v in state.items()
+           if np.issubdtype(v.dtype, np.floating) and not np.isfinite(v).all()]
+    if bad:
+        raise FloatingPointError(
+            f"Training diverged at lr={lr:g}: {', '.join(sorted(bad)[:4])} hold NaN or inf; "
+            "nothing is sent this round. The factorized layers take larger steps than the dense "
+            "model at the same lr: give the strategy about 1/10 of the dense learning rate, clip "
+            "the gradient norm, or add a normalization layer.")
+    return P.train_reply(msg, dict(state), int(num_examples), values)
+
+
+def receive(msg: Message, model: nn.Module, *, device: str | torch.device = "cpu") -> Shard:
+    """The shard of a ``train`` message as a ready sub-model of ``model`` (not modified).
+
+    Parameters
+    ----------
+    msg : flwr.app.Message
+        The ``train`` message from :class:`~fedshard.strategy.SpectralSharding`.
+    model : nn.Module
+        A fresh instance of the model the server was started with.
+    device : str or torch.device
+        Where the sub-model is put.
+
+    Returns
+    -------
+    Shard
+        ``shard.model``, ``shard.settings``, ``shard.optimizer()``, ``shard.penalty()`` and
+        ``shard.reply(num_examples=..., metrics=...)``.
+
+    Raises
+    ------
+    ValueError
+        If the message's settings or arrays do not fit (the reply becomes an error).
+    """
+    return Shard.from_message(msg, model, device=device)
