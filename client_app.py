@@ -7,7 +7,13 @@ from flwr.clientapp import ClientApp
 
 from fedshard.client import handle_evaluate, handle_query, handle_train
 from fedshard.config import RunConfig
-from fedshard.task import build_model, client_dataset, declared_keep_ratio, resolve_device
+from fedshard.task import (
+    build_model,
+    client_dataset,
+    declared_keep_ratio,
+    node_partition,
+    resolve_device,
+)
 
 app = ClientApp()
 
@@ -16,8 +22,7 @@ def _node(context: Context) -> tuple[RunConfig, int, int]:
     cfg = RunConfig.from_mapping(context.run_config)
     if "data-dir" in context.node_config:  # a deployed node's own data location wins
         cfg = replace(cfg, data_dir=str(context.node_config["data-dir"]))
-    pid = int(context.node_config.get("partition-id", 0))
-    num = int(context.node_config.get("num-partitions", cfg.num_partitions))
+    pid, num = node_partition(cfg, dict(context.node_config))
     return cfg, pid, num
 
 

@@ -222,7 +222,7 @@ class SpectralSharding(FedAvg):
         """Flower's ``start``; ``num_rounds`` (after resumed rounds) sets the schedule too.
         Ends with an ERROR in the log if no round changed the model."""
         self.num_rounds = schedule_length(self._given_rounds, num_rounds, self.round_offset)
-        caller_lr = train_config.get("lr") if train_config else None
+        caller_lr = train_config.get(P.LR) if train_config else None
         self.training = replace(self.training, lr=base_lr(self._given_lr, caller_lr,
                                                           self.lr_schedule))
         result = super().start(grid, initial_arrays, self.num_rounds - self.round_offset,

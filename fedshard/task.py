@@ -22,7 +22,7 @@ from fedshard.sampling import as_keep_ratio
 
 __all__ = [
     "SIMULATION_NODE_CONFIG", "build_model", "client_dataset", "declared_keep_ratio",
-    "example_input", "is_simulated_node", "resolve_device",
+    "example_input", "is_simulated_node", "node_partition", "resolve_device",
 ]
 
 
@@ -98,6 +98,25 @@ def is_simulated_node(node_config: dict[str, Any]) -> bool:
     told apart; deployed nodes should declare ``keep-ratio`` (the README's deployment steps do).
     """
     return set(node_config) == SIMULATION_NODE_CONFIG
+
+
+def node_partition(cfg: RunConfig, node_config: dict[str, Any]) -> tuple[int, int]:
+    """``(partition-id, num-partitions)`` of this node's data.
+
+    A simulated node's ``num-partitions`` is the federation's ``num-supernodes``; a run config
+    whose ``num-partitions`` differs would be recorded in the results as if it had been used,
+    so it is an error (the node replies with it, and a run in which no node trains fails).
+    A deployed node's own ``num-partitions`` is its business (e.g. ``1``: all of its data).
+    """
+    pid = int(node_config.get("partition-id", 0))
+    num = int(node_config.get("num-partitions", cfg.num_partitions))
+    if is_simulated_node(node_config) and num != cfg.num_partitions:
+        raise ValueError(
+            f"run config num-partitions={cfg.num_partitions}, but this simulation has {num} "
+            f"nodes (node config num-partitions={num}); the data would be split {num} ways "
+            "while the results record another split. Set num-partitions equal to "
+            "num-supernodes; this node does not train until then")
+    return pid, num
 
 
 def declared_keep_ratio(cfg: RunConfig, node_config: dict[str, Any]) -> float:

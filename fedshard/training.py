@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
+from fedshard.batches import INPUT_KEYS, TARGET_KEYS, dataset_size, unpack_batch
+from fedshard.optim import ClipLR, FrobeniusDecay, frobenius_penalty
 from fedshard.spectral.layers import SpectralLayer
 
 __all__ = [
@@ -171,172 +172,6 @@ class EvalResult:
     num_examples: int
 
 
-class ClipLR(torch.optim.Optimizer):
-    """Optimizer scaling the gradient of factor column ``i`` by ``min(1, τ/ω_i)``, then stepping.
-
-    A real :class:`torch.optim.Optimizer` that wraps another one: parameter groups, state,
-    ``state_dict()`` / ``load_state_dict()``, ``zero_grad`` and learning-rate schedulers all act
-    on the wrapped optimizer, which owns them.
-
-    In your own training loop, wrap any optimizer over the model's parameters, e.g.
-    ``opt = ClipLR(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model, tau=10)``.
-
-    Parameters
-    ----------
-    optimizer : torch.optim.Optimizer
-        The wrapped optimizer (e.g. SGD with momentum).
-    model : nn.Module
-        Its :class:`~fedshard.spectral.SpectralLayer` modules provide ``(u, v, ω)``.
-    tau : float or None
-        Threshold ``τ > 0``; ``None`` makes the wrapper a pass-through.
-
-    Raises
-    ------
-    TypeError
-        If ``optimizer`` is not a ``torch.optim.Optimizer``.
-    ValueError
-        If ``tau`` is not ``None`` or a finite number ``> 0``.
-
-    Notes
-    -----
-    Paper, Sec. 3.3 ("Effective learning rate"): since ``∂L/∂U = (∂L/∂Ŵ) V Ω`` the multiplier
-    ``ω_i`` scales the effective learning rate of ``u'_i`` and ``v'_i``;
-    ``∂L/∂u'_i <- ∂L/∂u'_i · min(1, τ/ω_i)`` (and the same for ``v'_i``) bounds it by ``τ``
-    times the nominal rate. The scaling acts on the full gradient (data loss plus Frobenius
-    decay) right before the step, so momentum accumulates the clipped gradients. The rule is
-    the one method :meth:`column_scale` (override it for another rule), as in Opacus'
-    ``DPOptimizer``. ω is a frozen buffer: the scales are computed once per ``omega`` tensor
-    (again only if a layer's ``omega`` is replaced, e.g. by ``model.to(device)``) and applied
-    with one fused ``torch._foreach_mul_`` over all factor gradients.
-    """
-
-    def __init__(
-        self, optimizer: torch.optim.Optimizer, model: nn.Module, tau: float | None
-    ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"ClipLR wraps a torch.optim.Optimizer, got {type(optimizer).__name__}; "
-                "build e.g. torch.optim.SGD(model.parameters(), ...) first."
-            )
-        if tau is not None and (not _finite(tau) or tau <= 0):
-            raise ValueError(f"ClipLR tau={tau!r}: expected a finite number > 0 or None.")
-        # Optimizer.__init__ is not called: it would build a second set of parameter groups.
-        # Groups, state and defaults stay the wrapped optimizer's (Opacus' DPOptimizer does
-        # the same); only the hook tables the base class' step wrapper needs are set up here.
-        self.optimizer = optimizer
-        self.tau = tau
-        self.layers = [m for m in model.modules() if isinstance(m, SpectralLayer)]
-        self._scales: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
-        self._patch_step_function()
-
-    # -- the rule ----------------------------------------------------------------------------
-    def column_scale(self, omega: torch.Tensor) -> torch.Tensor:
-        """Per-column gradient factor ``min(1, τ/ω)``, shape ``(n,)``."""
-        assert self.tau is not None
-        return torch.clamp(self.tau / omega, max=1.0)
-
-    def _factor_scales(self, layer: SpectralLayer, index: int) -> tuple[torch.Tensor, ...]:
-        """``column_scale(ω)`` broadcast to ``u``'s and ``v``'s shapes, cached per ω tensor."""
-        cached = self._scales.get(index)
-        if cached is None or cached[0] is not layer.omega:
-            scale = self.column_scale(layer.omega)  # (n,)
-            # Full-shape copies so that the fused multiply takes the multi-tensor fast path
-            # (it needs equal shapes); (rows, n) each, as small as the factors.
-            cached = (
-                layer.omega,
-                scale.expand_as(layer.u).contiguous(),
-                scale.expand_as(layer.v).contiguous(),
-            )
-            self._scales[index] = cached
-        return cached[1:]
-
-    @torch.no_grad()
-    def clip_gradients(self) -> None:
-        """Scale ``u.grad`` and ``v.grad`` of every spectral layer in place, column by column."""
-        if self.tau is None:
-            return
-        grads: list[torch.Tensor] = []
-        scales: list[torch.Tensor] = []
-        for index, layer in enumerate(self.layers):
-            for factor, scale in zip(
-                (layer.u, layer.v), self._factor_scales(layer, index), strict=True
-            ):
-                if factor.grad is not None:
-                    grads.append(factor.grad)  # (rows, n)
-                    scales.append(scale)  # (rows, n)
-        if grads:
-            torch._foreach_mul_(grads, scales)
-
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Evaluate ``closure`` (if given), clip the factor gradients, step the wrapped optimizer.
-
-        Returns
-        -------
-        float or None
-            The closure's loss, or ``None``.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.clip_gradients()
-        self.optimizer.step()
-        return loss
-
-    # -- everything else belongs to the wrapped optimizer -------------------------------------
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forward to the wrapped optimizer."""
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Forward to the wrapped optimizer."""
-        self.optimizer.add_param_group(param_group)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state dict (ClipLR itself has no state beyond ``tau``)."""
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load into the wrapped optimizer."""
-        self.optimizer.load_state_dict(state_dict)
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The wrapped optimizer's parameter groups (schedulers edit their ``lr`` here)."""
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self) -> Any:
-        """The wrapped optimizer's state (momentum buffers)."""
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.optimizer.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        """The wrapped optimizer's defaults."""
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.optimizer.defaults = value
-
-    def __repr__(self) -> str:
-        return f"ClipLR(tau={self.tau}, {self.optimizer!r})"
-
-
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> ClipLR:
     """SGD with momentum for ``model``, wrapped in :class:`ClipLR`.
 
@@ -374,75 +209,6 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> ClipLR:
         raise ValueError("the model has no trainable parameters; there is nothing to train.")
     sgd = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
     return ClipLR(sgd, model, cfg.clip_tau)
-
-
-def frobenius_penalty(model: nn.Module) -> torch.Tensor:
-    """``Σ_layers ‖U Ω V^T‖_F^2`` over the spectral layers of ``model`` (differentiable).
-
-    Parameters
-    ----------
-    model : nn.Module
-        The sub-model.
-
-    Returns
-    -------
-    torch.Tensor
-        Scalar; ``0.`` if there are no spectral layers.
-
-    Notes
-    -----
-    Frobenius decay (paper, Sec. 3.3, after Khodak et al. 2022); each term comes from
-    ``n x n`` Gram matrices, see :meth:`SpectralLayer.frobenius_norm_sq`. :func:`train` does
-    not differentiate this: it adds the analytic gradient, see :class:`FrobeniusDecay`.
-    """
-    terms = [m.frobenius_norm_sq() for m in model.modules() if isinstance(m, SpectralLayer)]
-    if not terms:
-        return torch.zeros(())
-    return torch.stack(terms).sum()
-
-
-class FrobeniusDecay:
-    """Adds the gradient of ``γ Σ_layers ‖U Ω V^T‖_F^2`` to the factor gradients in place.
-
-    Parameters
-    ----------
-    model : nn.Module
-        Its :class:`~fedshard.spectral.SpectralLayer` modules; their ω is read once here.
-    gamma : float
-        ``γ >= 0``.
-
-    Notes
-    -----
-    With ``G_U = U^T U`` and ``G_V = V^T V`` (``n x n``) the penalty is
-    ``γ tr(Ω G_U Ω G_V)`` (paper, Sec. 3.3), so ``∂/∂U = U (2γ ωω^T ⊙ G_V)`` and
-    ``∂/∂V = V (2γ ωω^T ⊙ G_U)``: two Gram products and two ``addmm_`` per layer plus one
-    fused multiply for all layers, instead of differentiating the penalty through autograd
-    (the same gradient to rounding, without a forward graph and ~3x fewer kernels). The
-    matrices ``2γ ωω^T`` are built once, since ω is frozen during local training.
-    """
-
-    def __init__(self, model: nn.Module, gamma: float) -> None:
-        self.gamma = gamma
-        self.layers = [m for m in model.modules() if isinstance(m, SpectralLayer)]
-        # 2γ ωω^T, (n, n) per layer
-        self.weights = [2.0 * gamma * torch.outer(m.omega, m.omega) for m in self.layers]
-
-    @torch.no_grad()
-    def add_gradient_(self) -> None:
-        """``u.grad += ∂/∂U``, ``v.grad += ∂/∂V`` for every layer (``None`` grads become it)."""
-        if self.gamma == 0 or not self.layers:
-            return
-        grams = [m.u.mT @ m.u for m in self.layers] + [m.v.mT @ m.v for m in self.layers]
-        mixed = torch._foreach_mul(grams, self.weights + self.weights)  # 2γ ωω^T ⊙ G, (n, n)
-        count = len(self.layers)
-        for i, layer in enumerate(self.layers):
-            # U's gradient mixes with V's Gram matrix and vice versa
-            for factor, weight in ((layer.u, mixed[count + i]), (layer.v, mixed[i])):
-                if not factor.requires_grad:
-                    continue
-                if factor.grad is None:
-                    factor.grad = torch.zeros_like(factor)
-                factor.grad.addmm_(factor, weight)  # (rows, n) += (rows, n) @ (n, n)
 
 
 class TrainStep:
@@ -624,7 +390,7 @@ def train(model: nn.Module, loader: DataLoader[Any], cfg: TrainConfig) -> TrainR
             examples_per_epoch = 0
             steps = 0
             for batch in loader:
-                inputs, targets = _unpack(batch, device, cfg.input_key, cfg.target_key)
+                inputs, targets = unpack_batch(batch, device, cfg.input_key, cfg.target_key)
                 if cfg.channels_last and inputs.ndim == 4:
                     inputs = inputs.contiguous(memory_format=torch.channels_last)
                 loss_sum, correct, count = step(inputs, targets)
@@ -655,7 +421,7 @@ def train(model: nn.Module, loader: DataLoader[Any], cfg: TrainConfig) -> TrainR
     return TrainResult(
         loss=total_loss.item() / seen,
         accuracy=total_correct.item() / seen,
-        num_examples=_dataset_size(loader, examples_per_epoch),
+        num_examples=dataset_size(loader, examples_per_epoch),
     )
 
 
@@ -722,7 +488,7 @@ def evaluate(
     examples = 0
     try:
         for batch in loader:
-            inputs, targets = _unpack(batch, dev, input_key, target_key)
+            inputs, targets = unpack_batch(batch, dev, input_key, target_key)
             loss_sum, correct, count = _cross_entropy(model(inputs), targets)
             total_loss += loss_sum
             total_correct += correct
@@ -736,7 +502,7 @@ def evaluate(
     return EvalResult(
         loss=total_loss.item() / seen,
         accuracy=total_correct.item() / seen,
-        num_examples=_dataset_size(loader, examples),
+        num_examples=dataset_size(loader, examples),
     )
 
 
@@ -764,71 +530,6 @@ def _cross_entropy(
     loss_sum = F.cross_entropy(flat_logits, flat_targets, reduction="sum")
     correct = ((flat_logits.argmax(dim=-1) == flat_targets) & valid).sum()
     return loss_sum, correct, valid.sum()
-
-
-#: Dict-batch keys recognised without configuration (flwr-datasets / Hugging Face defaults).
-INPUT_KEYS = ("img", "image", "pixel_values", "x", "input_ids")
-TARGET_KEYS = ("label", "labels", "fine_label", "y")
-
-
-def _unpack(
-    batch: Any,
-    device: torch.device,
-    input_key: str | None = None,
-    target_key: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(inputs, targets)`` of a pair or dict batch, on ``device``, targets as int64."""
-    if isinstance(batch, Mapping):
-        inputs = batch[_batch_key(batch, input_key, INPUT_KEYS, "input")]
-        targets = batch[_batch_key(batch, target_key, TARGET_KEYS, "target")]
-    elif isinstance(batch, (tuple, list)) and len(batch) == 2:
-        inputs, targets = batch
-    else:
-        raise ValueError(
-            f"expected the DataLoader to yield (inputs, targets) pairs or dicts, got "
-            f"{type(batch).__name__}"
-            + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
-            + "; nothing more was processed."
-        )
-    for what, value in (("inputs", inputs), ("targets", targets)):
-        if not isinstance(value, torch.Tensor):
-            raise ValueError(
-                f"the batch's {what} are a {type(value).__name__}, expected a torch.Tensor "
-                "(use a collate_fn or a dataset transform that returns tensors); nothing "
-                "more was processed."
-            )
-    return inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True).long()
-
-
-def _batch_key(
-    batch: Mapping[str, Any], key: str | None, defaults: tuple[str, ...], what: str
-) -> str:
-    found = sorted(str(k) for k in batch)
-    field = f"TrainConfig.{what}_key"
-    if key is not None:
-        if key not in batch:
-            raise ValueError(
-                f"{field}={key!r} is not a key of the batch; found keys {found}. Set "
-                f"{field} to the {what} key; nothing more was processed."
-            )
-        return key
-    matches = [k for k in defaults if k in batch]
-    if len(matches) == 1:
-        return matches[0]
-    problem = "several" if matches else "none"
-    raise ValueError(
-        f"cannot tell the {what} key of a dict batch: {problem} of the known keys "
-        f"{list(defaults)} found{' (' + ', '.join(map(repr, matches)) + ')' if matches else ''}; "
-        f"the batch has keys {found}. Set {field} (evaluate(..., {what}_key=...)); "
-        "nothing more was processed."
-    )
-
-
-def _dataset_size(loader: DataLoader[Any], fallback: int) -> int:
-    try:
-        return len(loader.dataset)  # type: ignore[arg-type]
-    except TypeError:  # an IterableDataset without __len__: examples in one epoch
-        return fallback
 
 
 @contextmanager

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
-    "ARRAYS", "CAPABILITIES", "CONFIG", "EVAL_ACCURACY", "EVAL_LOSS", "KEEP_RATIO", "METRICS",
+    "ARRAYS", "CAPABILITIES", "CONFIG", "EVAL_ACCURACY", "EVAL_LOSS", "KEEP_RATIO", "LR", "METRICS",
     "NODE_KEY", "NUM_EXAMPLES", "QUERY", "TRAIN_ACCURACY", "TRAIN_LOSS", "factor_key",
     "is_factor_key", "layer_of",
 ]
@@ -19,6 +19,7 @@ CAPABILITIES = "capabilities"
 KEEP_RATIO = "keep-ratio"
 NODE_KEY = "node-key"
 NUM_EXAMPLES = "num-examples"
+LR = "lr"  # the train config's learning rate (FedAvg users put theirs there too)
 TRAIN_LOSS = "train-loss"
 TRAIN_ACCURACY = "train-accuracy"
 EVAL_LOSS = "eval-loss"

@@ -60,3 +60,17 @@ def test_resume_and_overwrite_together_are_refused() -> None:
         r"deletes it; set one of them"
     )):
         RunConfig.from_mapping({"resume": True, "overwrite": True})
+
+
+def test_a_run_config_num_partitions_the_simulation_does_not_use_is_refused() -> None:
+    from fedshard.config import RunConfig
+    from fedshard.task import node_partition
+
+    cfg = RunConfig.from_mapping({"num-partitions": 10})
+    assert node_partition(cfg, {"partition-id": 3, "num-partitions": 10}) == (3, 10)
+    with pytest.raises(ValueError, match=r"run config num-partitions=10, but this simulation "
+                       r"has 100 nodes"):
+        node_partition(cfg, {"partition-id": 3, "num-partitions": 100})
+    # a deployed node (declares its own keys) may split its own data its own way
+    assert node_partition(cfg, {"partition-id": 0, "num-partitions": 1,
+                                "keep-ratio": 0.2}) == (0, 1)
