@@ -5,12 +5,17 @@ Layout (data flows one way: sampling → spectral → training → protocol/stra
 - :mod:`fedshard.sampling` - inclusion probabilities, multipliers, sampling designs, the
   round's plan and the random streams (numpy only).
 - :mod:`fedshard.spectral` - SVD, factorized layers, model surgery, per-term aggregation.
-- :mod:`fedshard.training` - the client's local training (SGD, Frobenius decay, ClipLR).
-- :mod:`fedshard.protocol` - the wire codec: record keys, train settings, shards, reply checks.
+- :mod:`fedshard.optim`, :mod:`fedshard.batches` - ClipLR and Frobenius decay; batches.
+- :mod:`fedshard.training` - the client's local training step (eager, compiled, CUDA graph).
+- :mod:`fedshard.protocol` - the wire codec: record keys, train settings, shards, reply checks
+  and bounds.
 - :mod:`fedshard.nodes` - waiting for nodes, their capabilities, seeded node sampling.
 - :mod:`fedshard.rounds` - one training round on the server (shard, check, aggregate).
 - :mod:`fedshard.strategy` - the Flower strategy ``SpectralSharding`` (thin hooks).
-- :mod:`fedshard.client` - the client's message handlers.
+- :mod:`fedshard.client`, :mod:`fedshard.shard`, :mod:`fedshard.clientapp` - the client's
+  handlers, the received shard for your own loop, Flower glue.
+- :mod:`fedshard.privacy` - Flower's DP wrappers refused (they assume dense replies).
+- :mod:`fedshard.checkpoint`, :mod:`fedshard.results`, :mod:`fedshard.rundir` - run state.
 - :mod:`fedshard.schedule`, :mod:`fedshard.telemetry` - lr schedules, per-round metrics.
 - :mod:`fedshard.models`, :mod:`fedshard.data` - the paper's models and data sets.
 - :mod:`fedshard.config`, :mod:`fedshard.task`, :mod:`fedshard.experiment` - the apps' run
@@ -30,8 +35,8 @@ Conditional Poisson sampling (CPS)      ``sampling.cps.ConditionalPoisson``
 Method → design, per group and layer    ``sampling.plan.draw_layer``, ``plan_round``
 ANME                                    ``sampling.entropy.anme``
 Factorized layer U·diag(ω)·Vᵀ           ``spectral.layers.SpectralLinear``/``SpectralConv2d``
-Frobenius decay γ‖UΩVᵀ‖²_F (Sec. 3.3)   ``training.frobenius_penalty``
-ClipLR min(1, τ/ω_i) (Sec. 3.3)         ``training.ClipLR.column_scale``
+Frobenius decay γ‖UΩVᵀ‖²_F (Sec. 3.3)   ``optim.frobenius_penalty``, ``optim.FrobeniusDecay``
+ClipLR min(1, τ/ω_i) (Sec. 3.3)         ``optim.ClipLR.column_scale``
 Per-term aggregation (Sec. 3.1 step 3)  ``spectral.aggregate.term_means``, ``rebuild_weight``
 Cosine lr over rounds (Sec. 4.1)        ``schedule.cosine_lr``
 ======================================  ==================================================
