@@ -3,7 +3,6 @@ defaults, one-line drop warnings, TensorBoard."""
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import logging
 import math
@@ -118,9 +117,11 @@ def test_drop_warning_is_one_line(caplog: pytest.LogCaptureFixture) -> None:
                for r in caplog.records)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None,
-                    reason="tensorboard is installed")
-def test_tensorboard_without_the_package_is_a_clear_error(tmp_path) -> None:
+def test_tensorboard_without_the_package_is_a_clear_error(tmp_path, monkeypatch) -> None:
+    import sys
+
+    # as if the package were absent: importing torch.utils.tensorboard then fails
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     with pytest.raises(ImportError, match=r"'tensorboard' package is not installed; install it"):
         TensorBoardLog(tmp_path)
     assert RunConfig.from_mapping({"tensorboard": True}).tensorboard is True
