@@ -26,8 +26,8 @@ The wire format is :mod:`fedshard.protocol`'s; the model is any torch model whos
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, cast
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,9 +44,6 @@ from fedshard.training import (
 )
 
 __all__ = [
-    "DEFAULT_INPUT_KEYS",
-    "DEFAULT_TARGET_KEY",
-    "PairBatches",
     "Shard",
     "handle_evaluate",
     "handle_query",
@@ -58,10 +55,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Input keys tried, in order, on dict samples (flwr-datasets' image data sets use these).
-DEFAULT_INPUT_KEYS = ("img", "image")
-#: Target key of dict samples (flwr-datasets' default).
-DEFAULT_TARGET_KEY = "label"
 
 
 # ---------------------------------------------------------------------------- capabilities
@@ -113,50 +106,11 @@ def handle_query(msg: Message, keep_ratio: float, node_key: str | int | None = N
 
 
 # ---------------------------------------------------------------------------- data
-class PairBatches:
-    """A loader's batches as ``(inputs, targets)``: dict batches (flwr-datasets samples such
-    as ``{"img": ..., "label": ...}``) are turned into pairs, pairs pass unchanged.
-
-    Parameters
-    ----------
-    loader : DataLoader
-        Used as is (workers, sampler, collate function kept).
-    input_key : str, optional
-        Key of the inputs; ``None`` tries :data:`DEFAULT_INPUT_KEYS` in order.
-    target_key : str
-        Key of the targets.
-    """
-
-    def __init__(self, loader: DataLoader[Any], input_key: str | None = None,
-                 target_key: str = DEFAULT_TARGET_KEY) -> None:
-        self.loader = loader
-        self.input_keys: Sequence[str] = (input_key,) if input_key else DEFAULT_INPUT_KEYS
-        self.target_key = target_key
-
-    @property
-    def dataset(self) -> Any:
-        """The loader's data set (its length is the number of examples)."""
-        return self.loader.dataset
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __iter__(self) -> Iterator[Any]:
-        for batch in self.loader:
-            yield self._pair(batch) if isinstance(batch, Mapping) else batch
-
-    def _pair(self, batch: Mapping[str, Any]) -> tuple[Any, Any]:
-        key = next((k for k in self.input_keys if k in batch), None)
-        if key is None or self.target_key not in batch:
-            raise ValueError(
-                f"A dict batch with keys {sorted(batch)}: expected an input key among "
-                f"{list(self.input_keys)} and the target key {self.target_key!r}; pass "
-                "input_key=/target_key= to name yours. Nothing was trained.")
-        return batch[key], batch[self.target_key]
-
-
-def _loader(data: Dataset[Any] | DataLoader[Any], batch_size: int, seed: int | None,
-            input_key: str | None, target_key: str) -> DataLoader[Any]:
+def _loader(data: Dataset[Any] | DataLoader[Any], batch_size: int,
+            seed: int | None) -> DataLoader[Any]:
+    """``data`` as a DataLoader: a given one as is; a Dataset batched (and, for training,
+    shuffled with the round's seed). Dict samples stay dicts: the training loop reads them
+    (:mod:`fedshard.batches`)."""
     if isinstance(data, DataLoader):
         if seed is not None:
             logger.info("handle_train: using the given DataLoader as is (batch size %s); the "
@@ -167,8 +121,7 @@ def _loader(data: Dataset[Any] | DataLoader[Any], batch_size: int, seed: int | N
     else:
         loader = DataLoader(data, batch_size=batch_size, shuffle=True,
                             generator=torch.Generator().manual_seed(seed))
-    # PairBatches has everything train/evaluate use of a DataLoader (iteration, .dataset).
-    return cast(DataLoader[Any], PairBatches(loader, input_key, target_key))
+    return loader
 
 
 def handle_train(
@@ -178,7 +131,7 @@ def handle_train(
     *,
     device: str = "cpu",
     input_key: str | None = None,
-    target_key: str = DEFAULT_TARGET_KEY,
+    target_key: str | None = None,
     train_options: Mapping[str, Any] | None = None,
 ) -> Message:
     """Train the received shard of ``model`` with fedshard's loop; reply with the factors.
@@ -192,10 +145,11 @@ def handle_train(
     data : Dataset or DataLoader
         A ``Dataset`` is batched with the server's ``batch-size`` and shuffled with the
         round's seed; a ``DataLoader`` is used as is. Samples may be ``(x, y)`` pairs or
-        dicts (``input_key``/``target_key``, default ``"img"``/``"image"`` and ``"label"``).
+        dicts (``input_key``/``target_key``; ``None``: flwr-datasets' names, e.g. ``"img"``
+        and ``"label"``, see :data:`fedshard.batches.INPUT_KEYS`).
     device : str
         Where to train.
-    input_key, target_key : str
+    input_key, target_key : str, optional
         Keys of dict samples.
     train_options : mapping, optional
         This node's own :class:`~fedshard.training.TrainConfig` fields, e.g. ``compile``,
@@ -208,8 +162,9 @@ def handle_train(
     """
     shard = receive(msg, model, device=device)
     s = shard.settings
-    loader = _loader(data, s.batch_size, s.train_seed, input_key, target_key)
-    result = train(shard.model, loader, shard.train_config(**dict(train_options or {})))
+    loader = _loader(data, s.batch_size, s.train_seed)
+    options = {"input_key": input_key, "target_key": target_key, **dict(train_options or {})}
+    result = train(shard.model, loader, shard.train_config(**options))
     return shard.reply(result.num_examples,
                        {P.TRAIN_LOSS: result.loss, P.TRAIN_ACCURACY: result.accuracy})
 
@@ -217,15 +172,15 @@ def handle_train(
 def handle_evaluate(
     msg: Message, model: nn.Module, data: Dataset[Any] | DataLoader[Any], *,
     batch_size: int = 256, device: str = "cpu", input_key: str | None = None,
-    target_key: str = DEFAULT_TARGET_KEY,
+    target_key: str | None = None,
 ) -> Message:
     """Evaluate the received dense global model on ``data`` (a Dataset or a DataLoader used
     as is; dict samples as in :func:`handle_train`)."""
     record = msg.content.array_records[P.ARRAYS]
     state = {k: torch.as_tensor(np.array(a.numpy())) for k, a in record.items()}
     model.load_state_dict(state, strict=True)
-    loader = _loader(data, batch_size, None, input_key, target_key)
-    result = evaluate(model, loader, device=device)
+    loader = _loader(data, batch_size, None)
+    result = evaluate(model, loader, device=device, input_key=input_key, target_key=target_key)
     metrics = MetricRecord({
         P.NUM_EXAMPLES: int(result.num_examples),
         P.EVAL_LOSS: float(result.loss),

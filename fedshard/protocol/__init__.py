@@ -61,7 +61,6 @@ from fedshard.protocol.shards import (
     check_train_reply,
     decode_shard,
     encode_shard,
-    positive_weight,
     train_reply,
 )
 
@@ -94,7 +93,6 @@ __all__ = [
     "factor_key",
     "is_factor_key",
     "layer_of",
-    "positive_weight",
     "query_message",
     "read_capabilities",
     "read_count",

@@ -22,7 +22,7 @@ from fedshard.spectral.decompose import LayerSpectrum
 
 __all__ = [
     "SentShard", "TrainReply", "check_eval_reply", "check_train_reply", "decode_shard",
-    "encode_shard", "positive_weight", "train_reply",
+    "encode_shard", "train_reply",
 ]
 
 
@@ -130,13 +130,6 @@ class TrainReply:
         return {layer: TermUpdate(self.weight, *(self.values[factor_key(layer, p)]
                                                  for p in ("indices", "u", "v")))
                 for layer in self.layers}
-
-
-def positive_weight(metrics: MetricRecord | None) -> float | None:
-    """``num-examples`` if it is a finite integer-valued number in ``[1, 2**53]``, else
-    ``None`` (:func:`fedshard.protocol.bounds.read_count`)."""
-    weight = read_count(metrics.get(NUM_EXAMPLES)) if metrics is not None else None
-    return weight if isinstance(weight, float) else None
 
 
 def check_eval_reply(msg: Message) -> tuple[float, dict[str, float]] | str:

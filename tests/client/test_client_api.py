@@ -132,7 +132,8 @@ def test_dict_samples_train_like_pairs(key: str) -> None:
 
 
 def test_dict_samples_with_other_keys() -> None:
-    with pytest.raises(ValueError, match=r"expected an input key among \['img', 'image'\]"):
+    with pytest.raises(ValueError, match=r"cannot tell the input key of a dict batch: none of "
+                       r"the known keys \['img', 'image'"):
         handle_train(train_message(), net(), Dicts("pixels"))
     handle_train(train_message(), net(), Dicts("pixels"), input_key="pixels")
 
