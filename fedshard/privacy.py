@@ -5,8 +5,9 @@ Flower's DP wrappers (``DifferentialPrivacyServerSideFixedClipping``,
 call its hooks. They assume every node returns the full dense model: the server-side one clips
 and noises ``reply − global`` array by array (the factor arrays of a shard have other shapes
 than the global weights: a broadcast error), the client-side one needs ``fixedclipping_mod`` on
-the ClientApp, which rejects fedshard's capability ``query``. Both fail only after some rounds
-or silently protect nothing, so the combination is refused at the first call.
+the ClientApp, which rejects fedshard's capability ``query``; ``LocalDpMod`` requires the reply
+to carry the keys that were sent (a shard reply leaves ω out) and errors. They fail only after
+some rounds or silently protect nothing, so the wrappers are refused at the first call.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ WRAPPED_MESSAGE = (
     "SpectralSharding is being driven by another strategy ({wrapper}); Flower's "
     "differential-privacy wrappers (DifferentialPrivacy{{Server,Client}}Side{{Fixed,Adaptive}}"
     "Clipping) and other meta-strategies assume dense replies of the global model's shapes and "
-    "cannot clip or noise per-term factor shards. The run is stopped before round 1. Use "
-    "SpectralSharding directly; for local DP add Flower's LocalDpMod to the ClientApp's train "
-    "handler only (not fixedclipping_mod, which rejects the capability query); for a dense "
-    "DP baseline wrap Flower's own FedAvg."
+    "cannot clip or noise per-term factor shards. The run is stopped before round 1. fedshard "
+    "has no differential privacy for factor shards yet (Flower's LocalDpMod does not fit "
+    "either: it requires the reply's arrays to have the keys that were sent, and a shard reply "
+    "leaves out omega). Use SpectralSharding without DP, or for a DP baseline wrap Flower's own "
+    "FedAvg on the dense model."
 )
 
 

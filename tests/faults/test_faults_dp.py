@@ -18,10 +18,39 @@ def test_dp_wrappers_are_refused_before_round_1(wrapper: type) -> None:
     dp = wrapper(strategy(), noise_multiplier=0.1, clipping_norm=1.0, num_sampled_clients=3)
     g = grid()
     with pytest.raises(RuntimeError, match=rf"driven by another strategy \({wrapper.__name__}\)"
-                       r".*LocalDpMod"):
+                       r".*no differential privacy for factor shards yet"):
         dp.start(grid=g, initial_arrays=initial(), num_rounds=1, timeout=5)
     assert not [m for m in g.sent if m.metadata.message_type == "train"]
 
 
 def test_direct_use_is_not_refused() -> None:
     assert len(list(strategy().configure_train(1, initial(), ConfigRecord(), grid()))) == 3
+
+
+def test_flowers_local_dp_mod_cannot_wrap_a_shard_reply() -> None:
+    """What the refusal message says of LocalDpMod, checked: the mod compares the reply's keys
+    with the keys it was sent, and a shard reply leaves ω out, so every reply is an error."""
+    from fault_setup import local_data, make_net
+    from flower_grid import InProcessGrid
+    from flwr.app import Context, Message
+    from flwr.clientapp import ClientApp
+    from flwr.clientapp.mod import LocalDpMod
+
+    from fedshard.client import handle_query, handle_train
+
+    app = ClientApp()
+    dp = LocalDpMod(clipping_norm=1.0, sensitivity=1.0, epsilon=1.0, delta=1e-5)
+
+    @app.query()
+    def _q(msg: Message, context: Context) -> Message:
+        return handle_query(msg, 0.5)
+
+    @app.train(mods=[dp])  # on the train handler only: as an app mod it rejects the query
+    def _t(msg: Message, context: Context) -> Message:
+        return handle_train(msg, make_net(), local_data(0))
+
+    g = InProcessGrid(app, [{} for _ in range(2)])
+    s = strategy()
+    replies = g.send_and_receive(list(s.configure_train(1, initial(), ConfigRecord(), g)))
+    assert len(replies) == 2 and all(r.has_error() for r in replies)
+    assert all("LocalDpMod" in r.error.reason for r in replies)
