@@ -93,10 +93,9 @@ def scalar_metrics(metrics: Mapping[str, Any], skip: str) -> tuple[dict[str, flo
     return out, ignored
 
 
-def _excess(delta: np.ndarray, ref: np.ndarray, ratio: float) -> tuple[np.ndarray, float]:
-    """Per column (axis 0 is reduced), the factor ``≤ 1`` that brings ``‖Δ‖`` to ``ρ·ref``,
-    and the largest ``‖Δ‖/ref`` (the observed update ratio)."""
-    norm = np.linalg.norm(delta, axis=0)
+def _scale(norm: np.ndarray, ref: np.ndarray, ratio: float) -> tuple[np.ndarray, float]:
+    """Per entry, the factor ``≤ 1`` that brings ``norm`` to ``ρ·ref``, and the largest
+    ``norm/ref`` (the observed update ratio)."""
     bound = ratio * ref
     with np.errstate(divide="ignore", invalid="ignore"):
         scale = np.where(norm > bound, bound / norm, 1.0)
@@ -108,25 +107,35 @@ def bound_terms(sent: np.ndarray, got: np.ndarray,
                 ratio: float) -> tuple[np.ndarray, int, float]:
     """``got`` (a factor, one column per term) with each column's change from ``sent``
     scaled down to ``ρ·max(‖sent_i‖, ‖sent‖_F/√n)``, the number of columns changed and the
-    largest observed ratio ``‖Δ_i‖/max(‖sent_i‖, ‖sent‖_F/√n)``."""
-    s64, g64 = sent.astype(np.float64), got.astype(np.float64)
-    col = np.linalg.norm(s64, axis=0)  # (n,)
-    floor = np.linalg.norm(s64) / math.sqrt(max(col.size, 1))
-    scale, observed = _excess(g64 - s64, np.maximum(col, floor), ratio)
+    largest observed ratio ``‖Δ_i‖/max(‖sent_i‖, ‖sent‖_F/√n)``.
+
+    The check runs in the arrays' own precision (a threshold at ρ = 10 against honest ratios
+    below 1 needs no float64; this runs on every reply of every round); a column that is
+    clipped is recomputed in float64."""
+    delta = got - sent  # (rows, n), the arrays' dtype
+    col_sq = np.einsum("ij,ij->j", sent, sent).astype(np.float64)  # (n,) ‖sent_i‖²
+    floor = math.sqrt(float(col_sq.sum()) / max(col_sq.size, 1))
+    ref = np.maximum(np.sqrt(col_sq), floor)
+    norm = np.sqrt(np.einsum("ij,ij->j", delta, delta).astype(np.float64))
+    scale, observed = _scale(norm, ref, ratio)
     hit = int(np.count_nonzero(scale < 1.0))
     if not hit:
         return got, 0, observed
-    return (s64 + (g64 - s64) * scale).astype(got.dtype), hit, observed
+    s64 = sent.astype(np.float64)
+    return (s64 + (got.astype(np.float64) - s64) * scale).astype(got.dtype), hit, observed
 
 
 def bound_dense(sent: np.ndarray, got: np.ndarray,
                 ratio: float) -> tuple[np.ndarray, int, float]:
     """``got`` with its change from ``sent`` scaled down to ``ρ·max(‖sent‖, 0.1·√size)``,
-    1 if it was changed (0 if not) and the observed ratio ``‖Δ‖/max(‖sent‖, 0.1·√size)``."""
-    s64, g64 = sent.astype(np.float64).ravel(), got.astype(np.float64).ravel()
-    ref = max(float(np.linalg.norm(s64)), DENSE_RMS_FLOOR * math.sqrt(s64.size))
-    scales, observed = _excess((g64 - s64)[:, None], np.array([ref]), ratio)
+    1 if it was changed (0 if not) and the observed ratio ``‖Δ‖/max(‖sent‖, 0.1·√size)``
+    (checked in the arrays' precision, clipped in float64, as :func:`bound_terms`)."""
+    flat_s, flat_d = sent.ravel(), (got - sent).ravel()
+    ref = max(math.sqrt(float(np.dot(flat_s, flat_s))), DENSE_RMS_FLOOR * math.sqrt(flat_s.size))
+    scales, observed = _scale(np.array([math.sqrt(float(np.dot(flat_d, flat_d)))]),
+                              np.array([ref]), ratio)
     scale = float(scales[0])
     if scale >= 1.0:
         return got, 0, observed
-    return (s64 + (g64 - s64) * scale).reshape(got.shape).astype(got.dtype), 1, observed
+    s64 = sent.astype(np.float64)
+    return (s64 + (got.astype(np.float64) - s64) * scale).astype(got.dtype), 1, observed
