@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fedshard.protocol.bounds import UPDATE_POLICIES
-from fedshard.sampling import SAMPLING_DESIGNS, SHARDING_METHODS
+from fedshard.sampling import SAMPLING_DESIGNS, SCALABLE_METHODS, SHARDING_METHODS
 from fedshard.schedule import LR_SCHEDULES
 from fedshard.spectral.aggregate import AGGREGATIONS
 
@@ -186,6 +186,11 @@ class RunConfig:
     keep_ratio_table: str = ""
     lr_schedule: str = "cosine"
     tensorboard: bool = False
+    anneal_exponent: float = 8.0
+    anneal_rounds: int = 30
+    init_keep_ratio: float = 1.0
+    diagnostics: bool = False
+    fedavg_cosine: bool = False
 
     def __post_init__(self) -> None:
         problems = self._problems()
@@ -261,7 +266,7 @@ class RunConfig:
             KeepRatioMixture.parse(self.keep_ratios)
         except ValueError as err:
             p.append(str(err))
-        if self.scaled and self.method in ("unbiased", "collective", "prism-wallenius"):
+        if self.scaled and self.method not in (*SCALABLE_METHODS, "none"):
             p.append(
                 f"scaled=true with method={self.method!r}: +Scaled replaces the method's own "
                 "multipliers ω; use it with 'top-n' or 'prism'"
@@ -338,6 +343,11 @@ class RunConfig:
              f"aggregation={self.aggregation!r}: expected one of {AGGREGATIONS}")
         need(0 <= self.trim_fraction < 0.5,
              f"trim-fraction={self.trim_fraction}: expected in [0, 0.5)")
+        need(math.isfinite(self.anneal_exponent) and self.anneal_exponent >= 1,
+             f"anneal-exponent={self.anneal_exponent}: expected γ₀ ≥ 1 (1: no annealing)")
+        need(self.anneal_rounds >= 1, f"anneal-rounds={self.anneal_rounds}: expected ≥ 1")
+        need(0 < self.init_keep_ratio <= 1,
+             f"init-keep-ratio={self.init_keep_ratio}: expected in (0, 1] (1: full-rank start)")
         need(0 < self.max_keep_ratio <= 1,
              f"max-keep-ratio={self.max_keep_ratio}: expected in (0, 1]")
         need(not self.keep_ratio_table or Path(self.keep_ratio_table).expanduser().is_file(),

@@ -22,6 +22,8 @@ from fedshard.config import RunConfig
 from fedshard.data import load_test_set
 from fedshard.nodes import load_keep_ratio_table
 from fedshard.results import RunRecorder
+from fedshard.spectral import sharded_layer_names
+from fedshard.spectral.truncation import truncate_, truncate_state
 from fedshard.strategy import SpectralSharding
 from fedshard.task import build_model, example_input, resolve_device
 from fedshard.telemetry import TensorBoardLog
@@ -43,6 +45,8 @@ def build_strategy(cfg: RunConfig, model: nn.Module, device: str = "cpu") -> Spe
         design=cfg.design,
         scaled=cfg.scaled,
         prism_exponent=cfg.prism_exponent or None,
+        anneal_exponent=cfg.anneal_exponent,
+        anneal_rounds=cfg.anneal_rounds,
         lr=cfg.lr,
         local_epochs=cfg.local_epochs,
         batch_size=cfg.batch_size,
@@ -87,6 +91,11 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
     """
     device = device or resolve_device(cfg.server_device)
     model = build_model(cfg)
+    if cfg.init_keep_ratio < 1:  # the low-rank start (a resumed run loads its checkpoint)
+        layers = sharded_layer_names(model, example_input=example_input(cfg))
+        removed = truncate_(model, layers, cfg.init_keep_ratio)
+        logger.info("Low-rank start: the %d sharded layers truncated to rank ⌈%g·N⌉ (%.1f %% "
+                    "of their energy removed).", len(layers), cfg.init_keep_ratio, 100 * removed)
     strategy = build_strategy(cfg, model, device)
     directory = cfg.results_path
     initial = ArrayRecord(model.state_dict())
@@ -151,7 +160,12 @@ def central_evaluate_fn(
     """``evaluate_fn`` for ``Strategy.start``: test-set evaluation of the dense global model
     every ``eval-every`` rounds (and the last), writing the round's metrics, then
     ``on_round(round, arrays)`` (the checkpoint). Rounds are the run's own (a resumed run's
-    Flower round r is round r + strategy.round_offset)."""
+    Flower round r is round r + strategy.round_offset).
+
+    With ``diagnostics``, each evaluation also gives ``test-accuracy-top-n`` and
+    ``test-loss-top-n``, the same test set on the model whose sharded layers are truncated to
+    their top ``⌈rN⌉`` terms (r: the largest keep ratio of ``keep-ratios``; what a Top-n
+    client trains), and ``tail-energy-top-n``, the energy share of the terms cut off."""
     test = load_test_set(cfg.dataset, data_dir=cfg.data_dir or None,
                          max_examples=cfg.test_max_examples or None, download=cfg.download)
     loader = DataLoader(test, batch_size=256, shuffle=False)
@@ -170,6 +184,13 @@ def central_evaluate_fn(
             res = evaluate(model, loader, device=device)
             metrics.update({"test-loss": res.loss, "test-accuracy": res.accuracy,
                             "test-examples": float(res.num_examples)})
+            if cfg.diagnostics and strategy.sharded_layers:
+                state, tail = truncate_state(arrays.to_torch_state_dict(),
+                                             strategy.sharded_layers, max(cfg.mixture.ratios))
+                model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+                top = evaluate(model, loader, device=device)
+                metrics.update({"test-loss-top-n": top.loss, "test-accuracy-top-n": top.accuracy,
+                                "tail-energy-top-n": tail})
         recorder.record_round(server_round, metrics)
         if board is not None:
             board.write(server_round, metrics)

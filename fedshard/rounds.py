@@ -161,6 +161,7 @@ def shard_round(
     prism_exponent: float | None = None,
     how: Aggregation | None = None,
     device: str | None = None,
+    gamma: float = 1.0,
 ) -> tuple[list[Message], RoundState]:
     """One ``train`` message per node (``nodes`` in canonical order) and the round's state.
 
@@ -168,7 +169,8 @@ def shard_round(
     node's shard and its settings (``settings(node)`` on top of the caller's ``config``);
     ``lr`` is the round's learning rate, for the metrics; ``how`` bounds the replies and
     sets the averaging rule (default: :class:`Aggregation`'s defaults); ``device`` is where the
-    SVD and the rebuild run.
+    SVD and the rebuild run; ``gamma`` is the annealed methods' spectrum exponent
+    (:func:`~fedshard.sampling.plan_round`).
     """
     t0 = time.perf_counter()
     spectra = {layer: layer_spectrum(_weight(arrays, layer), device)
@@ -176,7 +178,8 @@ def shard_round(
     t1 = time.perf_counter()
     plan = plan_round({k: s.lam for k, s in spectra.items()},
                       [(n, c.keep_ratio) for n, c in nodes.items()], method, design, seed=seed,
-                      server_round=server_round, scaled=scaled, prism_exponent=prism_exponent)
+                      server_round=server_round, scaled=scaled, prism_exponent=prism_exponent,
+                      gamma=gamma)
     t2 = time.perf_counter()
     messages, sent = [], {}
     current = {k: a.numpy() for k, a in arrays.items()}  # decoded once, shared by all nodes
@@ -187,6 +190,8 @@ def shard_round(
         messages.append(Message(RecordDict({P.ARRAYS: record, P.CONFIG: cfg}), dst_node_id=node,
                                 message_type=MessageType.TRAIN, group_id=str(server_round)))
     metrics = send_metrics(arrays, sent, lr, (t0, t1, t2, time.perf_counter()))
+    if gamma != 1.0:
+        metrics["anneal-exponent"] = gamma
     state = RoundState(server_round, arrays, spectra, sent, {**metrics, **plan.anme}, current,
                        messages, how if how is not None else Aggregation(), device)
     log(INFO, "configure_train: round %d, %d nodes (keep ratios %s), lr=%.4g, svd %.2fs, "

@@ -19,7 +19,14 @@ from fedshard import protocol as P
 from fedshard import rounds
 from fedshard.nodes import KeepRatioRules, NodeDirectory
 from fedshard.privacy import refuse_wrappers
-from fedshard.sampling import SHARDING_METHODS, Stream, method_problems, stream_rng
+from fedshard.sampling import (
+    ANNEALED_METHODS,
+    SHARDING_METHODS,
+    Stream,
+    anneal_exponent,
+    method_problems,
+    stream_rng,
+)
 from fedshard.schedule import DEFAULT_LR, LR_SCHEDULES, base_lr, round_lr, schedule_length
 from fedshard.spectral import multipliers_can_compound, sharded_layer_names
 from fedshard.telemetry import mean_client_metrics
@@ -48,7 +55,10 @@ class SpectralSharding(FedAvg):
     method : str
         ``"unbiased"`` (Theorem 1, ω = 1/π), ``"collective"`` (Theorem 2, C = group size),
         ``"top-n"`` (FedHM), ``"prism"`` (successive sampling ∝ λᵏ, ω = 1),
-        ``"prism-wallenius"`` (ω = 1/π, π the Wallenius mean) or ``"none"`` (FedAvg).
+        ``"prism-wallenius"`` (ω = 1/π, π the Wallenius mean), ``"anneal-unbiased"`` /
+        ``"anneal-collective"`` (Theorem 1 / 2 on ``λ^γ_t``, γ annealed from ``anneal_exponent``
+        to 1 over ``anneal_rounds`` rounds: :mod:`fedshard.sampling.anneal`) or ``"none"``
+        (FedAvg).
     design : str
         ``"cps"`` (conditional Poisson), ``"brewer"`` or ``"min-support"``, for unbiased and
         collective (PriSM samples successively, Top-n is deterministic).
@@ -56,6 +66,8 @@ class SpectralSharding(FedAvg):
         +Scaled (ω_i = sqrt(Σλ²/Σ_sampled λ²)); only with ``top-n`` or ``prism``.
     prism_exponent : float or None
         PriSM's k; ``None`` = 4 if n/N ≤ 0.2 else 2.5.
+    anneal_exponent, anneal_rounds : float, int
+        γ₀ ≥ 1 and T ≥ 1 of the annealed methods (ignored by the others).
     lr, local_epochs, batch_size, momentum, frobenius_decay, clip_lr_tau, weight_decay :
         Local training (:class:`fedshard.protocol.TrainSettings`; ``clip_lr_tau=None``: off);
         ``lr=None``: the ``train_config["lr"]`` given to :meth:`start`, else 0.05.
@@ -94,6 +106,8 @@ class SpectralSharding(FedAvg):
         design: str = "cps",
         scaled: bool = False,
         prism_exponent: float | None = None,
+        anneal_exponent: float = 8.0,
+        anneal_rounds: int = 30,
         lr: float | None = None,
         local_epochs: int = 1,
         batch_size: int = 32,
@@ -135,6 +149,8 @@ class SpectralSharding(FedAvg):
             (num_rounds is not None and num_rounds < 1, f"num_rounds={num_rounds}: expected ≥ 1"),
             (lr_schedule not in LR_SCHEDULES, f"lr_schedule={lr_schedule!r}: expected one of "
              f"{LR_SCHEDULES}"), (lr is not None and not lr > 0, f"lr={lr}: expected > 0"),
+            (not anneal_exponent >= 1, f"anneal_exponent={anneal_exponent}: expected γ₀ ≥ 1"),
+            (anneal_rounds < 1, f"anneal_rounds={anneal_rounds}: expected T ≥ 1"),
             (len(set(sharded_layers)) != len(sharded_layers),
              f"sharded_layers={list(sharded_layers)}: names repeat")) if bad]
         if problems:
@@ -144,6 +160,7 @@ class SpectralSharding(FedAvg):
         self.num_rounds, self.lr_schedule, self._given_rounds = num_rounds, lr_schedule, num_rounds
         self.method, self.design, self.scaled, self._given_lr = method, design, scaled, lr
         self.prism_exponent, self.seed, self.device = prism_exponent, seed, device
+        self.anneal = (float(anneal_exponent), int(anneal_rounds))
         # The settings every node gets; round, lr, keep ratio and seed are set per node.
         self.training = P.TrainSettings(
             server_round=0, lr=lr or DEFAULT_LR, local_epochs=local_epochs, batch_size=batch_size,
@@ -251,7 +268,9 @@ class SpectralSharding(FedAvg):
             server_round, arrays, self.sharded_layers, nodes,
             lambda node: self._settings(server_round, node, lr), config, lr=lr,
             method=self.method, design=self.design, seed=self.seed, scaled=self.scaled,
-            prism_exponent=self.prism_exponent, how=self.how, device=self.device)
+            prism_exponent=self.prism_exponent, how=self.how, device=self.device,
+            gamma=anneal_exponent(server_round, *self.anneal)
+            if self.method in ANNEALED_METHODS else 1.0)
         return messages
 
     def _settings(self, server_round: int, node: P.Capabilities, lr: float) -> P.TrainSettings:

@@ -13,6 +13,12 @@ exploration measure of Korzhenkov & Louizos (NeurIPS 2024).
 >>> subsets = draw_subsets(pi, 5, design="cps", rng=0)  # (5, 2) sorted term indices
 """
 
+from fedshard.sampling.anneal import (
+    ANNEALED_METHODS,
+    anneal_exponent,
+    annealed_probabilities,
+    base_method,
+)
 from fedshard.sampling.cps import ConditionalPoisson
 from fedshard.sampling.designs import (
     DESIGNS,
@@ -43,6 +49,7 @@ from fedshard.sampling.validation import as_keep_ratio
 from fedshard.sampling.wallenius import wallenius_mean
 
 __all__ = [
+    "ANNEALED_METHODS",
     "DESIGNS",
     "METHODS",
     "SAMPLING_DESIGNS",
@@ -54,7 +61,10 @@ __all__ = [
     "RoundPlan",
     "Stream",
     "anme",
+    "anneal_exponent",
+    "annealed_probabilities",
     "as_keep_ratio",
+    "base_method",
     "default_prism_exponent",
     "draw_layer",
     "draw_subsets",

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fedshard.sampling.anneal import ANNEALED_METHODS, annealed_probabilities
 from fedshard.sampling.designs import draw_subsets
 from fedshard.sampling.entropy import anme
 from fedshard.sampling.probabilities import (
@@ -36,8 +37,10 @@ __all__ = [
 ]
 
 #: Strategies a run can use (``"none"``: no sharding, FedAvg of the dense model).
-SHARDING_METHODS = ("unbiased", "collective", "top-n", "prism", "prism-wallenius", "none")
-#: Designs with exact marginals π, for ``unbiased`` and ``collective``.
+SHARDING_METHODS = ("unbiased", "collective", "top-n", "prism", "prism-wallenius",
+                    *ANNEALED_METHODS, "none")
+#: Designs with exact marginals π, for ``unbiased`` and ``collective`` (and their annealed
+#: versions, :mod:`fedshard.sampling.anneal`).
 SAMPLING_DESIGNS = ("cps", "brewer", "min-support")
 #: Methods whose ω may be replaced by +Scaled's (the others' ω are part of the method).
 SCALABLE_METHODS = ("top-n", "prism")
@@ -93,7 +96,9 @@ class RoundPlan:
         client -> layer -> ``(indices (n,) int64 sorted, ω (n,) float64)``.
     anme : dict
         ``"anme-r<r>"`` per keep-ratio group (the paper's exploration measure over the
-        group's layers) and ``"anme"``, their mean weighted by group size.
+        group's layers) and ``"anme"``, their mean weighted by group size; also
+        ``"untrained-energy"``: the share of ``Σ_layers Σᵢ λᵢ²`` held by terms no client can
+        draw this round (π = 0 in every group; Top-n: the tail beyond the largest ``⌈rN⌉``).
     """
 
     terms: dict[int, dict[str, Terms]]
@@ -108,6 +113,7 @@ def draw_layer(
     design: str,
     rng: np.random.Generator,
     prism_exponent: float | None = None,
+    gamma: float = 1.0,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Subsets ``(C, n)``, ω ``(N,)`` and π ``(N,)`` of one layer for one keep-ratio group.
 
@@ -117,6 +123,8 @@ def draw_layer(
     (ω = C/(1+π(C−1))), both drawn with ``design``. ``prism`` / ``prism-wallenius``: successive
     sampling ∝ λᵏ (numpy's ``choice``; k = ``prism_exponent`` or the paper's default), ω = 1
     or 1/π with π the Wallenius mean. ``top-n``: the n largest terms, ω = 1.
+    ``anneal-unbiased`` / ``anneal-collective``: Theorem 1 / 2 on ``λ^gamma``
+    (:func:`~fedshard.sampling.anneal.annealed_probabilities`), drawn with ``design``.
     """
     n = num_terms(lam.size, keep_ratio)
     if method in ("prism", "prism-wallenius"):
@@ -128,6 +136,9 @@ def draw_layer(
     elif method == "top-n":
         pi, omega = inclusion_probabilities(lam, n, "top-n")
         subsets = draw_subsets(pi, num_clients, design="top-n", rng=rng)
+    elif method in ANNEALED_METHODS:
+        pi, omega = annealed_probabilities(lam, n, method, gamma, num_clients)
+        subsets = draw_subsets(pi, num_clients, design=design, rng=rng)
     else:
         pi, omega = inclusion_probabilities(lam, n, method, num_clients=num_clients)
         subsets = draw_subsets(pi, num_clients, design=design, rng=rng)
@@ -144,6 +155,7 @@ def plan_round(
     server_round: int,
     scaled: bool = False,
     prism_exponent: float | None = None,
+    gamma: float = 1.0,
 ) -> RoundPlan:
     """Per client and layer: the term indices and their ω.
 
@@ -163,20 +175,26 @@ def plan_round(
         +Scaled: ω of each client's subset is ``sqrt(Σλ² / Σ_subset λ²)``.
     prism_exponent : float or None
         PriSM's k (``None``: 4 if n/N ≤ 0.2 else 2.5).
+    gamma : float
+        The spectrum exponent of the annealed methods this round
+        (:func:`~fedshard.sampling.anneal.anneal_exponent`); the others ignore it.
     """
     ratios = dict(clients)
     terms: dict[int, dict[str, Terms]] = {c: {} for c, _ in clients}
     groups = sorted(set(ratios.values()))
     metrics: dict[str, float] = {}
     weighted = 0.0
+    # layer -> (N,) whether some group can draw the term this round
+    reachable = {layer: np.zeros(lam.size, dtype=bool) for layer, lam in spectra.items()}
     for g, ratio in enumerate(groups):
         members = [c for c, r in clients if r == ratio]
         pis = []
         for li, (layer, lam) in enumerate(spectra.items()):
             rng = stream_rng(seed, server_round, Stream.TERMS, li, g)
             subsets, omega, pi = draw_layer(lam, ratio, len(members), method, design, rng,
-                                            prism_exponent)
+                                            prism_exponent, gamma)
             pis.append(pi)
+            reachable[layer] |= pi > 0
             for client, subset in zip(members, subsets, strict=True):
                 if scaled:
                     omega_sub = np.asarray(scaled_multipliers(lam, subset), np.float64)
@@ -189,4 +207,16 @@ def plan_round(
             weighted += value * len(members)
     if spectra:
         metrics["anme"] = weighted / len(ratios)
+        metrics["untrained-energy"] = _untrained_energy(spectra, reachable)
     return RoundPlan(terms, metrics)
+
+
+def _untrained_energy(spectra: Mapping[str, np.ndarray],
+                      reachable: Mapping[str, np.ndarray]) -> float:
+    """``Σ_layers Σ_{i unreachable} λᵢ² / Σ_layers Σᵢ λᵢ²`` (0 for an all-zero model)."""
+    top = max((float(lam.max()) for lam in spectra.values() if lam.size), default=0.0)
+    if top == 0:
+        return 0.0
+    energy = {k: (lam / top) ** 2 for k, lam in spectra.items()}  # scaled: no overflow
+    total = sum(float(e.sum()) for e in energy.values())
+    return sum(float(e[~reachable[k]].sum()) for k, e in energy.items()) / total

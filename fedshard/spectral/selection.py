@@ -18,7 +18,8 @@ def multipliers_can_compound(model: nn.Module, method: str, layers: Iterable[str
     """Whether ω > 1 (Unbiased, Collective, PriSM + Wallenius) can compound from sharded layer
     to sharded layer: some layer is sharded and the model has no normalization layer."""
     norms = (nn.GroupNorm, nn.LayerNorm, nn.modules.batchnorm._BatchNorm)
-    return method in ("unbiased", "collective", "prism-wallenius") and any(True for _ in layers) \
+    return method in ("unbiased", "collective", "prism-wallenius", "anneal-unbiased",
+                      "anneal-collective") and any(True for _ in layers) \
         and not any(isinstance(m, norms) for m in model.modules())
 
 logger = logging.getLogger(__name__)
