@@ -25,13 +25,14 @@ The wire format is :mod:`fedshard.protocol`'s; the model is any torch model whos
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -158,15 +159,29 @@ def handle_train(
     Returns
     -------
     flwr.app.Message
-        The reply (:meth:`Shard.reply`) with ``train-loss`` and ``train-accuracy``.
+        The reply (:meth:`Shard.reply`) with ``train-loss`` and ``train-accuracy``. When the
+        message carries the dense model (:data:`fedshard.protocol.REFERENCE`, the server's
+        ``fedavg-cosine``), a dense copy is trained too, with the same settings and data order,
+        and sent back under that name (its ``fedavg-train-loss`` in the metrics).
     """
+    dense = copy.deepcopy(model) if P.REFERENCE in msg.content.array_records else None
     shard = receive(msg, model, device=device)
     s = shard.settings
-    loader = _loader(data, s.batch_size, s.train_seed)
     options = {"input_key": input_key, "target_key": target_key, **dict(train_options or {})}
-    result = train(shard.model, loader, shard.train_config(**options))
-    return shard.reply(result.num_examples,
-                       {P.TRAIN_LOSS: result.loss, P.TRAIN_ACCURACY: result.accuracy})
+    result = train(shard.model, _loader(data, s.batch_size, s.train_seed),
+                   shard.train_config(**options))
+    metrics = {P.TRAIN_LOSS: result.loss, P.TRAIN_ACCURACY: result.accuracy}
+    if dense is None:
+        return shard.reply(result.num_examples, metrics)
+    record = msg.content.array_records[P.REFERENCE]
+    dense.load_state_dict({k: torch.as_tensor(np.array(a.numpy())) for k, a in record.items()},
+                          strict=True)
+    ref = train(dense.to(shard.device), _loader(data, s.batch_size, s.train_seed),
+                shard.train_config(**options))
+    reply = shard.reply(result.num_examples, {**metrics, "fedavg-train-loss": ref.loss})
+    reply.content[P.REFERENCE] = ArrayRecord(
+        {k: Array(v.detach().cpu().numpy()) for k, v in dense.state_dict().items()})
+    return reply
 
 
 def handle_evaluate(

@@ -72,6 +72,7 @@ def build_strategy(cfg: RunConfig, model: nn.Module, device: str = "cpu") -> Spe
         keep_ratio_table=(load_keep_ratio_table(cfg.keep_ratio_table)
                           if cfg.keep_ratio_table else None),
         lr_schedule=cfg.lr_schedule,
+        fedavg_cosine=cfg.fedavg_cosine,
     )
 
 

@@ -19,6 +19,7 @@ from flwr.common import MessageType
 from flwr.common.logger import log
 
 from fedshard import protocol as P
+from fedshard.reference import check_reference, fedavg_cosines
 from fedshard.sampling import plan_round
 from fedshard.spectral.aggregate import aggregate_state, check_aggregation
 from fedshard.spectral.decompose import LayerSpectrum, layer_spectrum
@@ -71,6 +72,8 @@ class RoundState:
     messages: list[Message] = field(default_factory=list)  # ids are set when pushed
     how: Aggregation = field(default_factory=Aggregation)
     device: str | None = None  # where the SVD and the rebuild run (None: numpy on the host)
+    reference: bool = False  # fedavg-cosine: nodes were sent the dense model to train too
+    references: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)  # node -> state
 
     def collect(self, replies: Iterable[Message]) -> tuple[list[P.TrainReply], Counter[str], int]:
         """The valid replies, the dropped ones counted by reason (each logged), and the
@@ -98,6 +101,8 @@ class RoundState:
                     "than max_update_ratio=%g times what it was sent (largest ratio %.3g); "
                     "the change is clipped to the bound.", self.server_round, node,
                     reply.clipped, self.how.limits.max_update_ratio, reply.update_ratio)
+            if self.reference:
+                self._keep_reference(msg, node)
             if reply.ignored_metrics:
                 log(WARNING, "Round %d: node %d sent metrics that are not averaged (%s); its "
                     "arrays are still used.", self.server_round, node,
@@ -114,6 +119,8 @@ class RoundState:
         accepted, dropped, missing = self.collect(replies)
         new_arrays = self.aggregate(accepted) if accepted else None
         metrics = reply_metrics(self.metrics, accepted, dropped, missing)
+        if self.reference and new_arrays is not None:
+            metrics.update(self.cosines(accepted, new_arrays))
         if new_arrays is None:
             log(WARNING, "Round %d: no usable aggregate (%d replies used, %d dropped, %d "
                 "missing); the global model is kept unchanged.", self.server_round,
@@ -125,6 +132,30 @@ class RoundState:
         log(INFO, "Round %d server metrics: %s", self.server_round,
             ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
         return new_arrays, client, metrics
+
+    def _keep_reference(self, msg: Message, node: int) -> None:
+        current = self.current or {k: a.numpy() for k, a in self.arrays.items()}
+        ref = check_reference(msg, current)
+        if isinstance(ref, str):
+            log(WARNING, "Round %d: node %d's dense reference is not used for fedavg-cosine "
+                "(%s); its shard is aggregated as usual.", self.server_round, node,
+                one_line(ref))
+        else:
+            self.references[node] = ref
+
+    def cosines(self, accepted: Sequence[P.TrainReply],
+                new_arrays: ArrayRecord) -> dict[str, float]:
+        """``fedavg-cosine`` (:mod:`fedshard.reference`) over the accepted replies that came
+        with a usable dense reference, and ``fedavg-references``: how many did."""
+        used = [r for r in accepted if r.node in self.references]
+        out = {"fedavg-references": float(len(used))}
+        if used:
+            current = self.current or {k: a.numpy() for k, a in self.arrays.items()}
+            new = {k: a.numpy() for k, a in new_arrays.items()}
+            out.update(fedavg_cosines(current, new, [self.references[r.node] for r in used],
+                                      [r.weight for r in used], list(self.spectra)))
+        self.references.clear()
+        return out
 
     def aggregate(self, accepted: Sequence[P.TrainReply]) -> ArrayRecord | None:
         """The new global model from the valid replies (:func:`aggregate_state`), or
@@ -161,7 +192,8 @@ def shard_round(
     prism_exponent: float | None = None,
     how: Aggregation | None = None,
     device: str | None = None,
-    gamma: float = 1.0,
+    gamma: float | None = None,
+    reference: bool = False,
 ) -> tuple[list[Message], RoundState]:
     """One ``train`` message per node (``nodes`` in canonical order) and the round's state.
 
@@ -170,7 +202,8 @@ def shard_round(
     ``lr`` is the round's learning rate, for the metrics; ``how`` bounds the replies and
     sets the averaging rule (default: :class:`Aggregation`'s defaults); ``device`` is where the
     SVD and the rebuild run; ``gamma`` is the annealed methods' spectrum exponent
-    (:func:`~fedshard.sampling.plan_round`).
+    (:func:`~fedshard.sampling.plan_round`; ``None``: not an annealed method); with
+    ``reference`` every node also gets the dense model to train (``fedavg-cosine``).
     """
     t0 = time.perf_counter()
     spectra = {layer: layer_spectrum(_weight(arrays, layer), device)
@@ -179,7 +212,7 @@ def shard_round(
     plan = plan_round({k: s.lam for k, s in spectra.items()},
                       [(n, c.keep_ratio) for n, c in nodes.items()], method, design, seed=seed,
                       server_round=server_round, scaled=scaled, prism_exponent=prism_exponent,
-                      gamma=gamma)
+                      gamma=1.0 if gamma is None else gamma)
     t2 = time.perf_counter()
     messages, sent = [], {}
     current = {k: a.numpy() for k, a in arrays.items()}  # decoded once, shared by all nodes
@@ -187,13 +220,16 @@ def shard_round(
         record, sent[node] = P.encode_shard(arrays, spectra, terms, nodes[node].keep_ratio,
                                             current)
         cfg = settings(nodes[node]).to_record(config)
-        messages.append(Message(RecordDict({P.ARRAYS: record, P.CONFIG: cfg}), dst_node_id=node,
-                                message_type=MessageType.TRAIN, group_id=str(server_round)))
+        content = RecordDict({P.ARRAYS: record, P.CONFIG: cfg})
+        if reference:  # read-only on the wire: one shared record
+            content[P.REFERENCE] = arrays
+        messages.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN,
+                                group_id=str(server_round)))
     metrics = send_metrics(arrays, sent, lr, (t0, t1, t2, time.perf_counter()))
-    if gamma != 1.0:
+    if gamma is not None:
         metrics["anneal-exponent"] = gamma
     state = RoundState(server_round, arrays, spectra, sent, {**metrics, **plan.anme}, current,
-                       messages, how if how is not None else Aggregation(), device)
+                       messages, how if how is not None else Aggregation(), device, reference)
     log(INFO, "configure_train: round %d, %d nodes (keep ratios %s), lr=%.4g, svd %.2fs, "
         "sampling %.2fs, packing %.2fs", server_round, len(messages),
         dict(Counter(c.keep_ratio for c in nodes.values())), lr, metrics["svd-s"],

@@ -84,6 +84,9 @@ class SpectralSharding(FedAvg):
         Node rules (:class:`fedshard.nodes.KeepRatioRules`).
     device : str or None
         Where the SVD and the rebuild of W run (e.g. ``"cuda"``); ``None``: the CPU.
+    fedavg_cosine : bool
+        The paper's post-gradient analysis (:mod:`fedshard.reference`): nodes also train a
+        dense copy and each round's metrics get ``fedavg-cosine``. Doubles the nodes' work.
     lr_schedule : str
         ``"cosine"`` (the paper's, over ``num_rounds``) or ``"constant"``.
     train_metrics_aggr_fn, evaluate_metrics_aggr_fn : callable, optional
@@ -132,6 +135,7 @@ class SpectralSharding(FedAvg):
         keep_ratio_table: Mapping[str, float] | None = None,
         device: str | None = None,
         lr_schedule: str = "cosine",
+        fedavg_cosine: bool = False,
         train_metrics_aggr_fn: rounds.MetricsAggrFn | None = None,
         evaluate_metrics_aggr_fn: rounds.MetricsAggrFn | None = None,
     ) -> None:
@@ -161,6 +165,7 @@ class SpectralSharding(FedAvg):
         self.method, self.design, self.scaled, self._given_lr = method, design, scaled, lr
         self.prism_exponent, self.seed, self.device = prism_exponent, seed, device
         self.anneal = (float(anneal_exponent), int(anneal_rounds))
+        self.fedavg_cosine = bool(fedavg_cosine)
         # The settings every node gets; round, lr, keep ratio and seed are set per node.
         self.training = P.TrainSettings(
             server_round=0, lr=lr or DEFAULT_LR, local_epochs=local_epochs, batch_size=batch_size,
@@ -270,7 +275,7 @@ class SpectralSharding(FedAvg):
             method=self.method, design=self.design, seed=self.seed, scaled=self.scaled,
             prism_exponent=self.prism_exponent, how=self.how, device=self.device,
             gamma=anneal_exponent(server_round, *self.anneal)
-            if self.method in ANNEALED_METHODS else 1.0)
+            if self.method in ANNEALED_METHODS else None, reference=self.fedavg_cosine)
         return messages
 
     def _settings(self, server_round: int, node: P.Capabilities, lr: float) -> P.TrainSettings:

@@ -57,7 +57,14 @@ def test_all_problems_reported_at_once() -> None:
      ({"method": "unbiased", "scaled": True}, "scaled=true with method='unbiased'"),
      ({"momentum": 1.0}, "momentum=1.0"),
      ({"dirichlet-alpha": -1.0}, "dirichlet-alpha=-1.0"),
-     ({"scaled": "yes"}, "scaled='yes': expected bool")],
+     ({"scaled": "yes"}, "scaled='yes': expected bool"),
+     ({"method": "anneal-collective", "scaled": True},
+      "scaled=true with method='anneal-collective'"),
+     ({"anneal-exponent": 0.5}, r"anneal-exponent=0.5: expected γ₀ ≥ 1"),
+     ({"anneal-rounds": 0}, "anneal-rounds=0: expected ≥ 1"),
+     ({"init-keep-ratio": 0.0}, r"init-keep-ratio=0.0: expected in \(0, 1\]"),
+     ({"init-keep-ratio": 1.5}, r"init-keep-ratio=1.5: expected in \(0, 1\]"),
+     ({"fedavg-cosine": 1}, "fedavg-cosine=1: expected bool")],
 )
 def test_single_problems(overrides: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):

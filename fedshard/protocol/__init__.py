@@ -23,6 +23,12 @@ Messages
     echoed unchanged, the dense entries trained. Same shapes and dtypes as sent, finite values.
     ``"metrics"`` (:class:`~flwr.app.MetricRecord`): ``num-examples`` (> 0, the aggregation
     weight D), ``train-loss``, ``train-accuracy``.
+``train``, optional ``"fedavg-reference"`` (:data:`REFERENCE`, only with ``fedavg-cosine``)
+    An :class:`~flwr.app.ArrayRecord` with the dense global ``state_dict``: the node also
+    trains a dense copy of it with the same settings and data order (as ``method = "none"``
+    trains) and replies with the trained dense ``state_dict`` under the same name (same keys,
+    shapes and dtypes, finite). It feeds the ``fedavg-cosine`` metric only; a node that leaves
+    it out still has its shard aggregated.
 ``evaluate`` (server → node, only when client-side evaluation is on)
     ``"arrays"``: the dense global ``state_dict``; ``"config"``: ``server-round``. Reply
     ``"metrics"``: ``num-examples``, ``eval-loss``, ``eval-accuracy``.
@@ -47,6 +53,7 @@ from fedshard.protocol.keys import (
     NODE_KEY,
     NUM_EXAMPLES,
     QUERY,
+    REFERENCE,
     TRAIN_ACCURACY,
     TRAIN_LOSS,
     factor_key,
@@ -76,6 +83,7 @@ __all__ = [
     "NODE_KEY",
     "NUM_EXAMPLES",
     "QUERY",
+    "REFERENCE",
     "TRAIN_ACCURACY",
     "TRAIN_CONFIG_KEYS",
     "TRAIN_LOSS",

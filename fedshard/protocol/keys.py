@@ -4,7 +4,8 @@ from __future__ import annotations
 
 __all__ = [
     "ARRAYS", "CAPABILITIES", "CONFIG", "EVAL_ACCURACY", "EVAL_LOSS", "KEEP_RATIO", "LR", "METRICS",
-    "NODE_KEY", "NUM_EXAMPLES", "QUERY", "TRAIN_ACCURACY", "TRAIN_LOSS", "factor_key",
+    "NODE_KEY", "NUM_EXAMPLES", "QUERY", "REFERENCE", "TRAIN_ACCURACY", "TRAIN_LOSS",
+    "factor_key",
     "is_factor_key", "layer_of",
 ]
 
@@ -14,6 +15,7 @@ CONFIG = "config"
 METRICS = "metrics"
 QUERY = "query"
 CAPABILITIES = "capabilities"
+REFERENCE = "fedavg-reference"  # the dense model a node also trains when fedavg-cosine is on
 
 # Capability / metric keys
 KEEP_RATIO = "keep-ratio"

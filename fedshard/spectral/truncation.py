@@ -49,10 +49,13 @@ def truncate_weight(weight: np.ndarray, keep_ratio: float) -> tuple[np.ndarray, 
     if w.ndim < 2 or not np.issubdtype(w.dtype, np.floating):
         raise ValueError(f"truncate_weight() expects a floating weight with >= 2 dimensions, "
                          f"got dtype {w.dtype} and shape {w.shape}; nothing was truncated.")
-    mat = w.reshape(w.shape[0], -1).astype(np.float64)  # (c_out, c_in·k·k)
-    u, lam, vt = np.linalg.svd(mat, full_matrices=False)  # (c_out, N), (N,), (N, cols)
+    # torch's SVD, as fedshard.spectral.decompose: numpy's (OpenBLAS) can hang when called
+    # from the ServerApp's thread inside Flower's simulation process (seen with Ray, 2 cores).
+    mat = torch.from_numpy(w.reshape(w.shape[0], -1).astype(np.float64))  # (c_out, c_in·k·k)
+    u_t, lam_t, vt_t = torch.linalg.svd(mat, full_matrices=False)  # (c_out, N), (N,), (N, cols)
+    lam = lam_t.numpy()
     n = num_terms(lam.size, keep_ratio)
-    out = (u[:, :n] * lam[:n]) @ vt[:n]
+    out = ((u_t[:, :n] * lam_t[:n]) @ vt_t[:n]).numpy()
     energy = float(np.sum(lam**2))
     tail = float(np.sum(lam[n:] ** 2))
     share = tail / energy if energy > 0 else 0.0
