@@ -18,6 +18,8 @@ results folder:
 - ``anme.png`` - average normalized marginal entropy per strategy and column, mean over
   rounds and seeds, with the std over seeds (the paper's Fig. 1b, Sec. 4.3).
 - ``results.json`` - every cell's per-seed numbers.
+- ``milestones.md`` and, where runs recorded diagnostics, ``diagnostics.png``:
+  :mod:`fedshard.experiments.diagnostics`.
 
 Plots need matplotlib (``pip install 'fedshard[plots]'``); it is imported only here, with the
 Agg canvas (no display, no global backend switch).
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fedshard.experiments.diagnostics import milestones_markdown, plot_diagnostics
 from fedshard.experiments.runner import RunState, run_status
 from fedshard.experiments.suite import RunSpec, Suite
 
@@ -114,6 +117,8 @@ class ReportFiles:
     results: Path
     accuracy_plot: Path
     anme_plot: Path
+    milestones: Path | None = None
+    diagnostics_plot: Path | None = None  # only when some run recorded a diagnostic
 
 
 def _finite(value: Any) -> bool:
@@ -518,6 +523,10 @@ def write_report(suite: Suite, out_dir: Path | None = None) -> ReportFiles:
     table.write_text(markdown_report(suite, cells))
     results = out / "results.json"
     results.write_text(json.dumps(results_json(suite, cells), indent=2))
+    milestones = out / "milestones.md"
+    milestones.write_text(milestones_markdown(cells))
     accuracy = plot_accuracy(suite, cells, out / "accuracy.png")
     anme = plot_anme(suite, cells, out / "anme.png")
-    return ReportFiles(table=table, results=results, accuracy_plot=accuracy, anme_plot=anme)
+    extra = plot_diagnostics(cells, out / "diagnostics.png")
+    return ReportFiles(table=table, results=results, accuracy_plot=accuracy, anme_plot=anme,
+                       milestones=milestones, diagnostics_plot=extra)

@@ -1,0 +1,133 @@
+"""Report sections beyond the main table: accuracy at milestone rounds, and the per-round
+diagnostics (``diagnostics``/``fedavg-cosine`` runs) as curves.
+
+- ``milestones.md`` - per finished run: test accuracy (%) at rounds 10 and 20 (where evaluated),
+  at its last round, and the mean of its last :data:`~fedshard.experiments.report.LAST_EVALS`
+  evaluations; then the same per cell (mean over seeds).
+- ``diagnostics.png`` - one panel per diagnostic any run recorded (:data:`DIAGNOSTICS`), one
+  line per run: the accuracy of the global model against the accuracy of its top-⌈rN⌉
+  truncation, the energy share of the terms no client could draw, and the FedAvg cosine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DIAGNOSTICS", "MILESTONES", "metric_curves", "milestones_markdown",
+           "plot_diagnostics"]
+
+#: Rounds whose accuracy the milestone table reports (besides the last round).
+MILESTONES = (10, 20)
+#: Per-round metrics drawn by :func:`plot_diagnostics` (metric -> panel title).
+DIAGNOSTICS = {
+    "test-accuracy-top-n": "test accuracy of the top-⌈rN⌉ truncation (%)",
+    "tail-energy-top-n": "energy share beyond the top ⌈rN⌉ terms",
+    "untrained-energy": "energy share of terms no client could draw",
+    "fedavg-cosine": "cos(strategy update, FedAvg update)",
+}
+_PERCENT = ("test-accuracy", "test-accuracy-top-n")
+
+
+def metric_curves(directory: Path, metrics: Sequence[str]) -> dict[str, list[tuple[int, float]]]:
+    """``metric -> [(round, value), ...]`` from a run's ``metrics.jsonl`` (finite values only;
+    accuracies in %). A missing or unreadable file gives no curves."""
+    try:
+        lines = (Path(directory) / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return {}
+    out: dict[str, list[tuple[int, float]]] = {m: [] for m in metrics}
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        for m in metrics:
+            value = row.get(m)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) \
+                    and math.isfinite(value):
+                out[m].append((int(row.get("round", 0)), 100.0 * value if m in _PERCENT
+                               else float(value)))
+    return {m: c for m, c in out.items() if c}
+
+
+def _at(curve: Sequence[tuple[int, float]], server_round: int) -> float | None:
+    return next((a for r, a in curve if r == server_round), None)
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"
+
+
+def milestones_markdown(cells: Sequence[Any]) -> str:
+    """The milestone tables (see the module) for report cells (``report.Cell``)."""
+    heads = [f"Round {r}" for r in MILESTONES]
+    lines = ["# Accuracy at milestone rounds", "",
+             "Test accuracy (%) at rounds " + ", ".join(map(str, MILESTONES)) + ", at the last "
+             "round, and the mean of the last five evaluations (rounds ≥ 1).", "",
+             "| Strategy | Column | Seed | " + " | ".join(heads) + " | Last round | Last 5 |",
+             "|---|---|---|" + "---|" * (len(heads) + 2)]
+    summary = []
+    for cell in cells:
+        per_seed = []
+        for run in cell.runs:
+            values = [_at(run.curve, r) for r in MILESTONES]
+            last = run.curve[-1] if run.curve else None
+            per_seed.append([*values, last[1] if last else None, run.recent_mean])
+            last_text = f"{last[1]:.2f} (r{last[0]})" if last else "—"
+            lines.append(f"| {cell.label} | {cell.column or '(reference)'} | {run.spec.seed} | "
+                         + " | ".join(_pct(v) for v in values)
+                         + f" | {last_text} | {_pct(run.recent_mean)} |")
+        if per_seed:
+            means = []
+            for col in zip(*per_seed, strict=True):
+                got = [v for v in col if v is not None]
+                means.append(statistics.fmean(got) if len(got) == len(col) else None)
+            summary.append(f"| {cell.label} | {cell.column or '(reference)'} | "
+                           f"{len(per_seed)} | " + " | ".join(_pct(v) for v in means) + " |")
+    lines += ["", "Mean over the seeds that finished (— where a seed lacks the round):", "",
+              "| Strategy | Column | Seeds | " + " | ".join(heads) + " | Last round | Last 5 |",
+              "|---|---|---|" + "---|" * (len(heads) + 2), *summary, ""]
+    return "\n".join(lines)
+
+
+def plot_diagnostics(cells: Sequence[Any], path: Path) -> Path | None:
+    """``diagnostics.png`` (see the module), or ``None`` when no run recorded a diagnostic."""
+    runs = [(cell, run) for cell in cells for run in cell.runs]
+    curves = {id(run): metric_curves(run.spec.directory, ["test-accuracy", *DIAGNOSTICS])
+              for _, run in runs}
+    present = [m for m in DIAGNOSTICS if any(m in c for c in curves.values())]
+    if not present:
+        return None
+    from fedshard.experiments.report import _colors, _matplotlib
+
+    _, Figure, FigureCanvasAgg = _matplotlib()
+    fig = Figure(figsize=(5.2 * len(present), 5.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(present), squeeze=False)[0]
+    names = [f"{c.label} / {c.column or 'ref'}" for c, _ in runs]
+    colors = _colors(list(dict.fromkeys(names)))
+    styles = ["-", "--", ":", "-."]
+    for ax, metric in zip(axes, present, strict=True):
+        for (_cell, run), name in zip(runs, names, strict=True):
+            curve = curves[id(run)].get(metric)
+            if not curve:
+                continue
+            ax.plot([r for r, _ in curve], [v for _, v in curve],
+                    styles[run.spec.seed % len(styles)], color=colors[name], lw=1.3,
+                    label=f"{name}, seed {run.spec.seed}")
+            if metric == "test-accuracy-top-n":  # the model itself, thin, for comparison
+                full = curves[id(run)].get("test-accuracy", [])
+                ax.plot([r for r, _ in full], [v for _, v in full], styles[run.spec.seed % 4],
+                        color=colors[name], lw=0.6, alpha=0.6)
+        ax.set_title(DIAGNOSTICS[metric], fontsize="small")
+        ax.set_xlabel("round")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="xx-small", loc="upper center", bbox_to_anchor=(0.5, -0.12), ncols=1)
+    fig.suptitle("Diagnostics per round (thin lines in the first panel: the global model itself)")
+    fig.savefig(path, dpi=120)
+    return path

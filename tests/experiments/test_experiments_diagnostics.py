@@ -1,0 +1,74 @@
+"""milestones.md and diagnostics.png from fake run folders: numbers against hand computation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from test_experiments_report import ROOT, png_size
+
+from fedshard.experiments import parse_suite, write_report
+
+
+def _suite(tmp_path: Path, rounds: int = 25) -> Any:
+    data = {"suite": {"name": "d", "results-dir": str(tmp_path / "res"), "num-supernodes": 3,
+                      "seeds": [0, 1]},
+            "defaults": {"model": "mlp", "num-server-rounds": rounds, "min-available-nodes": 3},
+            "runs": [{"label": "A", "column": "c", "method": "top-n"},
+                     {"label": "B", "column": "c", "method": "collective"}]}
+    return parse_suite(data, app_dir=ROOT, source="d.toml")
+
+
+def _finish(spec: Any, acc: dict[int, float], extra: dict[str, dict[int, float]]) -> None:
+    rows = []
+    for r in range(spec.num_rounds + 1):
+        row: dict[str, Any] = {"round": r}
+        if r in acc:
+            row["test-accuracy"] = acc[r]
+        for metric, values in extra.items():
+            if r in values:
+                row[metric] = values[r]
+        rows.append(row)
+    spec.directory.mkdir(parents=True)
+    (spec.directory / "config.json").write_text(json.dumps({"config": spec.config.as_dict()}))
+    (spec.directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    last = max(acc)
+    (spec.directory / "summary.json").write_text(json.dumps({
+        "rounds-completed": spec.num_rounds, "final-test-accuracy": acc[last],
+        "best-test-accuracy": max(acc.values()), "wall-s": 1.0}))
+
+
+def test_milestones_and_diagnostics(tmp_path: Path) -> None:
+    suite = _suite(tmp_path)
+    runs = {(r.label, r.seed): r for r in suite.runs}
+    every5 = [0, 5, 10, 15, 20, 25]
+    # A: accuracy = round / 100 at every evaluation (rounds 0, 5, ..., 25)
+    for seed in (0, 1):
+        _finish(runs["A", seed], {r: r / 100 + seed / 100 for r in every5},
+                {"untrained-energy": {r: 0.8 for r in range(1, 26)},
+                 "test-accuracy-top-n": {r: 0.5 for r in every5}})
+    _finish(runs["B", 0], {r: 0.3 for r in every5}, {})
+    files = write_report(suite)
+    text = files.milestones.read_text()
+    per_run = {tuple(c.strip() for c in line.strip("|").split("|")[:3]): line
+               for line in text.splitlines() if line.startswith("| A") or line.startswith("| B")}
+    # A seed 1: round 10 -> 11 %, round 20 -> 21 %, last (r25) 26 %, last five = 6..26 step 5
+    a1 = [c.strip() for c in per_run["A", "c", "1"].strip("|").split("|")]
+    assert a1[3:] == ["11.00", "21.00", "26.00 (r25)", f"{(6 + 11 + 16 + 21 + 26) / 5:.2f}"]
+    # the per-cell means: A over seeds 0 and 1 at round 10 = (10 + 11) / 2
+    summary = [line for line in text.split("Mean over the seeds", 1)[1].splitlines()
+               if line.startswith("| A")][0]
+    assert [c.strip() for c in summary.strip("|").split("|")][2:4] == ["2", "10.50"]
+    b0 = [c.strip() for c in per_run["B", "c", "0"].strip("|").split("|")]
+    assert b0[3:5] == ["30.00", "30.00"]
+    assert files.diagnostics_plot is not None and png_size(files.diagnostics_plot)[0] > 400
+
+
+def test_no_diagnostics_no_plot(tmp_path: Path) -> None:
+    suite = _suite(tmp_path, rounds=3)
+    for spec in suite.runs:
+        _finish(spec, {0: 0.1, 3: 0.5}, {})
+    files = write_report(suite)
+    assert files.diagnostics_plot is None
+    assert "| A | c | 0 | — | — | 50.00 (r3) | 50.00 |" in files.milestones.read_text()
