@@ -3,14 +3,16 @@
 Layout (data flows one way: sampling → spectral → training → protocol/strategy → apps):
 
 - :mod:`fedshard.sampling` - inclusion probabilities, multipliers, sampling designs, the
-  round's plan and the random streams (numpy only).
-- :mod:`fedshard.spectral` - SVD, factorized layers, model surgery, per-term aggregation.
+  annealed methods (``sampling.anneal``), the round's plan and the random streams (numpy only).
+- :mod:`fedshard.spectral` - SVD, factorized layers, model surgery, per-term aggregation, rank
+  truncation (``spectral.truncation``: the low-rank start and the Top-n diagnostics).
 - :mod:`fedshard.optim`, :mod:`fedshard.batches` - ClipLR and Frobenius decay; batches.
 - :mod:`fedshard.training` - the client's local training step (eager, compiled, CUDA graph).
 - :mod:`fedshard.protocol` - the wire codec: record keys, train settings, shards, reply checks
   and bounds.
 - :mod:`fedshard.nodes` - waiting for nodes, their capabilities, seeded node sampling.
 - :mod:`fedshard.rounds` - one training round on the server (shard, check, aggregate).
+- :mod:`fedshard.reference` - the paper's post-gradient analysis (``fedavg-cosine``).
 - :mod:`fedshard.strategy` - the Flower strategy ``SpectralSharding`` (thin hooks).
 - :mod:`fedshard.client`, :mod:`fedshard.shard`, :mod:`fedshard.clientapp` - the client's
   handlers, the received shard for your own loop, Flower glue.
@@ -18,8 +20,9 @@ Layout (data flows one way: sampling → spectral → training → protocol/stra
 - :mod:`fedshard.checkpoint`, :mod:`fedshard.results`, :mod:`fedshard.rundir` - run state.
 - :mod:`fedshard.schedule`, :mod:`fedshard.telemetry` - lr schedules, per-round metrics.
 - :mod:`fedshard.models`, :mod:`fedshard.data` - the paper's models and data sets.
-- :mod:`fedshard.config`, :mod:`fedshard.task`, :mod:`fedshard.experiment` - the apps' run
-  config, client side and server side (the library never imports them).
+- :mod:`fedshard.config` (with :mod:`fedshard.mixture`), :mod:`fedshard.task`,
+  :mod:`fedshard.experiment` - the apps' run config, client side and server side (the library
+  never imports them).
 
 From the paper to the code:
 
@@ -39,6 +42,9 @@ Frobenius decay γ‖UΩVᵀ‖²_F (Sec. 3.3)   ``optim.frobenius_penalty``, ``
 ClipLR min(1, τ/ω_i) (Sec. 3.3)         ``optim.ClipLR.column_scale``
 Per-term aggregation (Sec. 3.1 step 3)  ``spectral.aggregate.term_means``, ``rebuild_weight``
 Cosine lr over rounds (Sec. 4.1)        ``schedule.cosine_lr``
+Post-client updates vs FedAvg (4.4)     ``reference.fedavg_cosines``
+(beyond) Theorem 1/2 on λ^γ, annealed   ``sampling.anneal.annealed_probabilities``
+(beyond) low-rank start, truncation     ``spectral.truncation.truncate_``
 ======================================  ==================================================
 """
 
