@@ -53,3 +53,25 @@ def test_annealed_run_records_the_schedule(tmp_path):
     assert rows[1]["anneal-exponent"] == 5.0 and rows[3]["anneal-exponent"] == 1.0
     # γ = 5 explores less than γ = 1 (Theorem 2 itself), measured by the plan's ANME
     assert rows[1]["anme"] < rows[3]["anme"]
+
+
+def test_with_a_rank_n_start_collective_and_its_annealing_train_exactly_top_n(tmp_path):
+    """End to end, bit for bit: Theorem 2 gives the round-off tail of a rank-⌈rN⌉ start π = 0,
+    so Collective and anneal-collective send Top-n's terms with ω = 1 every round."""
+    import torch
+    from golden_run import state_hash
+
+    hashes = {}
+    for method in ("top-n", "collective", "anneal-collective"):
+        root = tmp_path / method
+        run_app(root, {"model": "resnet18", "model-width": 4, "method": method,
+                       "keep-ratios": "0.25", "init-keep-ratio": 0.25})
+        hashes[method] = state_hash(torch.load(root / "out" / "run" / "model.pt",
+                                               weights_only=True))
+    assert len(set(hashes.values())) == 1, hashes
+    # without the low-rank start they differ (the test can fail)
+    run_app(tmp_path / "full", {"model": "resnet18", "model-width": 4, "method": "collective",
+                                "keep-ratios": "0.25"})
+    full = state_hash(torch.load(tmp_path / "full" / "out" / "run" / "model.pt",
+                                 weights_only=True))
+    assert full != hashes["top-n"]
