@@ -230,3 +230,28 @@ def test_client_gpu_share_is_read_and_checked() -> None:
     assert parse(data).client_num_gpus == 0.25
     data["suite"]["client-num-gpus"] = -1
     assert any("client-num-gpus=-1.0: expected ≥ 0" in p for p in problems(data))
+
+
+def test_beyond_suites_match_issue_17() -> None:
+    """The issue's setup: the table's defaults at r = 0.1, 100 rounds and seeds 0 and 1 for the
+    main rows, 30 rounds of seed 0 with fedavg-cosine for four strategies (6 in the pilot)."""
+    suite = load_suite(ROOT / "experiments" / "beyond.toml")
+    table = load_suite(ROOT / "experiments" / "fmnist-table.toml")
+    shared = ("dataset", "model", "model-width", "fraction-train", "min-available-nodes",
+              "dirichlet-alpha", "local-epochs", "batch-size", "lr", "momentum",
+              "frobenius-decay", "num-partitions")
+    ref = table.cell("Top-n", "r = 0.1")[0].config.as_dict()
+    main = [r for r in suite.runs if r.column == "r = 0.1"]
+    assert {r.label for r in main} >= {"Top-n", "Collective", "Top-n, low-rank start",
+                                       "Anneal-Collective"}
+    for run in main:
+        cfg = run.config.as_dict()
+        assert {k: cfg[k] for k in shared} == {k: ref[k] for k in shared}, run.label
+        assert run.num_rounds == 100 and cfg["keep-ratios"] == "0.1" and cfg["diagnostics"]
+    assert {r.seed for r in main} == {0, 1}
+    cosine = [r for r in suite.runs if r.config.fedavg_cosine]
+    assert {r.config.method for r in cosine} == {"top-n", "collective", "unbiased", "prism"}
+    assert all(r.num_rounds == 30 and r.seed == 0 for r in cosine)
+    pilot = load_suite(ROOT / "experiments" / "beyond-pilot.toml")
+    assert {r.config.method for r in pilot.runs} == {"top-n", "collective", "unbiased", "prism"}
+    assert all(r.config.fedavg_cosine and r.num_rounds == 6 for r in pilot.runs)
