@@ -56,7 +56,7 @@ def check_reference(msg: Message, current: Mapping[str, np.ndarray]) -> dict[str
 def update_cosine(old: Mapping[str, np.ndarray], a: Mapping[str, np.ndarray],
                   b: Mapping[str, np.ndarray], keys: Sequence[str]) -> float:
     """``cos(a − old, b − old)`` over the arrays ``keys`` flattened into one vector (float64);
-    NaN when either update is zero."""
+    NaN when either update is zero or a norm overflows (a node's finite but huge copy)."""
     dot = na = nb = 0.0
     for key in keys:
         base = old[key].astype(np.float64)
@@ -64,7 +64,9 @@ def update_cosine(old: Mapping[str, np.ndarray], a: Mapping[str, np.ndarray],
         dot += float(np.vdot(da, db))
         na += float(np.vdot(da, da))
         nb += float(np.vdot(db, db))
-    return dot / np.sqrt(na * nb) if na > 0 and nb > 0 else float("nan")
+    with np.errstate(over="ignore", invalid="ignore"):
+        value = dot / (np.sqrt(na) * np.sqrt(nb)) if na > 0 and nb > 0 else float("nan")
+    return float(value) if np.isfinite(value) else float("nan")
 
 
 def fedavg_cosines(old: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray],
@@ -93,4 +95,6 @@ def fedavg_cosines(old: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray],
     out = {"fedavg-cosine": update_cosine(old, new, fedavg, floating)}
     if sharded:
         out["fedavg-cosine-sharded"] = update_cosine(old, new, fedavg, sharded)
-    return out
+    # NaN (no update, or an overflow from a huge copy) is left out: history and checkpoint
+    # hold finite metrics only.
+    return {k: v for k, v in out.items() if np.isfinite(v)}

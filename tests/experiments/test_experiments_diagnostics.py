@@ -57,8 +57,8 @@ def test_milestones_and_diagnostics(tmp_path: Path) -> None:
     a1 = [c.strip() for c in per_run["A", "c", "1"].strip("|").split("|")]
     assert a1[3:] == ["11.00", "21.00", "26.00 (r25)", f"{(6 + 11 + 16 + 21 + 26) / 5:.2f}"]
     # the per-cell means: A over seeds 0 and 1 at round 10 = (10 + 11) / 2
-    summary = [line for line in text.split("Mean over the seeds", 1)[1].splitlines()
-               if line.startswith("| A")][0]
+    summary = next(line for line in text.split("Mean over the seeds", 1)[1].splitlines()
+               if line.startswith("| A"))
     assert [c.strip() for c in summary.strip("|").split("|")][2:4] == ["2", "10.50"]
     b0 = [c.strip() for c in per_run["B", "c", "0"].strip("|").split("|")]
     assert b0[3:5] == ["30.00", "30.00"]

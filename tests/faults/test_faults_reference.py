@@ -15,7 +15,7 @@ from fedshard import protocol as P
 
 def _nan_reference(reply: Message) -> Message:
     rec = reply.content[P.REFERENCE]
-    key = next(k for k in rec.keys() if k.endswith("weight"))
+    key = next(k for k in rec if k.endswith("weight"))
     rec[key] = Array(np.full(rec[key].numpy().shape, np.nan, dtype=rec[key].numpy().dtype))
     return reply
 
@@ -42,7 +42,7 @@ def test_bad_or_missing_references_are_left_out_of_the_cosine_only(caplog):
     assert "holds NaN or inf" in caplog.text and "no 'fedavg-reference' record" in caplog.text
     # the aggregate is the one without fedavg-cosine: the references never reach the model
     assert new is not None and base_new is not None
-    for key in base_new.keys():
+    for key in base_new:
         np.testing.assert_array_equal(new[key].numpy(), base_new[key].numpy())
     assert "fedavg-cosine" not in base
 

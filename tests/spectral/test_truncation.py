@@ -31,7 +31,7 @@ def test_truncation_is_the_best_rank_n_approximation(shape):
     assert np.all(kept[n:] < 1e-5 * kept[0])  # rank n up to float32 round-off
     np.testing.assert_allclose(kept[:n], lam[:n], rtol=1e-5)
     # no other rank-n matrix of a random family does better
-    for k in range(20):
+    for _k in range(20):
         a = rng.normal(size=(mat.shape[0], n)) @ rng.normal(size=(n, mat.shape[1]))
         assert np.linalg.norm(mat - a) > np.linalg.norm(resid)
 
@@ -73,5 +73,5 @@ def test_truncate_state_weights_the_tail_share_by_layer_energy():
     total = sum(float((state[k] ** 2).sum()) for k in ("a.weight", "b.weight"))
     assert share == pytest.approx(sum(tails) / total, rel=1e-10)
     assert out["b.bias"] is not None and np.array_equal(out["b.bias"], state["b.bias"])
-    with pytest.raises(KeyError, match="no 'c.weight' in the state dict"):
+    with pytest.raises(KeyError, match=r"no 'c\.weight' in the state dict"):
         truncate_state(state, ["c"], 0.5)

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "faults"))
-from fault_setup import run_app  # noqa: E402
+from fault_setup import run_app
 
-from fedshard.sampling import anneal_exponent  # noqa: E402
+from fedshard.sampling import anneal_exponent
 
 
 def _rows(root: Path) -> list[dict]:
