@@ -81,8 +81,10 @@ def _run(suite: Suite, args: argparse.Namespace) -> int:
 
 def _report(suite: Suite, args: argparse.Namespace) -> int:
     files = write_report(suite, args.out)
-    for path in (files.table, files.results, files.accuracy_plot, files.anme_plot):
-        _say(f"[{suite.name}] wrote {path}")
+    for path in (files.table, files.results, files.milestones, files.accuracy_plot,
+                 files.per_seed_plot, files.anme_plot, files.diagnostics_plot):
+        if path is not None:
+            _say(f"[{suite.name}] wrote {path}")
     return 0
 
 

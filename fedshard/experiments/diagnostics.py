@@ -4,6 +4,9 @@ diagnostics (``diagnostics``/``fedavg-cosine`` runs) as curves.
 - ``milestones.md`` - per finished run: test accuracy (%) at rounds 10 and 20 (where evaluated),
   at its last round, and the mean of its last :data:`~fedshard.experiments.report.LAST_EVALS`
   evaluations; then the same per cell (mean over seeds).
+- ``accuracy-per-seed.png`` - test accuracy against round, one panel per seed, one line per
+  cell: the seeds' own curves, which the mean over seeds of ``accuracy.png`` hides (with a
+  skewed split the seed moves every strategy alike).
 - ``diagnostics.png`` - one panel per diagnostic any run recorded (:data:`DIAGNOSTICS`), one
   line per run: the accuracy of the global model against the accuracy of its top-⌈rN⌉
   truncation, the energy share of the terms no client could draw, and the FedAvg cosine.
@@ -19,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["DIAGNOSTICS", "MILESTONES", "metric_curves", "milestones_markdown",
-           "plot_diagnostics"]
+           "plot_diagnostics", "plot_per_seed"]
 
 #: Rounds whose accuracy the milestone table reports (besides the last round).
 MILESTONES = (10, 20)
@@ -129,5 +132,36 @@ def plot_diagnostics(cells: Sequence[Any], path: Path) -> Path | None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize="xx-small", loc="upper center", bbox_to_anchor=(0.5, -0.12), ncols=1)
     fig.suptitle("Diagnostics per round (thin lines in the first panel: the global model itself)")
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def plot_per_seed(cells: Sequence[Any], path: Path) -> Path | None:
+    """``accuracy-per-seed.png`` (see the module), or ``None`` when no run finished."""
+    runs = [(cell, run) for cell in cells for run in cell.runs if run.curve]
+    if not runs:
+        return None
+    from fedshard.experiments.report import _colors, _matplotlib
+
+    _, Figure, FigureCanvasAgg = _matplotlib()
+    seeds = sorted({run.spec.seed for _, run in runs})
+    several_columns = len({cell.column for cell, _ in runs}) > 1
+    names = [cell.label + (f" / {cell.column or 'ref'}" if several_columns else "")
+             for cell, _ in runs]
+    colors = _colors(list(dict.fromkeys(names)))
+    fig = Figure(figsize=(5.6 * len(seeds), 6.4), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(seeds), squeeze=False, sharey=True)[0]
+    for ax, seed in zip(axes, seeds, strict=True):
+        for (_cell, run), name in zip(runs, names, strict=True):
+            if run.spec.seed == seed:
+                ax.plot([r for r, _ in run.curve], [a for _, a in run.curve], color=colors[name],
+                        lw=1.3, label=name)
+        ax.set_title(f"seed {seed}")
+        ax.set_xlabel("round")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.12), ncols=2)
+    axes[0].set_ylabel("test accuracy (%)")
+    fig.suptitle("Test accuracy per seed (each seed is its own data split and initial model)")
     fig.savefig(path, dpi=120)
     return path

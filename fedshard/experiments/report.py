@@ -18,8 +18,10 @@ results folder:
 - ``anme.png`` - average normalized marginal entropy per strategy and column, mean over
   rounds and seeds, with the std over seeds (the paper's Fig. 1b, Sec. 4.3).
 - ``results.json`` - every cell's per-seed numbers.
-- ``milestones.md`` and, where runs recorded diagnostics, ``diagnostics.png``:
-  :mod:`fedshard.experiments.diagnostics`.
+- ``milestones.md``, ``accuracy-per-seed.png`` and, where runs recorded diagnostics,
+  ``diagnostics.png``: :mod:`fedshard.experiments.diagnostics`.
+- Rows of other suites (``[[compare]]``, :mod:`fedshard.experiments.compare`) appear in all of
+  them, labelled as such, and are not counted as this suite's runs.
 
 Plots need matplotlib (``pip install 'fedshard[plots]'``); it is imported only here, with the
 Agg canvas (no display, no global backend switch).
@@ -37,7 +39,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedshard.experiments.diagnostics import milestones_markdown, plot_diagnostics
+from fedshard.experiments.diagnostics import (
+    milestones_markdown,
+    plot_diagnostics,
+    plot_per_seed,
+)
 from fedshard.experiments.runner import RunState, run_status
 from fedshard.experiments.suite import RunSpec, Suite
 
@@ -90,7 +96,8 @@ class Cell:
 
     ``mean``/``std`` are over ``runs`` (std: sample standard deviation, ``None`` with fewer
     than two seeds). ``marked``: fewer finished seeds than the suite's main setting, or a
-    number of rounds other than the main setting's.
+    number of rounds other than the main setting's. ``source``: the other suite's name for a
+    ``[[compare]]`` row (:mod:`fedshard.experiments.compare`), ``None`` for this suite's own.
     """
 
     label: str
@@ -102,6 +109,7 @@ class Cell:
     std: float | None
     marked: bool
     note: str
+    source: str | None = None
 
     @property
     def reference(self) -> bool:
@@ -119,6 +127,7 @@ class ReportFiles:
     anme_plot: Path
     milestones: Path | None = None
     diagnostics_plot: Path | None = None  # only when some run recorded a diagnostic
+    per_seed_plot: Path | None = None  # only when some run finished
 
 
 def _finite(value: Any) -> bool:
@@ -161,35 +170,39 @@ def _run_result(spec: RunSpec, summary: dict[str, Any]) -> RunResult | None:
 
 
 def collect(suite: Suite) -> list[Cell]:
-    """Every cell of ``suite`` (in run order of first appearance) from its finished runs."""
+    """Every cell of ``suite`` (in run order of first appearance) from its finished runs, then
+    its ``[[compare]]`` rows from the other suites' finished runs."""
     keys = list(dict.fromkeys((spec.label, spec.column) for spec in suite.runs))
-    cells = []
-    for label, column in keys:
-        planned = suite.cell(label, column)
-        results = []
-        for spec in planned:
-            status = run_status(spec)
-            if status.state is RunState.FINISHED and status.summary is not None:
-                result = _run_result(spec, status.summary)
-                if result is not None:
-                    results.append(result)
-            elif status.state is RunState.STALE:
-                logger.warning("%s is stale (%s); left out of the report", spec.directory,
-                               status.detail)
-        accs = [r.final_accuracy for r in results]
-        rounds = planned[0].num_rounds
-        notes = []
-        if len(results) < len(suite.seeds):
-            notes.append(f"{len(results)} seed{'s' if len(results) != 1 else ''}")
-        if rounds != suite.main_rounds:
-            notes.append(f"{rounds} rounds")
-        cells.append(Cell(
-            label=label, column=column, planned=planned, runs=tuple(results), num_rounds=rounds,
-            mean=statistics.fmean(accs) if accs else None,
-            std=statistics.stdev(accs) if len(accs) >= 2 else None,
-            marked=bool(accs) and bool(notes), note=", ".join(notes),
-        ))
+    cells = [_cell(suite, label, column, suite.cell(label, column)) for label, column in keys]
+    cells += [_cell(suite, c.label, c.column, c.runs, source=c.suite) for c in suite.comparisons]
     return cells
+
+
+def _cell(suite: Suite, label: str, column: str | None, planned: tuple[RunSpec, ...],
+          source: str | None = None) -> Cell:
+    results = []
+    for spec in planned:
+        status = run_status(spec)
+        if status.state is RunState.FINISHED and status.summary is not None:
+            result = _run_result(spec, status.summary)
+            if result is not None:
+                results.append(result)
+        elif status.state is RunState.STALE:
+            logger.warning("%s is stale (%s); left out of the report", spec.directory,
+                           status.detail)
+    accs = [r.final_accuracy for r in results]
+    rounds = planned[0].num_rounds
+    notes = []
+    if len(results) < len(suite.seeds):
+        notes.append(f"{len(results)} seed{'s' if len(results) != 1 else ''}")
+    if rounds != suite.main_rounds:
+        notes.append(f"{rounds} rounds")
+    return Cell(
+        label=label, column=column, planned=planned, runs=tuple(results), num_rounds=rounds,
+        mean=statistics.fmean(accs) if accs else None,
+        std=statistics.stdev(accs) if len(accs) >= 2 else None,
+        marked=bool(accs) and bool(notes), note=", ".join(notes), source=source,
+    )
 
 
 def _format(cell: Cell | None, bold: bool = False) -> str:
@@ -216,7 +229,7 @@ def markdown_report(suite: Suite, cells: Sequence[Cell]) -> str:
     """``table.md``: the suite's tables, reference rows and footnotes."""
     by_key = {(c.label, c.column): c for c in cells}
     seeds = ", ".join(str(s) for s in suite.seeds)
-    finished = sum(len(c.runs) for c in cells)
+    finished = sum(len(c.runs) for c in cells if c.source is None)
     lines = [
         f"# {suite.name}",
         "",
@@ -254,6 +267,12 @@ def markdown_report(suite: Suite, cells: Sequence[Cell]) -> str:
         lines.append(f"{DAGGER} Fewer seeds or other rounds than the main setting "
                      f"({suite.main_rounds} rounds, {len(suite.seeds)} seeds): {where}.")
         lines.append("")
+    if suite.comparisons:
+        lines.append("Rows from other suites (`[[compare]]`, not run by this suite): " + "; ".join(
+            f"{c.label} = {c.suite}'s {c.row!r}" + (f" / {c.column!r}" if c.column else "")
+            + f" ({_shown_path(c.runs[0].directory.parent, suite.app_dir)})"
+            for c in suite.comparisons) + ".")
+        lines.append("")
     lines += [
         f"Std: sample standard deviation (ddof = 1) over seeds; none with one seed. "
         f"**Bold**: best mean in its column among cells trained for {suite.main_rounds} rounds "
@@ -263,6 +282,14 @@ def markdown_report(suite: Suite, cells: Sequence[Cell]) -> str:
     ]
     lines += _per_run_section(suite, cells)
     return "\n".join(lines)
+
+
+def _shown_path(path: Path, base: Path) -> str:
+    """``path`` relative to ``base`` where it lies inside it (reports are committed)."""
+    try:
+        return str(path.relative_to(base))
+    except ValueError:
+        return str(path)
 
 
 def _baseline(suite: Suite) -> str | None:
@@ -360,6 +387,7 @@ def results_json(suite: Suite, cells: Sequence[Cell]) -> dict[str, Any]:
                 "std": c.std,
                 "marked": c.marked,
                 "note": c.note,
+                "from-suite": c.source,
             }
             for c in cells
         ],
@@ -502,7 +530,8 @@ def _anme_figure(suite: Suite, cells: Sequence[Cell]) -> Any:
 
 
 def write_report(suite: Suite, out_dir: Path | None = None) -> ReportFiles:
-    """Write ``table.md``, ``results.json``, ``accuracy.png`` and ``anme.png``.
+    """Write ``table.md``, ``results.json``, ``accuracy.png``, ``anme.png``, ``milestones.md``,
+    ``accuracy-per-seed.png`` and (where runs recorded diagnostics) ``diagnostics.png``.
 
     Parameters
     ----------
@@ -528,5 +557,6 @@ def write_report(suite: Suite, out_dir: Path | None = None) -> ReportFiles:
     accuracy = plot_accuracy(suite, cells, out / "accuracy.png")
     anme = plot_anme(suite, cells, out / "anme.png")
     extra = plot_diagnostics(cells, out / "diagnostics.png")
+    per_seed = plot_per_seed(cells, out / "accuracy-per-seed.png")
     return ReportFiles(table=table, results=results, accuracy_plot=accuracy, anme_plot=anme,
-                       milestones=milestones, diagnostics_plot=extra)
+                       milestones=milestones, diagnostics_plot=extra, per_seed_plot=per_seed)

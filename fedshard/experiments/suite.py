@@ -19,6 +19,11 @@ in the file is reported at once in a :class:`SuiteError`. The file format is des
     column = "r = 0.1"                      # table column; omit for a reference row (r = 1)
     method = "top-n"
     keep-ratios = "0.1"
+
+    [[compare]]                             # a cell of another suite, shown and never run
+    suite = "fmnist-table"                  # (fedshard.experiments.compare)
+    label = "Collective"
+    column = "r = 0.1"
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from fedshard.config import ConfigError, ProblemsError, RunConfig
+from fedshard.experiments.compare import Comparison, parse_comparisons
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -62,7 +68,7 @@ _SUITE_KEYS = ("client-num-cpus", "client-num-gpus", "columns", "description", "
                "num-supernodes", "results-dir", "rows", "seeds", "timeout-s")
 _ENTRY_KEYS = ("column", "label", "seeds")
 _TABLE_KEYS = ("columns", "rows", "title")
-_TOP_KEYS = ("defaults", "runs", "suite", "tables")
+_TOP_KEYS = ("compare", "defaults", "runs", "suite", "tables")
 
 
 class SuiteError(ProblemsError):
@@ -164,6 +170,8 @@ class Suite:
         Labels of runs without a column (shown apart from the table, not ranked).
     client_num_gpus : float
         GPU share Ray reserves per simulated client (0: CPU only).
+    comparisons : tuple of Comparison
+        Cells of other suites shown in the report as rows of their own (never run here).
     """
 
     name: str
@@ -179,6 +187,7 @@ class Suite:
     tables: tuple[TableSpec, ...]
     reference_rows: tuple[str, ...]
     client_num_gpus: float = 0.0
+    comparisons: tuple[Comparison, ...] = ()
 
     def cell(self, label: str, column: str | None) -> tuple[RunSpec, ...]:
         """The runs (one per seed) of row ``label`` and column ``column``."""
@@ -235,6 +244,7 @@ def load_suite(
     *,
     app_dir: Path | None = None,
     results_dir: Path | None = None,
+    resolve_comparisons: bool = True,
 ) -> Suite:
     """Read and validate a suite file.
 
@@ -246,6 +256,9 @@ def load_suite(
         The Flower app (default: found above ``path`` with :func:`find_app_dir`).
     results_dir : Path, optional
         Overrides ``[suite] results-dir`` (relative paths: to the current directory).
+    resolve_comparisons : bool
+        Load the suites its ``[[compare]]`` entries name and check their cells (``False``:
+        leave the entries out; used for those suites themselves, so no chain is followed).
 
     Raises
     ------
@@ -261,6 +274,7 @@ def load_suite(
     return parse_suite(
         data, app_dir=app, source=str(path),
         results_dir=Path(results_dir).resolve() if results_dir is not None else None,
+        suite_dir=path.parent, resolve_comparisons=resolve_comparisons,
     )
 
 
@@ -271,11 +285,15 @@ def parse_suite(
     source: str = "<suite>",
     results_dir: Path | None = None,
     defaults: Mapping[str, Any] | None = None,
+    suite_dir: Path | None = None,
+    resolve_comparisons: bool = True,
 ) -> Suite:
     """Validate a parsed suite (see :func:`load_suite`).
 
     ``defaults`` are the app's run-config defaults (read from ``app_dir`` when omitted); the
     runs' full configurations are those defaults updated by ``[defaults]`` and the entry.
+    ``[[compare]]`` suites named by NAME or a relative path are looked up in ``suite_dir``
+    (default: the app's ``experiments/`` folder).
     """
     app_dir = Path(app_dir).resolve()
     base = dict(app_defaults(app_dir) if defaults is None else defaults)
@@ -394,23 +412,42 @@ def parse_suite(
                 config=RunConfig.from_mapping({**base, **run_config}),
             ))
 
-    labels = _unique(label for label, _ in cells)
-    table_labels = _unique(label for label, column in cells if column is not None)
-    reference = tuple(label for label in _unique(lb for lb, c in cells if c is None))
+    comparisons: tuple[Comparison, ...] = ()
+    if resolve_comparisons:
+        comparisons = parse_comparisons(
+            data.get("compare", []), suite_dir=suite_dir or app_dir / "experiments",
+            source=source, error=SuiteError, problems=problems,
+            load=lambda p: load_suite(p, app_dir=app_dir, resolve_comparisons=False))
+    own_labels = {label for label, _ in cells}
+    compared: dict[tuple[str, str | None], int] = {}
+    for comp in comparisons:
+        j = comp.entry
+        if comp.label in own_labels:
+            problems.append(f"compare[{j}]: label {comp.label!r} is a row of this suite's "
+                            "[[runs]]; give the compared row another label (`as`)")
+        elif (comp.label, comp.column) in compared:
+            problems.append(f"compare[{j}]: row {comp.label!r} and column {comp.column!r} are "
+                            f"already shown by compare[{compared[comp.label, comp.column]}]")
+        else:
+            compared[comp.label, comp.column] = j
+    every = [*cells, *compared]
+    labels = _unique(label for label, _ in every)
+    table_labels = _unique(label for label, column in every if column is not None)
+    reference = tuple(label for label in _unique(lb for lb, c in every if c is None))
     for label in set(reference) & set(table_labels):
         problems.append(f"row {label!r} has runs both with and without a column; a reference "
                         "row (no column) applies to every column")
-    columns = _unique(column for _, column in cells if column is not None)
+    columns = _unique(column for _, column in every if column is not None)
     main_rows = row_order if row_order is not None else table_labels
     main_columns = column_order if column_order is not None else columns
     for label in main_rows:
         if label not in table_labels:
-            problems.append(f"[suite] rows names {label!r}, which no [[runs]] entry with a "
-                            f"column has; rows with columns: {list(table_labels)}")
+            problems.append(f"[suite] rows names {label!r}, which no [[runs]] or [[compare]] "
+                            f"entry with a column has; rows with columns: {list(table_labels)}")
     for column in main_columns:
         if column not in columns:
-            problems.append(f"[suite] columns names {column!r}, which no [[runs]] entry has; "
-                            f"columns: {list(columns)}")
+            problems.append(f"[suite] columns names {column!r}, which no [[runs]] or [[compare]] "
+                            f"entry has; columns: {list(columns)}")
     tables = [TableSpec(f"{name}: final test accuracy (%)", tuple(main_rows),
                         tuple(main_columns))]
     extra = data.get("tables", [])
@@ -432,8 +469,9 @@ def parse_suite(
         cols = columns if cols is None else cols
         for label in rows:
             if label not in table_labels:
-                problems.append(f"{where} rows names {label!r}, which no [[runs]] entry with a "
-                                f"column has; rows with columns: {list(table_labels)}")
+                problems.append(f"{where} rows names {label!r}, which no [[runs]] or [[compare]] "
+                                f"entry with a column has; rows with columns: "
+                                f"{list(table_labels)}")
         for column in cols:
             if column not in columns:
                 problems.append(f"{where} columns names {column!r}, which no [[runs]] entry "
@@ -451,7 +489,7 @@ def parse_suite(
         name=name, source=source, app_dir=app_dir, results_dir=results_dir,
         num_supernodes=num_supernodes, client_num_cpus=client_num_cpus, timeout_s=timeout_s,
         seeds=seeds, main_rounds=main.num_server_rounds, runs=tuple(runs), tables=tuple(tables),
-        reference_rows=reference, client_num_gpus=client_num_gpus,
+        reference_rows=reference, client_num_gpus=client_num_gpus, comparisons=comparisons,
     )
 
 

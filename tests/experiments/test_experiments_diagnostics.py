@@ -72,3 +72,15 @@ def test_no_diagnostics_no_plot(tmp_path: Path) -> None:
     files = write_report(suite)
     assert files.diagnostics_plot is None
     assert "| A | c | 0 | — | — | 50.00 (r3) | 50.00 |" in files.milestones.read_text()
+
+
+def test_per_seed_plot_has_one_panel_per_seed_that_finished(tmp_path: Path) -> None:
+    suite = _suite(tmp_path, rounds=3)
+    assert write_report(suite).per_seed_plot is None  # nothing finished: no empty figure
+    runs = {(r.label, r.seed): r for r in suite.runs}
+    _finish(runs["A", 0], {0: 0.1, 3: 0.5}, {})
+    one = png_size(write_report(suite, tmp_path / "one").per_seed_plot)  # type: ignore[arg-type]
+    _finish(runs["B", 1], {0: 0.1, 3: 0.6}, {})
+    two = png_size(write_report(suite, tmp_path / "two").per_seed_plot)  # type: ignore[arg-type]
+    # 5.6 in per panel at 120 dpi: seeds {0} -> 1 panel, seeds {0, 1} -> 2 panels
+    assert one[0] == round(5.6 * 120) and two[0] == round(2 * 5.6 * 120)

@@ -158,7 +158,8 @@ def test_tables_must_name_existing_rows_and_columns() -> None:
                                "columns": ["r = 0.2"]}])
     data["suite"]["rows"] = ["Collective", "r = 1"]
     found = "\n".join(problems(data))
-    assert re.search(r"tables\[0\] rows names 'Unbiased', which no \[\[runs\]\] entry", found)
+    assert re.search(r"tables\[0\] rows names 'Unbiased', which no \[\[runs\]\] or "
+                     r"\[\[compare\]\] entry", found)
     assert re.search(r"tables\[0\] columns names 'r = 0.2'", found)
     assert re.search(r"\[suite\] rows names 'r = 1'", found)  # a reference row has no column
 
