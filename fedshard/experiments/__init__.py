@@ -1,6 +1,8 @@
 """Experiment suites: run many ``flwr run`` simulations, resume them, report the results.
 
-- :mod:`~fedshard.experiments.suite` - the suite TOML file, validated up front.
+- :mod:`~fedshard.experiments.suite` - the suite TOML file, validated up front (with
+  :mod:`~fedshard.experiments.app`, :mod:`~fedshard.experiments.fields`,
+  :mod:`~fedshard.experiments.tables` and :mod:`~fedshard.experiments.compare`).
 - :mod:`~fedshard.experiments.runner` - runs a suite (skips finished runs, re-runs partial
   ones), with progress lines and an ETA; Ctrl-C/SIGTERM stop the current simulation cleanly.
 - :mod:`~fedshard.experiments.report` - ``table.md``, ``accuracy.png``, ``anme.png``,

@@ -38,7 +38,10 @@ from pathlib import Path
 from typing import Any
 
 from fedshard.config import ConfigError, ProblemsError, RunConfig
+from fedshard.experiments.app import app_defaults, find_app_dir
 from fedshard.experiments.compare import Comparison, parse_comparisons
+from fedshard.experiments.fields import read_field, read_seeds, read_strings, read_table, unique
+from fedshard.experiments.tables import TableSpec, parse_tables
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -67,7 +70,6 @@ RUNNER_KEYS = ("num-partitions", "results-dir", "run-name", "seed")
 _SUITE_KEYS = ("client-num-cpus", "client-num-gpus", "columns", "description", "name",
                "num-supernodes", "results-dir", "rows", "seeds", "timeout-s")
 _ENTRY_KEYS = ("column", "label", "seeds")
-_TABLE_KEYS = ("columns", "rows", "title")
 _TOP_KEYS = ("compare", "defaults", "runs", "suite", "tables")
 
 
@@ -129,15 +131,6 @@ class RunSpec:
         """``"label / column / seed s"`` for progress lines."""
         where = f"{self.label} / {self.column}" if self.column is not None else self.label
         return f"{where} / seed {self.seed}"
-
-
-@dataclass(frozen=True)
-class TableSpec:
-    """A results table: row labels and column labels, in display order."""
-
-    title: str
-    rows: tuple[str, ...]
-    columns: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -205,40 +198,6 @@ def run_name(label: str, column: str | None, seed: int) -> str:
     return "__".join(parts)
 
 
-def find_app_dir(start: Path) -> Path:
-    """The nearest directory at or above ``start`` whose ``pyproject.toml`` has ``[tool.flwr.app]``.
-
-    Raises
-    ------
-    FileNotFoundError
-        When there is none; pass the app directory explicitly then.
-    """
-    start = start.resolve()
-    for candidate in [start, *start.parents]:
-        pyproject = candidate / "pyproject.toml"
-        if pyproject.is_file():
-            try:
-                data = tomllib.loads(pyproject.read_text())
-            except (OSError, tomllib.TOMLDecodeError):
-                continue
-            if "app" in data.get("tool", {}).get("flwr", {}):
-                return candidate
-    raise FileNotFoundError(
-        f"no pyproject.toml with [tool.flwr.app] at or above {start}; pass the Flower app "
-        "directory explicitly (--app-dir)"
-    )
-
-
-def app_defaults(app_dir: Path) -> dict[str, Any]:
-    """The app's run-config defaults (``[tool.flwr.app.config]`` of its ``pyproject.toml``)."""
-    pyproject = app_dir / "pyproject.toml"
-    data = tomllib.loads(pyproject.read_text())
-    config = data.get("tool", {}).get("flwr", {}).get("app", {}).get("config", {})
-    if not isinstance(config, dict):
-        raise ValueError(f"{pyproject}: [tool.flwr.app.config] is not a table")
-    return dict(config)
-
-
 def load_suite(
     path: Path | str,
     *,
@@ -302,30 +261,31 @@ def parse_suite(
         if key not in _TOP_KEYS:
             problems.append(f"unknown table [{key}]; expected {', '.join(_TOP_KEYS)}")
 
-    head = _table(data, "suite", problems)
+    head = read_table(data, "suite", problems)
     for key in head:
         if key not in _SUITE_KEYS:
             problems.append(f"[suite] unknown key {key!r}; known keys: {', '.join(_SUITE_KEYS)}")
-    name = _get(head, "name", str, "[suite]", problems, required=True) or "suite"
-    results_text = _get(head, "results-dir", str, "[suite]", problems, required=True) or ""
-    num_supernodes = _get(head, "num-supernodes", int, "[suite]", problems, required=True) or 0
+    name = read_field(head, "name", str, "[suite]", problems, required=True) or "suite"
+    results_text = read_field(head, "results-dir", str, "[suite]", problems, required=True) or ""
+    num_supernodes = read_field(head, "num-supernodes", int, "[suite]", problems,
+                                required=True) or 0
     if num_supernodes < 0 or (num_supernodes == 0 and "num-supernodes" in head):
         problems.append(f"[suite] num-supernodes={num_supernodes}: expected ≥ 1")
-    client_num_cpus = _get(head, "client-num-cpus", int, "[suite]", problems) or 1
+    client_num_cpus = read_field(head, "client-num-cpus", int, "[suite]", problems) or 1
     if client_num_cpus < 1:
         problems.append(f"[suite] client-num-cpus={client_num_cpus}: expected ≥ 1")
-    client_num_gpus = float(_get(head, "client-num-gpus", float, "[suite]", problems) or 0.0)
+    client_num_gpus = float(read_field(head, "client-num-gpus", float, "[suite]", problems) or 0.0)
     if not (math.isfinite(client_num_gpus) and client_num_gpus >= 0):
         problems.append(f"[suite] client-num-gpus={client_num_gpus}: expected ≥ 0 (a share of "
                         "one GPU per client, e.g. 0.25)")
-    timeout_s = float(_get(head, "timeout-s", float, "[suite]", problems) or 4 * 3600.0)
+    timeout_s = float(read_field(head, "timeout-s", float, "[suite]", problems) or 4 * 3600.0)
     if not (math.isfinite(timeout_s) and timeout_s > 0):
         problems.append(f"[suite] timeout-s={timeout_s}: expected a positive number of seconds")
-    seeds = _seeds(head.get("seeds", [0]), "[suite] seeds", problems)
-    row_order = _strings(head.get("rows"), "[suite] rows", problems)
-    column_order = _strings(head.get("columns"), "[suite] columns", problems)
+    seeds = read_seeds(head.get("seeds", [0]), "[suite] seeds", problems)
+    row_order = read_strings(head.get("rows"), "[suite] rows", problems)
+    column_order = read_strings(head.get("columns"), "[suite] columns", problems)
 
-    shared = _table(data, "defaults", problems)
+    shared = read_table(data, "defaults", problems)
     for key in RUNNER_KEYS:
         if key in shared:
             problems.append(f"[defaults] sets {key!r}: the runner sets {', '.join(RUNNER_KEYS)} "
@@ -359,8 +319,8 @@ def parse_suite(
     cells: dict[tuple[str, str | None], int] = {}
     for i, entry in enumerate(entries):
         where = f"runs[{i}]"
-        label = _get(entry, "label", str, where, problems, required=True)
-        column = _get(entry, "column", str, where, problems)
+        label = read_field(entry, "label", str, where, problems, required=True)
+        column = read_field(entry, "column", str, where, problems)
         if label is not None:
             where = f"runs[{i}] ({label}" + (f" / {column})" if column is not None else ")")
             if not slug(label):
@@ -369,7 +329,7 @@ def parse_suite(
         if column is not None and not slug(column):
             problems.append(f"{where}: column {column!r} has no letters or digits to name its "
                             "run folders")
-        entry_seeds = _seeds(entry.get("seeds", list(seeds)), f"{where} seeds", problems)
+        entry_seeds = read_seeds(entry.get("seeds", list(seeds)), f"{where} seeds", problems)
         overrides = {k: v for k, v in entry.items() if k not in _ENTRY_KEYS}
         for key in RUNNER_KEYS:
             if key in overrides:
@@ -431,52 +391,18 @@ def parse_suite(
         else:
             compared[comp.label, comp.column] = j
     every = [*cells, *compared]
-    labels = _unique(label for label, _ in every)
-    table_labels = _unique(label for label, column in every if column is not None)
-    reference = tuple(label for label in _unique(lb for lb, c in every if c is None))
+    labels = unique(label for label, _ in every)
+    table_labels = unique(label for label, column in every if column is not None)
+    reference = tuple(label for label in unique(lb for lb, c in every if c is None))
     for label in set(reference) & set(table_labels):
         problems.append(f"row {label!r} has runs both with and without a column; a reference "
                         "row (no column) applies to every column")
-    columns = _unique(column for _, column in every if column is not None)
+    columns = unique(column for _, column in every if column is not None)
     main_rows = row_order if row_order is not None else table_labels
     main_columns = column_order if column_order is not None else columns
-    for label in main_rows:
-        if label not in table_labels:
-            problems.append(f"[suite] rows names {label!r}, which no [[runs]] or [[compare]] "
-                            f"entry with a column has; rows with columns: {list(table_labels)}")
-    for column in main_columns:
-        if column not in columns:
-            problems.append(f"[suite] columns names {column!r}, which no [[runs]] or [[compare]] "
-                            f"entry has; columns: {list(columns)}")
-    tables = [TableSpec(f"{name}: final test accuracy (%)", tuple(main_rows),
-                        tuple(main_columns))]
-    extra = data.get("tables", [])
-    if not isinstance(extra, list) or not all(isinstance(t, dict) for t in extra):
-        problems.append("[[tables]] must be an array of tables ([[tables]] blocks)")
-        extra = []
-    for j, table in enumerate(extra):
-        where = f"tables[{j}]"
-        for key in table:
-            if key not in _TABLE_KEYS:
-                problems.append(f"{where} unknown key {key!r}; known keys: "
-                                f"{', '.join(_TABLE_KEYS)}")
-        title = _get(table, "title", str, where, problems, required=True) or where
-        rows = _strings(table.get("rows"), f"{where} rows", problems)
-        if rows is None:
-            problems.append(f"{where}: missing `rows` (a list of row labels)")
-            rows = ()
-        cols = _strings(table.get("columns"), f"{where} columns", problems)
-        cols = columns if cols is None else cols
-        for label in rows:
-            if label not in table_labels:
-                problems.append(f"{where} rows names {label!r}, which no [[runs]] or [[compare]] "
-                                f"entry with a column has; rows with columns: "
-                                f"{list(table_labels)}")
-        for column in cols:
-            if column not in columns:
-                problems.append(f"{where} columns names {column!r}, which no [[runs]] entry "
-                                f"has; columns: {list(columns)}")
-        tables.append(TableSpec(title, tuple(rows), tuple(cols)))
+    tables = parse_tables(data.get("tables", []), name=name, rows=main_rows,
+                          columns=main_columns, table_labels=table_labels,
+                          all_columns=columns, problems=problems)
     shown = {label for t in tables for label in t.rows} | set(reference)
     for label in labels:
         if label not in shown:
@@ -491,57 +417,3 @@ def parse_suite(
         seeds=seeds, main_rounds=main.num_server_rounds, runs=tuple(runs), tables=tuple(tables),
         reference_rows=reference, client_num_gpus=client_num_gpus, comparisons=comparisons,
     )
-
-
-# ---------------------------------------------------------------------- small readers
-def _table(data: Mapping[str, Any], key: str, problems: list[str]) -> dict[str, Any]:
-    value = data.get(key, {})
-    if not isinstance(value, dict):
-        problems.append(f"[{key}] must be a table, found {type(value).__name__} {value!r}")
-        return {}
-    return dict(value)
-
-
-def _get(table: Mapping[str, Any], key: str, kind: type, where: str, problems: list[str],
-         *, required: bool = False) -> Any:
-    if key not in table:
-        if required:
-            problems.append(f"{where}: missing {key!r} ({kind.__name__})")
-        return None
-    value = table[key]
-    ok = isinstance(value, kind) and not isinstance(value, bool)
-    if kind is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ok:
-        problems.append(f"{where} {key}={value!r}: expected {kind.__name__}")
-        return None
-    if kind is str and not value.strip():
-        problems.append(f"{where} {key}={value!r}: expected a non-empty string")
-        return None
-    return value
-
-
-def _seeds(value: Any, where: str, problems: list[str]) -> tuple[int, ...]:
-    if (not isinstance(value, list) or not value
-            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in value)):
-        problems.append(f"{where}={value!r}: expected a non-empty list of non-negative integers")
-        return ()
-    if len(set(value)) != len(value):
-        problems.append(f"{where}={value!r}: a seed is listed twice")
-        return tuple(dict.fromkeys(value))
-    return tuple(value)
-
-
-def _strings(value: Any, where: str, problems: list[str]) -> tuple[str, ...] | None:
-    if value is None:
-        return None
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        problems.append(f"{where}={value!r}: expected a list of strings")
-        return None
-    if len(set(value)) != len(value):
-        problems.append(f"{where}={value!r}: a name is listed twice")
-    return tuple(dict.fromkeys(value))
-
-
-def _unique(items: Any) -> tuple[Any, ...]:
-    return tuple(dict.fromkeys(items))
