@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fedshard.experiments.fields import check_keys, read_field
+
 if TYPE_CHECKING:
     from fedshard.experiments.suite import RunSpec, Suite
 
@@ -48,8 +50,6 @@ class Comparison:
         Its column, the same here and there (``None``: a reference row).
     suite : str
         The other suite's name.
-    source : str
-        The other suite's file.
     row : str
         The row label in the other suite.
     runs : tuple of RunSpec
@@ -60,7 +60,6 @@ class Comparison:
     label: str
     column: str | None
     suite: str
-    source: str
     row: str
     runs: tuple[RunSpec, ...]
 
@@ -75,7 +74,7 @@ def suite_file(name: str, suite_dir: Path) -> Path:
 
 
 def parse_comparisons(
-    entries: Any,
+    entries: Sequence[Mapping[str, Any]],
     *,
     suite_dir: Path,
     source: str,
@@ -87,8 +86,8 @@ def parse_comparisons(
 
     Parameters
     ----------
-    entries : Any
-        The parsed ``compare`` value (a list of tables).
+    entries : sequence of mapping
+        The ``[[compare]]`` blocks (:func:`~fedshard.experiments.fields.read_blocks`).
     suite_dir : Path
         Where relative ``suite`` values resolve (the comparing suite's folder).
     source : str
@@ -100,32 +99,22 @@ def parse_comparisons(
     problems : list of str
         Every problem found is appended here (nothing is raised).
     """
-    if not isinstance(entries, list) or not all(isinstance(e, Mapping) for e in entries):
-        problems.append("[[compare]] must be an array of tables ([[compare]] blocks)")
-        return ()
     loaded: dict[Path, Suite | None] = {}
     out: list[Comparison] = []
     for i, entry in enumerate(entries):
         where = f"compare[{i}]"
-        for key in entry:
-            if key not in COMPARE_KEYS:
-                problems.append(f"{where} unknown key {key!r}; known keys: "
-                                f"{', '.join(COMPARE_KEYS)}")
-        values = {key: entry.get(key) for key in COMPARE_KEYS}
-        bad = [key for key, value in values.items()
-               if value is not None and (not isinstance(value, str) or not value.strip())]
-        for key in bad:
-            problems.append(f"{where} {key}={values[key]!r}: expected a non-empty string")
-        for key in ("suite", "label"):
-            if values[key] is None:
-                problems.append(f"{where}: missing {key!r} (str)")
-        if bad or values["suite"] is None or values["label"] is None:
+        check_keys(entry, COMPARE_KEYS, where, problems)
+        before = len(problems)
+        name = read_field(entry, "suite", str, where, problems, required=True)
+        row = read_field(entry, "label", str, where, problems, required=True)
+        column = read_field(entry, "column", str, where, problems)
+        shown_as = read_field(entry, "as", str, where, problems)
+        if len(problems) > before or name is None or row is None:
             continue
-        path = suite_file(values["suite"], suite_dir).resolve()
+        path = suite_file(name, suite_dir).resolve()
         if not path.is_file():
-            problems.append(f"{where}: suite {values['suite']!r} is {path}, which does not "
-                            f"exist; expected NAME (for {suite_dir}/NAME.toml) or a suite "
-                            "file's path")
+            problems.append(f"{where}: suite {name!r} is {path}, which does not exist; expected "
+                            f"NAME (for {suite_dir}/NAME.toml) or a suite file's path")
             continue
         if source and Path(source).resolve() == path:
             problems.append(f"{where}: compares the suite with itself; its own rows go in "
@@ -142,7 +131,6 @@ def parse_comparisons(
         other = loaded[path]
         if other is None:
             continue
-        row, column = values["label"], values["column"]
         runs = other.cell(row, column)
         if not runs:
             cells = sorted({(r.label, r.column or "(reference)") for r in other.runs})
@@ -150,7 +138,6 @@ def parse_comparisons(
                             f"column {column!r}; its cells: "
                             + "; ".join(f"{lb} / {c}" for lb, c in cells))
             continue
-        out.append(Comparison(entry=i, label=values["as"] or f"{row} [{other.name}]",
-                              column=column,
-                              suite=other.name, source=str(path), row=row, runs=runs))
+        out.append(Comparison(entry=i, label=shown_as or f"{row} [{other.name}]",
+                              column=column, suite=other.name, row=row, runs=runs))
     return tuple(out)

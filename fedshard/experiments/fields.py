@@ -7,10 +7,28 @@ value, so that the caller can go on and report every problem of the file at once
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["read_field", "read_seeds", "read_strings", "read_table", "unique"]
+__all__ = ["check_keys", "read_blocks", "read_field", "read_seeds", "read_strings", "read_table",
+           "unique"]
+
+
+def read_blocks(data: Mapping[str, Any], key: str, problems: list[str]) -> list[dict[str, Any]]:
+    """``data[key]`` as a list of tables (``[[key]]`` blocks; ``[]`` when absent or not one)."""
+    value = data.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(t, Mapping) for t in value):
+        problems.append(f"[[{key}]] must be an array of tables ([[{key}]] blocks)")
+        return []
+    return [dict(t) for t in value]
+
+
+def check_keys(table: Mapping[str, Any], known: Sequence[str], where: str,
+               problems: list[str]) -> None:
+    """A problem for every key of ``table`` not in ``known``."""
+    for key in table:
+        if key not in known:
+            problems.append(f"{where} unknown key {key!r}; known keys: {', '.join(known)}")
 
 
 def read_table(data: Mapping[str, Any], key: str, problems: list[str]) -> dict[str, Any]:

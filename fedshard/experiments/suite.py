@@ -40,7 +40,15 @@ from typing import Any
 from fedshard.config import ConfigError, ProblemsError, RunConfig
 from fedshard.experiments.app import app_defaults, find_app_dir
 from fedshard.experiments.compare import Comparison, parse_comparisons
-from fedshard.experiments.fields import read_field, read_seeds, read_strings, read_table, unique
+from fedshard.experiments.fields import (
+    check_keys,
+    read_blocks,
+    read_field,
+    read_seeds,
+    read_strings,
+    read_table,
+    unique,
+)
 from fedshard.experiments.tables import TableSpec, parse_tables
 
 if sys.version_info >= (3, 11):
@@ -262,9 +270,7 @@ def parse_suite(
             problems.append(f"unknown table [{key}]; expected {', '.join(_TOP_KEYS)}")
 
     head = read_table(data, "suite", problems)
-    for key in head:
-        if key not in _SUITE_KEYS:
-            problems.append(f"[suite] unknown key {key!r}; known keys: {', '.join(_SUITE_KEYS)}")
+    check_keys(head, _SUITE_KEYS, "[suite]", problems)
     name = read_field(head, "name", str, "[suite]", problems, required=True) or "suite"
     results_text = read_field(head, "results-dir", str, "[suite]", problems, required=True) or ""
     num_supernodes = read_field(head, "num-supernodes", int, "[suite]", problems,
@@ -308,10 +314,7 @@ def parse_suite(
             results_dir = app_dir / results_dir
     results_dir = results_dir.resolve()
 
-    entries = data.get("runs", [])
-    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
-        problems.append("[[runs]] must be an array of tables ([[runs]] blocks)")
-        entries = []
+    entries = read_blocks(data, "runs", problems)
     if not entries:
         problems.append("the suite has no [[runs]] entries")
     runs: list[RunSpec] = []
@@ -375,7 +378,7 @@ def parse_suite(
     comparisons: tuple[Comparison, ...] = ()
     if resolve_comparisons:
         comparisons = parse_comparisons(
-            data.get("compare", []), suite_dir=suite_dir or app_dir / "experiments",
+            read_blocks(data, "compare", problems), suite_dir=suite_dir or app_dir / "experiments",
             source=source, error=SuiteError, problems=problems,
             load=lambda p: load_suite(p, app_dir=app_dir, resolve_comparisons=False))
     own_labels = {label for label, _ in cells}
@@ -400,7 +403,7 @@ def parse_suite(
     columns = unique(column for _, column in every if column is not None)
     main_rows = row_order if row_order is not None else table_labels
     main_columns = column_order if column_order is not None else columns
-    tables = parse_tables(data.get("tables", []), name=name, rows=main_rows,
+    tables = parse_tables(read_blocks(data, "tables", problems), name=name, rows=main_rows,
                           columns=main_columns, table_labels=table_labels,
                           all_columns=columns, problems=problems)
     shown = {label for t in tables for label in t.rows} | set(reference)

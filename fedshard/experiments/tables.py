@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fedshard.experiments.fields import read_field, read_strings
+from fedshard.experiments.fields import check_keys, read_field, read_strings
 
 __all__ = ["TABLE_KEYS", "TableSpec", "parse_tables"]
 
@@ -23,8 +23,8 @@ class TableSpec:
     columns: tuple[str, ...]
 
 
-def parse_tables(entries: Any, *, name: str, rows: Sequence[str], columns: Sequence[str],
-                 table_labels: Sequence[str], all_columns: Sequence[str],
+def parse_tables(entries: Sequence[Mapping[str, Any]], *, name: str, rows: Sequence[str],
+                 columns: Sequence[str], table_labels: Sequence[str], all_columns: Sequence[str],
                  problems: list[str]) -> tuple[TableSpec, ...]:
     """The main table (``rows`` x ``columns``) and the ``[[tables]]`` entries.
 
@@ -41,15 +41,9 @@ def parse_tables(entries: Any, *, name: str, rows: Sequence[str], columns: Seque
             problems.append(f"[suite] columns names {column!r}, which no [[runs]] or [[compare]] "
                             f"entry has; columns: {list(all_columns)}")
     tables = [TableSpec(f"{name}: final test accuracy (%)", tuple(rows), tuple(columns))]
-    if not isinstance(entries, list) or not all(isinstance(t, dict) for t in entries):
-        problems.append("[[tables]] must be an array of tables ([[tables]] blocks)")
-        entries = []
     for j, table in enumerate(entries):
         where = f"tables[{j}]"
-        for key in table:
-            if key not in TABLE_KEYS:
-                problems.append(f"{where} unknown key {key!r}; known keys: "
-                                f"{', '.join(TABLE_KEYS)}")
+        check_keys(table, TABLE_KEYS, where, problems)
         title = read_field(table, "title", str, where, problems, required=True) or where
         shown_rows = read_strings(table.get("rows"), f"{where} rows", problems)
         if shown_rows is None:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from test_experiments_report import finish, table_rows
 
-from fedshard.experiments import SuiteError, load_suite, write_report
+from fedshard.experiments import SuiteError, load_suite, parse_suite, write_report
 from fedshard.experiments.compare import suite_file
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -224,3 +224,16 @@ def test_the_beyond_suite_compares_with_the_fmnist_table_runs() -> None:
                     "dirichlet_alpha", "local_epochs", "batch_size", "lr", "momentum",
                     "frobenius_decay", "keep_ratios", "eval_every"):
             assert getattr(theirs, key) == getattr(mine, key), key
+
+
+@pytest.mark.parametrize("key", ["compare", "tables", "runs"])
+def test_a_block_key_that_is_not_an_array_of_tables_is_named(key: str) -> None:
+    data: dict[str, Any] = {
+        "suite": {"name": "t", "results-dir": "results/t", "num-supernodes": 3},
+        "defaults": {"model": "mlp", "min-available-nodes": 3},
+        "runs": [{"label": "A", "column": "c", "method": "top-n"}],
+    }
+    data[key] = {"label": "A"}  # a [key] table, not [[key]] blocks
+    with pytest.raises(SuiteError) as info:
+        parse_suite(data, app_dir=ROOT, source="t.toml")
+    assert f"[[{key}]] must be an array of tables ([[{key}]] blocks)" in info.value.problems
