@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gc
 import json
 import platform
@@ -226,6 +227,35 @@ def tensor_peak_and_split(
     return int(peak), {k: round(v, 1) for k, v in split.items()}
 
 
+def kernel_table(model: nn.Module, cfg: TrainConfig,
+                 batches: list[tuple[torch.Tensor, torch.Tensor]], top: int) -> dict[str, object]:
+    """One eager step under torch.profiler (after two unprofiled ones): kernels launched,
+    their summed time (device time on CUDA, CPU time otherwise) and the ``top`` costliest."""
+    step = TrainStep(model, cfg)
+    for x, y in batches[:2]:
+        step(x, y)
+    cuda = torch.device(cfg.device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        step(*batches[0])
+        if cuda:
+            torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        if cuda and event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if not cuda and event.key.startswith(("ProfilerStep", "[memory]")):
+            continue
+        us = event.self_device_time_total if cuda else event.self_cpu_time_total
+        rows.append((us / 1e3, event.count, event.key))
+    rows.sort(reverse=True)
+    return {
+        "launches": sum(r[1] for r in rows),
+        "ms": round(sum(r[0] for r in rows), 3),
+        "top": [[name[:70], round(ms, 3), count] for ms, count, name in rows[:top]],
+    }
+
+
 def setup(args: argparse.Namespace, device: torch.device) -> dict[str, object]:
     cpu = platform.processor() or platform.machine()
     try:
@@ -265,6 +295,12 @@ def main() -> None:
                     help="also time TrainConfig.cuda_graph=True (CUDA only)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration")
     ap.add_argument("--quick", action="store_true", help="time the steps only")
+    ap.add_argument("--pad-terms", action="store_true",
+                    help="also time TrainConfig.pad_terms' other choice: eager padded to 8, "
+                         "graph unpadded")
+    ap.add_argument("--kernels", type=int, default=0,
+                    help="with --quick: profile one eager step per model, list its N costliest "
+                         "kernels and count all of them")
     ap.add_argument("--rss-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     cfg = config(args.device, args.channels_last)
@@ -289,7 +325,15 @@ def main() -> None:
         modes["compiled"] = (TrainStep, cfg_compiled)
     if args.cuda_graph:
         modes["graph"] = (TrainStep, config(args.device, args.channels_last, cuda_graph=True))
+    if args.compile and args.cuda_graph:  # Inductor's kernels inside the whole-step graph
+        modes["compiled_graph"] = (TrainStep, config(args.device, args.channels_last,
+                                                     compile=True, cuda_graph=True))
     modes["plain"] = (PlainStep, cfg)
+    if args.pad_terms:  # the other side of TrainConfig.pad_terms' automatic choice
+        modes["padded"] = (TrainStep, dataclasses.replace(cfg, pad_terms=8))
+        if args.cuda_graph:
+            modes["graph_unpadded"] = (TrainStep, dataclasses.replace(modes["graph"][1],
+                                                                      pad_terms=1))
     steps = {
         f"{mode}/{key}": make(prepare(m, c), c)
         for mode, (make, c) in modes.items() for key, m in models.items()
@@ -309,12 +353,16 @@ def main() -> None:
                 if key != "dense":
                     quick[f"{prefix}step_time_ratio_{key}"] = round(
                         step_ms[mode][key] / step_ms[mode]["dense"], 4)
-        if "graph" in modes:  # the graphed sub-model against the eager dense step
-            for key in configs:
-                if key != "dense":
-                    quick[f"graph_vs_eager_dense_{key}"] = round(
-                        step_ms["graph"][key] / step_ms["fedshard"]["dense"], 4)
+        for mode in ("graph", "compiled_graph"):  # against the eager dense step
+            if mode in modes:
+                for key in configs:
+                    if key != "dense":
+                        quick[f"{mode}_vs_eager_dense_{key}"] = round(
+                            step_ms[mode][key] / step_ms["fedshard"]["dense"], 4)
         quick["step_time_ms"] = step_ms
+        if args.kernels:
+            quick["kernels"] = {key: kernel_table(prepare(m, cfg), cfg, batches, args.kernels)
+                                for key, m in models.items()}
         quick["setup"] = setup(args, device)
         print(json.dumps(quick, indent=1))
         return

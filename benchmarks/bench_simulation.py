@@ -19,7 +19,8 @@ wall time of a 1,000-round cell, ``bare_s_per_round`` and ``flower_overhead_rati
 1 epoch) for a CPU.
 
 Usage: ``python benchmarks/bench_simulation.py [--device auto|cpu|cuda] [--quick] [--rounds 3]
-[--cuda-graph]``
+[--cuda-graph] [--compile] [--graph-warmup N]``; ``clients_s`` is the time spent in the
+ClientApps' training handlers per round (the rest of ``round_s`` is the server and Flower).
 """
 
 from __future__ import annotations
@@ -75,7 +76,15 @@ def main() -> None:
     ap.add_argument("--keep-ratio", type=float, default=0.1)
     ap.add_argument("--cuda-graph", action="store_true",
                     help="clients capture their training step as a CUDA graph (both ways)")
+    ap.add_argument("--compile", action="store_true",
+                    help="clients compile forward/backward with torch.compile (both ways)")
+    ap.add_argument("--graph-warmup", type=int, default=None,
+                    help="eager steps per batch shape before a CUDA graph is captured "
+                         "(fedshard.training._StepGraphs._WARMUP; measurement only)")
     args = ap.parse_args()
+    if args.graph_warmup is not None:
+        import fedshard.training as training_module
+        training_module._StepGraphs._WARMUP = args.graph_warmup
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" \
         else args.device
     width, examples, epochs = (16, 100, 1) if args.quick else (64, 500, 2)
@@ -92,18 +101,26 @@ def main() -> None:
         data[pid] = TensorDataset(torch.randn(examples, 3, 32, 32, generator=g),
                                   torch.randint(0, 10, (examples,), generator=g))
 
+    options = {"cuda_graph": args.cuda_graph, "compile": args.compile}
+    client_s: dict[int, float] = {}
+
     def client(msg: Message, context: Context) -> Message:
         pid = context.node_config["partition-id"]
         if msg.metadata.message_type == "query":
             return handle_query(msg, args.keep_ratio, pid)
-        return handle_train(msg, model(), data[pid], device=device,
-                            train_options={"cuda_graph": args.cuda_graph})
+        t0 = time.perf_counter()
+        reply = handle_train(msg, model(), data[pid], device=device, train_options=options)
+        sync(device)
+        key = len(marks)  # rounds started so far
+        client_s[key] = client_s.get(key, 0.0) + time.perf_counter() - t0
+        return reply
 
     grid = InProcessGrid(client, [{"partition-id": i} for i in range(args.clients)])
     net = model()
     strategy = SpectralSharding.from_model(
         net, example_input=torch.zeros(1, 3, 32, 32), num_rounds=args.rounds,
         method="collective", local_epochs=epochs, batch_size=32, fraction_train=1.0,
+        fraction_evaluate=0.0,  # the round timed is the training round
         min_available_nodes=args.clients, seed=0,
         device=None if device == "cpu" else device)
 
@@ -147,20 +164,27 @@ def main() -> None:
                 epochs=s.local_epochs, lr=s.lr, momentum=s.momentum,
                 frobenius_decay=s.frobenius_decay, clip_tau=s.clip_lr_tau,
                 weight_decay=s.weight_decay, device=device, seed=s.train_seed,
-                log_every_epoch=False, cuda_graph=args.cuda_graph))
+                log_every_epoch=False, cuda_graph=args.cuda_graph, compile=args.compile))
         sync(device)
         bare.append(time.perf_counter() - t0)
 
     steady = rounds[1:] or rounds
     s_round, s_bare = statistics.median(steady), statistics.median(bare)
     m = strategy.history[max(strategy.history)]
+    used = [strategy.history[r].get("replies-used") for r in sorted(strategy.history)]
+    if any(u != args.clients for u in used):
+        raise SystemExit(f"bench_simulation: replies used per round {used}, expected "
+                         f"{args.clients} each: a client failed, so the timings are not a round's")
     print(json.dumps({
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else cpu_name(),
         "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
         "shape": {"clients": args.clients, "examples_per_client": examples, "epochs": epochs,
                   "batch": 32, "resnet18_width": width, "keep_ratio": args.keep_ratio,
-                  "method": "collective", "cuda_graph": args.cuda_graph},
+                  "method": "collective", "cuda_graph": args.cuda_graph,
+                  "compile": args.compile, "graph_warmup": args.graph_warmup},
         "round_s": [round(x, 3) for x in rounds],
+        "clients_s": [round(client_s.get(2 * i + 1, float("nan")), 3)
+                      for i in range(args.rounds)],
         "s_per_round": round(s_round, 3),
         "projected_1000_rounds_min": round(1000 * s_round / 60, 1),
         "bare_s_per_round": round(s_bare, 3),

@@ -1,22 +1,44 @@
 #!/usr/bin/env bash
 # Every GPU check of the project in one run (the device machine has torch but no flwr/Ray):
-# the CUDA tests, bench_client.py (eager and compiled), bench_simulation.py at full size, and
-# the pre-fused-step bench_client.py (commit 20529be, unpacked under .gpu/old) on the same card.
-# Usage: OUT=/some/dir bash benchmarks/gpu_checks.sh   (writes one JSON/log file per check)
+# the CUDA tests; bench_client.py eager and with the whole-step CUDA graph, then compiled;
+# bench_simulation.py at full size, graphed and compiled + graphed;
+# and the pre-fused-step bench_client.py
+# (commit 20529be, unpacked under .gpu/old; with OLD=1) on the same card, the before of
+# before/after.
+# Usage: OUT=/some/dir bash benchmarks/gpu_checks.sh
+# Writes $OUT/summary.txt (one line per check: rc, seconds), $OUT/results.jsonl (each check's
+# JSON, one line each) and $OUT/logs.tgz (every check's stdout/stderr), all refreshed after
+# each check so that a run stopped at its time limit still returns what it finished.
 set -u
-OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"; LOGS=$(mktemp -d)
 if ! python3 -c "import flwr" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
-export PYTHONUNBUFFERED=1
-( nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch, flwr; print('torch', torch.__version__, 'flwr', flwr.__version__)" ) > "$OUT/env.txt" 2>&1
+export PYTHONUNBUFFERED=1 ROOT=$PWD
+( nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc
+  python3 -c "import torch, flwr; print('torch', torch.__version__, 'flwr', flwr.__version__)" ) > "$LOGS/env.txt" 2>&1
+cp "$LOGS/env.txt" "$OUT/env.txt"
 run() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.out" 2> "$OUT/$name.err"; local rc=$?
-  echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"; tail -n 1 "$OUT/$name.out"; }
-run cuda_tests 120 python3 -m pytest -q -p no:cacheprovider -x tests/spectral/test_cuda.py tests/spectral/test_spectral_device.py
-run bench_client_eager 80 python3 benchmarks/bench_client.py --device cuda --quick --steps 20 --repeats 10 --warmup 5
-run bench_simulation 120 python3 benchmarks/bench_simulation.py --device cuda --rounds 3
-run bench_client_compile 120 python3 benchmarks/bench_client.py --device cuda --quick --compile --ratios 0.1 --steps 20 --repeats 10 --warmup 5
-( cd .gpu/old 2>/dev/null && run bench_client_old 60 python3 benchmarks/bench_client.py --device cuda --ratios 0.1 1.0 --steps 10 --repeats 5 )
+  timeout "$limit" "$@" > "$LOGS/$name.out" 2> "$LOGS/$name.err"; local rc=$?
+  echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
+  python3 - "$name" "$LOGS/$name.out" >> "$OUT/results.jsonl" <<'PY'
+import json, sys
+name, text = sys.argv[1], open(sys.argv[2]).read()
+start = text.rfind("\n{") + 1 if not text.startswith("{") else 0
+try:
+    print(json.dumps({"check": name, **json.loads(text[start:])}))
+except ValueError:
+    print(json.dumps({"check": name, "tail": text[-2000:]}))
+PY
+  tar czf "$OUT/logs.tgz" -C "$LOGS" . ; }
+# most wanted first: a run stopped at its limit keeps what finished
+run bench_client_eager_graph 80 python3 benchmarks/bench_client.py --device cuda --quick --cuda-graph --pad-terms --ratios 0.1 1.0 --steps 20 --repeats 10 --warmup 5 --kernels 12
+run bench_simulation_graph 60 python3 benchmarks/bench_simulation.py --device cuda --rounds 3 --cuda-graph
+run cuda_tests 120 python3 -m pytest -q -p no:cacheprovider tests/spectral/test_cuda.py tests/spectral/test_spectral_device.py
+run bench_client_compile 150 python3 benchmarks/bench_client.py --device cuda --quick --compile --cuda-graph --ratios 0.1 --steps 20 --repeats 10 --warmup 5
+run bench_simulation_compile_graph 90 python3 benchmarks/bench_simulation.py --device cuda --rounds 3 --cuda-graph --compile
+if [ -d .gpu/old ] && [ -n "${OLD:-}" ]; then cd .gpu/old
+  run bench_client_old 50 python3 benchmarks/bench_client.py --device cuda --ratios 0.1 1.0 --steps 10 --repeats 5
+  cd "$ROOT"; fi
 exit 0

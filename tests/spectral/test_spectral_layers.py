@@ -175,3 +175,55 @@ def test_errors_are_specific() -> None:
         SpectralLinear(u, v, torch.ones(2), torch.ones(4))
     with pytest.raises(ValueError, match=r"outside \[0, 3\)"):
         SpectralLinear.from_dense(nn.Linear(3, 4), indices=[0, 5])
+
+
+def _thin_conv(n: int = 7) -> SpectralConv2d:
+    g = torch.Generator().manual_seed(3)
+    d = torch.float64
+    return SpectralConv2d(
+        torch.randn(5, n, generator=g, dtype=d), torch.randn(4 * 9, n, generator=g, dtype=d),
+        torch.linspace(1.0, 20.0, n, dtype=d), torch.randn(5, generator=g, dtype=d),
+        in_channels=4, kernel_size=3, stride=2, padding=1,
+    )
+
+
+def test_zero_term_padding_is_exact_for_output_and_gradients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A thin conv padded with zero terms to 8 channels (what TrainStep asks for under a CUDA
+    graph, for cuDNN's fast kernels), here on the CPU. Output and gradients against the dense
+    convolution with weight U Ω V^T built by autograd (an independent path), and the
+    intermediate really is 8 wide."""
+    layer = _thin_conv()
+    layer.pad_terms_to = 8
+    x = torch.randn(2, 4, 9, 9, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    widths: list[int] = []
+    conv2d = torch.nn.functional.conv2d
+
+    def spy(inp: torch.Tensor, weight: torch.Tensor, *args: object) -> torch.Tensor:
+        widths.append(int(weight.shape[0]))
+        return conv2d(inp, weight, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.nn.functional, "conv2d", spy)
+    out = layer(x)
+    monkeypatch.undo()
+    assert widths == [8, 5]  # n = 7 terms + 1 zero term, then the 1x1 conv to c_out
+    u = layer.u.detach().clone().requires_grad_(True)
+    v = layer.v.detach().clone().requires_grad_(True)
+    weight = ((u * layer.omega) @ v.mT).reshape(5, 4, 3, 3)
+    want = torch.nn.functional.conv2d(x, weight, layer.bias.detach(), stride=2, padding=1)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=out.dtype)
+    (out * probe).sum().backward()
+    (want * probe).sum().backward()
+    assert layer.u.grad is not None and layer.v.grad is not None
+    assert layer.u.grad.shape == (5, 7) and layer.v.grad.shape == (36, 7)
+    torch.testing.assert_close(layer.u.grad, u.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(layer.v.grad, v.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_zero_term_padding_only_where_asked() -> None:
+    layer = _thin_conv(8)  # already a multiple of 8: nothing to pad
+    layer.pad_terms_to = 8
+    assert layer(torch.zeros(1, 4, 5, 5, dtype=torch.float64)).shape == (1, 5, 3, 3)
+    assert SpectralConv2d.pad_terms_to == 1  # off unless a TrainStep turns it on

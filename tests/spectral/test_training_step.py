@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from fedshard.spectral import SpectralLinear
+from fedshard.spectral import SpectralConv2d, SpectralLinear
 from fedshard.training import (
     ClipLR,
     FrobeniusDecay,
@@ -351,6 +351,28 @@ def test_compiled_training_matches_eager_on_cpu() -> None:
     assert got.accuracy == want.accuracy
 
 
+def test_compiled_training_of_several_models_in_one_process_matches_eager() -> None:
+    """A simulation trains many sub-models of one structure in one process (clients, rounds):
+    every compiled call after the first reuses the compiled code and still matches eager.
+    (Compiling the optimizer step made Dynamo raise on the second model, torch 2.14.)"""
+    try:
+        import torch._inductor
+    except ImportError as err:  # pragma: no cover - inductor ships with torch
+        pytest.skip(f"torch.compile's inductor backend cannot be imported here: {err}")
+    loader = DataLoader(_data(20, torch.float32), batch_size=8)  # batches of 8, 8 and 4
+    for round_, lr in enumerate((0.05, 0.02, 0.08)):
+        eager, compiled = _model(torch.float32), _model(torch.float32)
+        with torch.no_grad():  # another client's weights each time
+            for a, b in zip(eager.parameters(), compiled.parameters(), strict=True):
+                a.add_(0.1 * round_)
+                b.add_(0.1 * round_)
+        cfg = TrainConfig(epochs=2, lr=lr, frobenius_decay=1e-2, log_every_epoch=False)
+        want = train(eager, loader, cfg)
+        got = train(compiled, loader, dataclasses.replace(cfg, compile=True))
+        _assert_same(compiled, eager, rtol=1e-5, atol=1e-6)
+        assert got.loss == pytest.approx(want.loss, rel=1e-5), round_
+
+
 def test_cuda_graph_needs_a_cuda_device() -> None:
     from fedshard.training import TrainConfig as _Cfg
     from fedshard.training import TrainStep as _Step
@@ -358,3 +380,37 @@ def test_cuda_graph_needs_a_cuda_device() -> None:
     model = torch.nn.Linear(3, 2)
     with pytest.raises(ValueError, match=r"cuda_graph=True needs the model on a CUDA device"):
         _Step(model, _Cfg(cuda_graph=True))
+
+
+def _conv_model() -> nn.Sequential:
+    g = _gen(7)
+    d = torch.float64
+    conv = SpectralConv2d(
+        torch.randn(4, 5, generator=g, dtype=d) / 2,
+        torch.randn(3 * 9, 5, generator=g, dtype=d) / 3,
+        torch.tensor([1.0, 3.0, 8.0, 15.0, 30.0], dtype=d), torch.zeros(4, dtype=d),
+        in_channels=3, kernel_size=3, padding=1,
+    )
+    head = nn.Linear(4 * 6 * 6, 3).to(d)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(3, 144, generator=g, dtype=d) / 12)
+        head.bias.zero_()
+    return nn.Sequential(conv, nn.ReLU(), nn.Flatten(), head)
+
+
+def test_zero_term_padding_trains_the_same_factors() -> None:
+    """TrainConfig.pad_terms=8 pads the 5-term conv to 8 channels for the whole local training
+    (Frobenius decay, ClipLR with ω up to 30, momentum): float64 factors as unpadded."""
+    g = _gen(8)
+    data = TensorDataset(torch.randn(20, 3, 6, 6, generator=g, dtype=torch.float64),
+                         torch.randint(0, 3, (20,), generator=g))
+    cfg = TrainConfig(epochs=2, lr=0.01, frobenius_decay=1e-2, log_every_epoch=False)
+    plain, padded = _conv_model(), _conv_model()
+    want = train(plain, DataLoader(data, batch_size=8), cfg)
+    got = train(padded, DataLoader(data, batch_size=8), dataclasses.replace(cfg, pad_terms=8))
+    assert padded[0].pad_terms_to == 8 and plain[0].pad_terms_to == 1  # CPU default: off
+    assert padded[0].u.shape == (4, 5)  # the parameters keep their n columns
+    _assert_same(padded, plain)
+    assert got.loss == pytest.approx(want.loss, rel=1e-12)
+    with pytest.raises(ValueError, match=r"TrainConfig.pad_terms=0: expected an int >= 1"):
+        TrainConfig(pad_terms=0)
