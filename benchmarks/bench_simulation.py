@@ -80,11 +80,11 @@ def main() -> None:
                     help="clients compile forward/backward with torch.compile (both ways)")
     ap.add_argument("--graph-warmup", type=int, default=None,
                     help="eager steps per batch shape before a CUDA graph is captured "
-                         "(fedshard.training._StepGraphs._WARMUP; measurement only)")
+                         "(fedshard.step._StepGraphs._WARMUP; measurement only)")
     args = ap.parse_args()
     if args.graph_warmup is not None:
-        import fedshard.training as training_module
-        training_module._StepGraphs._WARMUP = args.graph_warmup
+        import fedshard.step as step_module
+        step_module._StepGraphs._WARMUP = args.graph_warmup
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" \
         else args.device
     width, examples, epochs = (16, 100, 1) if args.quick else (64, 500, 2)

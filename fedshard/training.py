@@ -2,25 +2,26 @@
 
 Torch only. The spectral layers are found by ``isinstance(m, SpectralLayer)``; their ``u`` and
 ``v`` are trained with Frobenius decay only, every other parameter with ordinary weight decay.
+The loop lives here (:func:`train`, :func:`evaluate`); the settings in
+:mod:`fedshard.train_config`, the step in :mod:`fedshard.step`. Their public names are
+re-exported here, where users import them.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
 from fedshard.batches import INPUT_KEYS, TARGET_KEYS, dataset_size, unpack_batch
 from fedshard.optim import ClipLR, FrobeniusDecay, frobenius_penalty
-from fedshard.spectral.layers import SpectralConv2d, SpectralLayer
+from fedshard.step import TrainStep, build_optimizer, cross_entropy_sums
+from fedshard.train_config import EvalResult, TrainConfig, TrainResult
 
 __all__ = [
     "INPUT_KEYS",
@@ -38,325 +39,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Local-training settings of one client round.
-
-    Attributes
-    ----------
-    epochs : int
-        Passes over the loader, ``>= 1``.
-    lr : float
-        SGD learning rate, ``>= 0`` (0: nothing changes, a pipeline diagnostic).
-    momentum : float
-        SGD momentum in ``[0, 1)``; the paper uses 0.9.
-    frobenius_decay : float
-        ``γ >= 0``; adds ``γ ‖U Ω V^T‖_F^2`` per spectral layer to the loss (paper: 1e-4).
-    clip_tau : float or None
-        ClipLR threshold ``τ > 0`` (paper: 10, and ``τ >= 1`` is advised); ``None`` disables.
-    weight_decay : float
-        Ordinary (L2) weight decay ``>= 0`` of the non-spectral parameters (dense weights,
-        biases, norms). Never applied to ``u``/``v`` (paper: Frobenius decay only).
-    device : str or torch.device
-        Where to train, e.g. ``"cpu"`` or ``"cuda:0"``.
-    seed : int
-        Seeds a forked torch RNG for the whole call (dropout, DataLoader shuffling without its
-        own generator); the caller's global RNG state is left untouched.
-    log_every_epoch : bool
-        Log loss/accuracy at INFO after each epoch.
-    channels_last : bool
-        Train in channels-last memory format (the model's 4-D parameters and 4-D input
-        batches are converted); often faster for convolutions on CPU, numerically the same.
-    compile : bool
-        Compile the forward and backward with ``torch.compile`` (Inductor's fused kernels;
-        on a GPU combine it with ``cuda_graph``, which captures them in the whole-step
-        graph: the fastest step measured). The same numbers as eager up to float
-        rounding; the first model of each structure in a process pays the compilation (and
-        its first short batch a recompilation for any batch size); later models of that
-        structure (a client's next round, other clients in the process) reuse it.
-    cuda_graph : bool
-        Capture the whole step (forward, backward, Frobenius decay, clipping, ClipLR + SGD)
-        as one CUDA graph per batch shape, after an eager warm-up step of that shape, and
-        replay it: one launch per step instead of hundreds, which is what bounds a small
-        sub-model's step on a GPU. CUDA only (a ``ValueError`` on another device). The same
-        kernels as eager, so the same numbers.
-    max_grad_norm : float or None
-        If set (``> 0``), clip the global 2-norm of all trainable gradients (after Frobenius
-        decay, before ClipLR) to it, without waiting for the device; ``None`` disables.
-    input_key, target_key : str or None
-        Keys of the inputs and targets in dict batches; ``None`` recognises the
-        flwr-datasets / Hugging Face names (:data:`INPUT_KEYS`, :data:`TARGET_KEYS`).
-        Ignored for ``(inputs, targets)`` pairs.
-    pad_terms : int or None
-        Pad every :class:`~fedshard.spectral.SpectralConv2d`'s ``n`` intermediate channels
-        with zero terms to a multiple of this while training (``pad_terms_to``; exact: see
-        there). ``None``: 8 for ``cuda_graph`` on CUDA without ``compile`` (H100, r = 0.1
-        ResNet-18 step 4.84 against 5.47 ms: cuDNN's kernels for thin convolutions with
-        other channel counts are slow), else 1. Eager CUDA steps are bound by launches, not
-        kernels, and the padding's extra launches made them slower (22.0 against 19.4 ms).
-
-    Raises
-    ------
-    ValueError
-        On any out-of-range value.
-    """
-
-    epochs: int = 1
-    lr: float = 0.05
-    momentum: float = 0.9
-    frobenius_decay: float = 1e-4
-    clip_tau: float | None = 10.0
-    weight_decay: float = 0.0
-    device: str | torch.device = "cpu"
-    seed: int = 0
-    log_every_epoch: bool = True
-    channels_last: bool = False
-    compile: bool = False
-    cuda_graph: bool = False
-    max_grad_norm: float | None = None
-    input_key: str | None = None
-    target_key: str | None = None
-    pad_terms: int | None = None
-
-    def __post_init__(self) -> None:
-        def bad(field: str, value: object, expected: str) -> ValueError:
-            return ValueError(
-                f"TrainConfig.{field}={value!r}: expected {expected}; no training was started."
-            )
-
-        if isinstance(self.epochs, bool) or not isinstance(self.epochs, int) or self.epochs < 1:
-            raise bad("epochs", self.epochs, "an int >= 1")
-        if not _finite(self.lr) or self.lr < 0:
-            # lr = 0 is allowed: a round that changes nothing (a diagnostic of the pipeline)
-            raise bad("lr", self.lr, "a finite number >= 0")
-        if not _finite(self.momentum) or not 0 <= self.momentum < 1:
-            raise bad("momentum", self.momentum, "a number in [0, 1)")
-        if not _finite(self.frobenius_decay) or self.frobenius_decay < 0:
-            raise bad("frobenius_decay", self.frobenius_decay, "a finite number >= 0")
-        if self.clip_tau is not None and (not _finite(self.clip_tau) or self.clip_tau <= 0):
-            raise bad("clip_tau", self.clip_tau, "a finite number > 0 (or None to disable ClipLR)")
-        if not _finite(self.weight_decay) or self.weight_decay < 0:
-            raise bad("weight_decay", self.weight_decay, "a finite number >= 0")
-        if self.max_grad_norm is not None and (
-            not _finite(self.max_grad_norm) or self.max_grad_norm <= 0
-        ):
-            raise bad("max_grad_norm", self.max_grad_norm, "a finite number > 0 (or None)")
-        for field in ("input_key", "target_key"):
-            key = getattr(self, field)
-            if key is not None and not isinstance(key, str):
-                raise bad(field, key, "a str (or None to recognise the usual names)")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise bad("seed", self.seed, "an int")
-        if self.pad_terms is not None and (
-            isinstance(self.pad_terms, bool) or not isinstance(self.pad_terms, int)
-            or self.pad_terms < 1
-        ):
-            raise bad("pad_terms", self.pad_terms, "an int >= 1 (1: no padding) or None (auto)")
-        try:
-            torch.device(self.device)
-        except (RuntimeError, TypeError) as err:
-            raise bad("device", self.device, "a torch device such as 'cpu' or 'cuda:0'") from err
-
-
-@dataclass(frozen=True)
-class TrainResult:
-    """Outcome of :func:`train`.
-
-    Attributes
-    ----------
-    loss : float
-        Mean cross-entropy (without the Frobenius term) over all targets seen in all epochs.
-    accuracy : float
-        Fraction of those targets predicted correctly (per token for sequence outputs).
-    num_examples : int
-        Size of the local data set, ``len(loader.dataset)`` (the aggregation weight ``D``).
-    """
-
-    loss: float
-    accuracy: float
-    num_examples: int
-
-
-@dataclass(frozen=True)
-class EvalResult:
-    """Outcome of :func:`evaluate`: mean loss, accuracy and number of examples."""
-
-    loss: float
-    accuracy: float
-    num_examples: int
-
-
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> ClipLR:
-    """SGD with momentum for ``model``, wrapped in :class:`ClipLR`.
-
-    Parameters
-    ----------
-    model : nn.Module
-        The (sub-)model to train.
-    cfg : TrainConfig
-        Provides ``lr``, ``momentum``, ``weight_decay`` and ``clip_tau``.
-
-    Returns
-    -------
-    ClipLR
-        Two parameter groups: the spectral factors ``u``, ``v`` with ``weight_decay=0`` (they
-        get Frobenius decay instead, see :func:`frobenius_penalty`), and all other trainable
-        parameters with ``cfg.weight_decay``. Empty groups are left out.
-
-    Raises
-    ------
-    ValueError
-        If ``model`` has no trainable parameter.
-    """
-    factors: list[nn.Parameter] = []
-    for m in model.modules():
-        if isinstance(m, SpectralLayer):
-            factors += [p for p in (m.u, m.v) if p.requires_grad]
-    factor_ids = {id(p) for p in factors}
-    dense = [p for p in model.parameters() if p.requires_grad and id(p) not in factor_ids]
-    groups: list[dict[str, Any]] = []
-    if factors:
-        groups.append({"params": factors, "weight_decay": 0.0})
-    if dense:
-        groups.append({"params": dense, "weight_decay": cfg.weight_decay})
-    if not groups:
-        raise ValueError("the model has no trainable parameters; there is nothing to train.")
-    sgd = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
-    return ClipLR(sgd, model, cfg.clip_tau)
-
-
-class TrainStep:
-    """One local-training step; :func:`train` and ``benchmarks/bench_client.py`` both use it.
-
-    Built once per :func:`train` call (after the model is on its device): zero the gradients,
-    forward and cross-entropy, backward, add the Frobenius-decay gradient
-    (:class:`FrobeniusDecay`), optionally clip the global gradient norm, then ClipLR + SGD
-    (:class:`ClipLR`). No step waits for the device: nothing is read back to the host.
-
-    Parameters
-    ----------
-    model : nn.Module
-        On its training device, in train mode.
-    cfg : TrainConfig
-        Settings; ``cfg.compile`` compiles the forward/backward with ``torch.compile``
-        (Inductor's fused kernels; with ``cfg.cuda_graph`` inside the whole-step graph).
-
-    Attributes
-    ----------
-    optimizer : ClipLR
-        From :func:`build_optimizer`.
-    """
-
-    def __init__(self, model: nn.Module, cfg: TrainConfig) -> None:
-        self.model = model
-        self.cfg = cfg
-        self.optimizer = build_optimizer(model, cfg)
-        self.decay = FrobeniusDecay(model, cfg.frobenius_decay)
-        self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        self._loss: Callable[..., tuple[torch.Tensor, ...]] = self._loss_eager
-        self._update: Callable[[], None] = self._update_eager
-        self._graphs: _StepGraphs | None = None
-        pad = cfg.pad_terms
-        if pad is None:
-            on_cuda = any(p.is_cuda for p in self._params)
-            pad = 8 if cfg.cuda_graph and on_cuda and not cfg.compile else 1
-        for m in model.modules():
-            if isinstance(m, SpectralConv2d):
-                m.pad_terms_to = pad
-        if cfg.cuda_graph:
-            if not all(p.is_cuda for p in self._params):
-                raise ValueError(
-                    f"TrainConfig.cuda_graph=True needs the model on a CUDA device, got "
-                    f"device={cfg.device!r}; set cuda_graph=False (or train on a GPU). No step "
-                    "was run.")
-            self._graphs = _StepGraphs(self._eager_step)
-        if cfg.compile:
-            # Forward and backward only (AOTAutograd): compiled code is shared by every later
-            # TrainStep of a model with the same structure (a client's next round, the next
-            # client in the same process); the update stays eager, few fused kernels already.
-            # (Compiling the optimizer step crashed Dynamo on the second TrainStep of a
-            # process, torch 2.14: SpeculationLogDivergence in SGD's state creation.)
-            # Inductor's default mode, no CUDA-graph trees: with cuda_graph the whole step is
-            # captured by _StepGraphs (faster on an H100 than "reduce-overhead": 4.81 against
-            # 5.78 ms at r = 0.1; 2.34 against 2.81 dense).
-            self._loss = torch.compile(self._loss_eager)
-
-    def __call__(
-        self, inputs: torch.Tensor, targets: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Train on one batch.
-
-        Returns
-        -------
-        tuple of torch.Tensor
-            Device scalars: summed cross-entropy (detached), number of correct predictions,
-            number of counted targets.
-        """
-        if self._graphs is not None:
-            return self._graphs(inputs, targets)
-        return self._eager_step(inputs, targets)
-
-    def _eager_step(
-        self, inputs: torch.Tensor, targets: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        self.optimizer.zero_grad(set_to_none=True)
-        loss, loss_sum, correct, count = self._loss(inputs, targets)
-        loss.backward()
-        self._update()
-        return loss_sum.detach(), correct, count
-
-    def _loss_eager(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        loss_sum, correct, count = _cross_entropy(self.model(inputs), targets)
-        return loss_sum / count.clamp_min(1), loss_sum, correct, count
-
-    def _update_eager(self) -> None:
-        self.decay.add_gradient_()
-        if self.cfg.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self._params, self.cfg.max_grad_norm, foreach=True)
-        self.optimizer.step()
-
-
-class _StepGraphs:
-    """A training step replayed from CUDA graphs, one per batch shape (PyTorch's whole-network
-    capture recipe): ``_WARMUP`` eager steps of a shape on a side stream (they are real
-    steps: they create the momentum buffers and the ClipLR scales), then the next step of
-    that shape is captured and replayed; every later one copies its batch into the graph's
-    static inputs and replays. The outputs are the graph's static tensors: read them before
-    the next step (``train`` adds them to its sums at once)."""
-
-    _WARMUP = 1  # H100, CIFAR-10 round of 10 clients: 4.8 s with 1, 5.7 s with 3
-
-    def __init__(self, step: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
-                 ) -> None:
-        self.step = step
-        self.seen: dict[tuple[Any, ...], int] = {}
-        self.graphs: dict[tuple[Any, ...], tuple[Any, torch.Tensor, torch.Tensor,
-                                                 tuple[torch.Tensor, ...]]] = {}
-
-    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        key = (tuple(inputs.shape), inputs.dtype, tuple(targets.shape), targets.dtype)
-        if key not in self.graphs:
-            self.seen[key] = self.seen.get(key, 0) + 1
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            if self.seen[key] <= self._WARMUP:
-                with torch.cuda.stream(side):
-                    out = self.step(inputs, targets)
-                torch.cuda.current_stream().wait_stream(side)
-                return out[0], out[1], out[2]
-            static_in, static_tg = inputs.clone(), targets.clone()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):  # records the step; it runs at the replay below
-                static_out = self.step(static_in, static_tg)
-            self.graphs[key] = (graph, static_in, static_tg, static_out)
-        graph, static_in, static_tg, static_out = self.graphs[key]
-        static_in.copy_(inputs)
-        static_tg.copy_(targets)
-        graph.replay()
-        return static_out[0], static_out[1], static_out[2]
 
 
 def train(model: nn.Module, loader: DataLoader[Any], cfg: TrainConfig) -> TrainResult:
@@ -514,7 +196,7 @@ def evaluate(
     try:
         for batch in loader:
             inputs, targets = unpack_batch(batch, dev, input_key, target_key)
-            loss_sum, correct, count = _cross_entropy(model(inputs), targets)
+            loss_sum, correct, count = cross_entropy_sums(model(inputs), targets)
             total_loss += loss_sum
             total_correct += correct
             total_targets += count
@@ -531,32 +213,6 @@ def evaluate(
     )
 
 
-def _cross_entropy(
-    logits: Any, targets: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Summed cross-entropy, number of correct predictions and of counted targets (tensors).
-
-    ``logits`` ``(B, C)`` with ``targets`` ``(B,)``, or ``(B, T, C)`` with ``(B, T)``;
-    targets ``-100`` (PyTorch's ``ignore_index``) are not counted.
-    """
-    if not isinstance(logits, torch.Tensor):
-        raise ValueError(
-            f"the model returned {type(logits).__name__}; expected a logits tensor of shape "
-            "(B, C) or (B, T, C)."
-        )
-    if logits.ndim != targets.ndim + 1 or logits.shape[:-1] != targets.shape:
-        raise ValueError(
-            f"logits of shape {tuple(logits.shape)} do not match targets of shape "
-            f"{tuple(targets.shape)}; expected (B, C) with (B,) or (B, T, C) with (B, T)."
-        )
-    flat_logits = logits.reshape(-1, logits.shape[-1])  # (B*T, C)
-    flat_targets = targets.reshape(-1)  # (B*T,)
-    valid = flat_targets != -100
-    loss_sum = F.cross_entropy(flat_logits, flat_targets, reduction="sum")
-    correct = ((flat_logits.argmax(dim=-1) == flat_targets) & valid).sum()
-    return loss_sum, correct, valid.sum()
-
-
 @contextmanager
 def _forked_rng(seed: int, device: torch.device) -> Iterator[None]:
     """Seed the CPU (and the training CUDA device's) generator; restore both on exit."""
@@ -569,7 +225,3 @@ def _forked_rng(seed: int, device: torch.device) -> Iterator[None]:
             with torch.cuda.device(index):
                 torch.cuda.manual_seed(seed)
         yield
-
-
-def _finite(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

@@ -101,7 +101,7 @@ def test_cuda_graph_training_matches_eager(warmup: int, monkeypatch: pytest.Monk
     x = torch.randn(60, 3, 32, 32, generator=g)  # 7 full batches of 8 and one of 4 per epoch
     data = TensorDataset(x, torch.randint(0, 10, (60,), generator=g))
     cfg = dataclasses.replace(CFG, device="cuda", epochs=2)
-    monkeypatch.setattr("fedshard.training._StepGraphs._WARMUP", warmup)
+    monkeypatch.setattr("fedshard.step._StepGraphs._WARMUP", warmup)
     saved = torch.backends.cudnn.deterministic
     torch.backends.cudnn.deterministic = True
     try:

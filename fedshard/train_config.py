@@ -1,0 +1,163 @@
+"""Settings and outcomes of local training: :class:`TrainConfig`, :class:`TrainResult`,
+:class:`EvalResult` (one frozen, validated dataclass per concern; torch only for the device)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["EvalResult", "TrainConfig", "TrainResult"]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Local-training settings of one client round.
+
+    Attributes
+    ----------
+    epochs : int
+        Passes over the loader, ``>= 1``.
+    lr : float
+        SGD learning rate, ``>= 0`` (0: nothing changes, a pipeline diagnostic).
+    momentum : float
+        SGD momentum in ``[0, 1)``; the paper uses 0.9.
+    frobenius_decay : float
+        ``γ >= 0``; adds ``γ ‖U Ω V^T‖_F^2`` per spectral layer to the loss (paper: 1e-4).
+    clip_tau : float or None
+        ClipLR threshold ``τ > 0`` (paper: 10, and ``τ >= 1`` is advised); ``None`` disables.
+    weight_decay : float
+        Ordinary (L2) weight decay ``>= 0`` of the non-spectral parameters (dense weights,
+        biases, norms). Never applied to ``u``/``v`` (paper: Frobenius decay only).
+    device : str or torch.device
+        Where to train, e.g. ``"cpu"`` or ``"cuda:0"``.
+    seed : int
+        Seeds a forked torch RNG for the whole call (dropout, DataLoader shuffling without its
+        own generator); the caller's global RNG state is left untouched.
+    log_every_epoch : bool
+        Log loss/accuracy at INFO after each epoch.
+    channels_last : bool
+        Train in channels-last memory format (the model's 4-D parameters and 4-D input
+        batches are converted); often faster for convolutions on CPU, numerically the same.
+    compile : bool
+        Compile the forward and backward with ``torch.compile`` (Inductor's fused kernels;
+        on a GPU combine it with ``cuda_graph``, which captures them in the whole-step
+        graph: the fastest step measured). The same numbers as eager up to float
+        rounding; the first model of each structure in a process pays the compilation (and
+        its first short batch a recompilation for any batch size); later models of that
+        structure (a client's next round, other clients in the process) reuse it.
+    cuda_graph : bool
+        Capture the whole step (forward, backward, Frobenius decay, clipping, ClipLR + SGD)
+        as one CUDA graph per batch shape, after an eager warm-up step of that shape, and
+        replay it: one launch per step instead of hundreds, which is what bounds a small
+        sub-model's step on a GPU. CUDA only (a ``ValueError`` on another device). The same
+        kernels as eager, so the same numbers.
+    max_grad_norm : float or None
+        If set (``> 0``), clip the global 2-norm of all trainable gradients (after Frobenius
+        decay, before ClipLR) to it, without waiting for the device; ``None`` disables.
+    input_key, target_key : str or None
+        Keys of the inputs and targets in dict batches; ``None`` recognises the
+        flwr-datasets / Hugging Face names (:data:`INPUT_KEYS`, :data:`TARGET_KEYS`).
+        Ignored for ``(inputs, targets)`` pairs.
+    pad_terms : int or None
+        Pad every :class:`~fedshard.spectral.SpectralConv2d`'s ``n`` intermediate channels
+        with zero terms to a multiple of this while training (``pad_terms_to``; exact: see
+        there). ``None``: 8 for ``cuda_graph`` on CUDA without ``compile`` (H100, r = 0.1
+        ResNet-18 step 4.84 against 5.47 ms: cuDNN's kernels for thin convolutions with
+        other channel counts are slow), else 1. Eager CUDA steps are bound by launches, not
+        kernels, and the padding's extra launches made them slower (22.0 against 19.4 ms).
+
+    Raises
+    ------
+    ValueError
+        On any out-of-range value.
+    """
+
+    epochs: int = 1
+    lr: float = 0.05
+    momentum: float = 0.9
+    frobenius_decay: float = 1e-4
+    clip_tau: float | None = 10.0
+    weight_decay: float = 0.0
+    device: str | torch.device = "cpu"
+    seed: int = 0
+    log_every_epoch: bool = True
+    channels_last: bool = False
+    compile: bool = False
+    cuda_graph: bool = False
+    max_grad_norm: float | None = None
+    input_key: str | None = None
+    target_key: str | None = None
+    pad_terms: int | None = None
+
+    def __post_init__(self) -> None:
+        def bad(field: str, value: object, expected: str) -> ValueError:
+            return ValueError(
+                f"TrainConfig.{field}={value!r}: expected {expected}; no training was started."
+            )
+
+        if isinstance(self.epochs, bool) or not isinstance(self.epochs, int) or self.epochs < 1:
+            raise bad("epochs", self.epochs, "an int >= 1")
+        if not _finite(self.lr) or self.lr < 0:
+            # lr = 0 is allowed: a round that changes nothing (a diagnostic of the pipeline)
+            raise bad("lr", self.lr, "a finite number >= 0")
+        if not _finite(self.momentum) or not 0 <= self.momentum < 1:
+            raise bad("momentum", self.momentum, "a number in [0, 1)")
+        if not _finite(self.frobenius_decay) or self.frobenius_decay < 0:
+            raise bad("frobenius_decay", self.frobenius_decay, "a finite number >= 0")
+        if self.clip_tau is not None and (not _finite(self.clip_tau) or self.clip_tau <= 0):
+            raise bad("clip_tau", self.clip_tau, "a finite number > 0 (or None to disable ClipLR)")
+        if not _finite(self.weight_decay) or self.weight_decay < 0:
+            raise bad("weight_decay", self.weight_decay, "a finite number >= 0")
+        if self.max_grad_norm is not None and (
+            not _finite(self.max_grad_norm) or self.max_grad_norm <= 0
+        ):
+            raise bad("max_grad_norm", self.max_grad_norm, "a finite number > 0 (or None)")
+        for field in ("input_key", "target_key"):
+            key = getattr(self, field)
+            if key is not None and not isinstance(key, str):
+                raise bad(field, key, "a str (or None to recognise the usual names)")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise bad("seed", self.seed, "an int")
+        if self.pad_terms is not None and (
+            isinstance(self.pad_terms, bool) or not isinstance(self.pad_terms, int)
+            or self.pad_terms < 1
+        ):
+            raise bad("pad_terms", self.pad_terms, "an int >= 1 (1: no padding) or None (auto)")
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError) as err:
+            raise bad("device", self.device, "a torch device such as 'cpu' or 'cuda:0'") from err
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """Outcome of :func:`train`.
+
+    Attributes
+    ----------
+    loss : float
+        Mean cross-entropy (without the Frobenius term) over all targets seen in all epochs.
+    accuracy : float
+        Fraction of those targets predicted correctly (per token for sequence outputs).
+    num_examples : int
+        Size of the local data set, ``len(loader.dataset)`` (the aggregation weight ``D``).
+    """
+
+    loss: float
+    accuracy: float
+    num_examples: int
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Outcome of :func:`evaluate`: mean loss, accuracy and number of examples."""
+
+    loss: float
+    accuracy: float
+    num_examples: int
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
