@@ -51,8 +51,9 @@ class TrainConfig:
         Capture the whole step (forward, backward, Frobenius decay, clipping, ClipLR + SGD)
         as one CUDA graph per batch shape, after an eager warm-up step of that shape, and
         replay it: one launch per step instead of hundreds, which is what bounds a small
-        sub-model's step on a GPU. CUDA only (a ``ValueError`` on another device). The same
-        kernels as eager, so the same numbers.
+        sub-model's step on a GPU. CUDA only (a ``ValueError`` on another device). The
+        same numbers as eager up to float rounding (the kernels are eager's, except where
+        ``pad_terms`` pads thin convolutions).
     max_grad_norm : float or None
         If set (``> 0``), clip the global 2-norm of all trainable gradients (after Frobenius
         decay, before ClipLR) to it, without waiting for the device; ``None`` disables.
