@@ -19,8 +19,10 @@ wall time of a 1,000-round cell, ``bare_s_per_round`` and ``flower_overhead_rati
 1 epoch) for a CPU.
 
 Usage: ``python benchmarks/bench_simulation.py [--device auto|cpu|cuda] [--quick] [--rounds 3]
-[--cuda-graph] [--compile] [--graph-warmup N]``; ``clients_s`` is the time spent in the
-ClientApps' training handlers per round (the rest of ``round_s`` is the server and Flower).
+[--cuda-graph] [--compile] [--graph-warmup N] [--no-reuse-step]``; ``clients_s`` is the time
+spent in the ClientApps' training handlers per round (the rest of ``round_s`` is the server
+and Flower). ``--no-reuse-step`` gives every client its own step (and CUDA graphs): the
+baseline of ``TrainConfig.reuse_step``, on by default with ``--cuda-graph``.
 """
 
 from __future__ import annotations
@@ -81,6 +83,9 @@ def main() -> None:
     ap.add_argument("--graph-warmup", type=int, default=None,
                     help="eager steps per batch shape before a CUDA graph is captured "
                          "(fedshard.step._StepGraphs._WARMUP; measurement only)")
+    ap.add_argument("--no-reuse-step", action="store_true",
+                    help="every client builds (and captures) its own step: TrainConfig."
+                         "reuse_step=False, the baseline of the step pool (both ways)")
     args = ap.parse_args()
     if args.graph_warmup is not None:
         import fedshard.step as step_module
@@ -101,7 +106,8 @@ def main() -> None:
         data[pid] = TensorDataset(torch.randn(examples, 3, 32, 32, generator=g),
                                   torch.randint(0, 10, (examples,), generator=g))
 
-    options = {"cuda_graph": args.cuda_graph, "compile": args.compile}
+    options = {"cuda_graph": args.cuda_graph, "compile": args.compile,
+               "reuse_step": False if args.no_reuse_step else None}
     client_s: dict[int, float] = {}
 
     def client(msg: Message, context: Context) -> Message:
@@ -164,7 +170,7 @@ def main() -> None:
                 epochs=s.local_epochs, lr=s.lr, momentum=s.momentum,
                 frobenius_decay=s.frobenius_decay, clip_tau=s.clip_lr_tau,
                 weight_decay=s.weight_decay, device=device, seed=s.train_seed,
-                log_every_epoch=False, cuda_graph=args.cuda_graph, compile=args.compile))
+                log_every_epoch=False, **options))
         sync(device)
         bare.append(time.perf_counter() - t0)
 
@@ -181,7 +187,8 @@ def main() -> None:
         "shape": {"clients": args.clients, "examples_per_client": examples, "epochs": epochs,
                   "batch": 32, "resnet18_width": width, "keep_ratio": args.keep_ratio,
                   "method": "collective", "cuda_graph": args.cuda_graph,
-                  "compile": args.compile, "graph_warmup": args.graph_warmup},
+                  "compile": args.compile, "graph_warmup": args.graph_warmup,
+                  "reuse_step": not args.no_reuse_step},
         "round_s": [round(x, 3) for x in rounds],
         "clients_s": [round(client_s.get(2 * i + 1, float("nan")), 3)
                       for i in range(args.rounds)],

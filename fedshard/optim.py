@@ -106,6 +106,23 @@ class ClipLR(torch.optim.Optimizer):
         return cached[1:]
 
     @torch.no_grad()
+    def refresh_scales_(self) -> None:
+        """Recompute the cached scales in place from the layers' current ω.
+
+        For a step that reuses this optimizer for another model of the same shapes, whose ω
+        was copied into the same tensors (:class:`fedshard.step_pool.StepPool`): a replayed
+        CUDA graph reads the cached scale tensors, so they are refilled, not replaced.
+        """
+        if self.tau is None:
+            return
+        for index, (omega, scale_u, scale_v) in self._scales.items():
+            layer = self.layers[index]
+            assert omega is layer.omega, "refresh_scales_ after ω was replaced, not copied"
+            scale = self.column_scale(layer.omega)  # (n,)
+            scale_u.copy_(scale.expand_as(scale_u))
+            scale_v.copy_(scale.expand_as(scale_v))
+
+    @torch.no_grad()
     def clip_gradients(self) -> None:
         """Scale ``u.grad`` and ``v.grad`` of every spectral layer in place, column by column."""
         if self.tau is None:
@@ -236,6 +253,13 @@ class FrobeniusDecay:
         self.layers = [m for m in model.modules() if isinstance(m, SpectralLayer)]
         # 2γ ωω^T, (n, n) per layer
         self.weights = [2.0 * gamma * torch.outer(m.omega, m.omega) for m in self.layers]
+
+    @torch.no_grad()
+    def refresh_(self) -> None:
+        """Rebuild ``2γ ωω^T`` in place from the layers' current ω (see
+        :meth:`ClipLR.refresh_scales_`: a replayed graph reads these tensors)."""
+        for weight, m in zip(self.weights, self.layers, strict=True):
+            weight.copy_(2.0 * self.gamma * torch.outer(m.omega, m.omega))
 
     @torch.no_grad()
     def add_gradient_(self) -> None:

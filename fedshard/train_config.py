@@ -68,6 +68,16 @@ class TrainConfig:
         ResNet-18 step 4.84 against 5.47 ms: cuDNN's kernels for thin convolutions with
         other channel counts are slow), else 1. Eager CUDA steps are bound by launches, not
         kernels, and the padding's extra launches made them slower (22.0 against 19.4 ms).
+    reuse_step : bool or None
+        Train on a pooled step (:class:`~fedshard.step_pool.StepPool`, one per process): a
+        later model of the same shapes and settings (the next client of the same keep ratio
+        in a Ray worker or on the in-process grid) is copied into a kept model copy whose
+        step, optimizer and CUDA graphs already exist, so it skips the warm-up and capture;
+        its trained state is copied back. The same numbers as a fresh step (the momentum
+        starts at zero, ClipLR's and Frobenius decay's ω-tensors are refilled). ``None``:
+        on with ``cuda_graph``, off otherwise (an eager step has little to reuse). Turn it
+        off for a model whose forward depends on state the pool cannot see (it compares
+        modules, tensor shapes, plain attributes and ``repr``; hooks disable pooling).
 
     Raises
     ------
@@ -91,6 +101,7 @@ class TrainConfig:
     input_key: str | None = None
     target_key: str | None = None
     pad_terms: int | None = None
+    reuse_step: bool | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, value: object, expected: str) -> ValueError:
@@ -126,6 +137,8 @@ class TrainConfig:
             or self.pad_terms < 1
         ):
             raise bad("pad_terms", self.pad_terms, "an int >= 1 (1: no padding) or None (auto)")
+        if self.reuse_step is not None and not isinstance(self.reuse_step, bool):
+            raise bad("reuse_step", self.reuse_step, "True, False or None (auto)")
         try:
             torch.device(self.device)
         except (RuntimeError, TypeError) as err:

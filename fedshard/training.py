@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -21,10 +21,12 @@ from torch.utils.data import DataLoader
 from fedshard.batches import INPUT_KEYS, TARGET_KEYS, dataset_size, unpack_batch
 from fedshard.optim import ClipLR, FrobeniusDecay, frobenius_penalty
 from fedshard.step import TrainStep, build_optimizer, cross_entropy_sums
+from fedshard.step_pool import StepPool
 from fedshard.train_config import EvalResult, TrainConfig, TrainResult
 
 __all__ = [
     "INPUT_KEYS",
+    "STEP_POOL",
     "TARGET_KEYS",
     "ClipLR",
     "EvalResult",
@@ -82,7 +84,18 @@ def train(model: nn.Module, loader: DataLoader[Any], cfg: TrainConfig) -> TrainR
     if cfg.channels_last:
         model.to(memory_format=torch.channels_last)
     model.train()
-    step = TrainStep(model, cfg)
+    reuse = cfg.cuda_graph if cfg.reuse_step is None else cfg.reuse_step
+    with STEP_POOL.lease(model, cfg) if reuse else nullcontext(TrainStep(model, cfg)) as step:
+        return _train_loop(step, loader, cfg, device)
+
+
+#: The process's pooled steps (``TrainConfig.reuse_step``); ``STEP_POOL.clear()`` frees them.
+STEP_POOL = StepPool(size=4)
+
+
+def _train_loop(
+    step: TrainStep, loader: DataLoader[Any], cfg: TrainConfig, device: torch.device
+) -> TrainResult:
     # Device-side sums: the only reads back to the host are the periodic finiteness checks
     # and the per-epoch log line. CE >= 0, so a sum is finite iff every summand is.
     total_loss = torch.zeros((), dtype=torch.float64, device=device)

@@ -13,9 +13,17 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fedshard.models import resnet18
 from fedshard.spectral import shard_model
-from fedshard.training import TrainConfig, TrainStep, train
+from fedshard.training import STEP_POOL, TrainConfig, TrainStep, train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def _empty_step_pool() -> Iterator[None]:
+    """Each test captures its own graphs (cuda_graph pools the step by default)."""
+    STEP_POOL.clear()
+    yield
+    STEP_POOL.clear()
 
 
 @pytest.fixture(autouse=True)
@@ -148,6 +156,46 @@ def test_cuda_graph_pads_thin_convolutions_and_matches_cpu() -> None:
     on_cpu, on_cuda = _submodel(), _submodel()
     train(on_cpu, _loader(), CFG)
     train(on_cuda, _loader(), dataclasses.replace(CFG, device="cuda", cuda_graph=True))
-    pads = {m.pad_terms_to for m in on_cuda.modules() if hasattr(m, "pad_terms_to")}
+    (entry,) = STEP_POOL._entries.values()  # the pooled copy is what trained
+    pads = {m.pad_terms_to for m in entry.model.modules() if hasattr(m, "pad_terms_to")}
     assert pads == {8}
+    assert {m.pad_terms_to for m in on_cuda.modules() if hasattr(m, "pad_terms_to")} == {1}
     _assert_close(on_cuda, on_cpu, rtol=1e-4, atol=1e-5)
+
+
+def test_pooled_cuda_graphs_train_later_clients_like_their_own_graphs() -> None:
+    """Three clients of one shape (own weights, ω and data) on one pooled step: the later
+    two replay the first one's full-batch graph (no warm-up, no capture) and still get what
+    a step captured for each of them gives, and what eager gives. Each has its own short
+    last batch; the entry keeps at most three graphs."""
+    cfg = dataclasses.replace(CFG, device="cuda", epochs=2, cuda_graph=True)
+    saved = torch.backends.cudnn.deterministic
+    torch.backends.cudnn.deterministic = True
+    try:
+        for client in range(3):
+            g = torch.Generator().manual_seed(10 + client)
+            n = 44 + client  # 5 batches of 8, then 4, 5 or 6: a short batch of its own
+            data = TensorDataset(torch.randn(n, 3, 32, 32, generator=g),
+                                 torch.randint(0, 10, (n,), generator=g))
+            models = [_submodel() for _ in range(3)]
+            with torch.no_grad():
+                for m in models:
+                    for name, t in m.state_dict().items():
+                        if name.endswith("omega"):
+                            t.mul_(1.0 + client)  # ω above τ = 10: ClipLR clips differently
+                        elif t.is_floating_point():
+                            t.add_(0.01 * client)
+            runs = [train(m, DataLoader(data, batch_size=8), c) for m, c in zip(models, (
+                dataclasses.replace(cfg, cuda_graph=False),
+                dataclasses.replace(cfg, reuse_step=False),
+                cfg), strict=True)]
+            eager, own, pooled = models
+            assert runs[2].loss == pytest.approx(runs[1].loss, rel=1e-6), client
+            _assert_close(pooled, own, rtol=1e-5, atol=1e-6)
+            _assert_close(pooled, eager, rtol=1e-4, atol=1e-5)
+    finally:
+        torch.backends.cudnn.deterministic = saved
+    (entry,) = STEP_POOL._entries.values()
+    assert entry.uses == 3
+    # _MAX_GRAPHS = 3: the full batch and the two latest short ones (4 was dropped)
+    assert sorted(key[0][0] for key in entry.step._graphs.graphs) == [5, 6, 8]

@@ -1,0 +1,200 @@
+"""One training step reused by every later model of the same shape in a process (Sec. 3.3).
+
+A CUDA-graphed :class:`~fedshard.step.TrainStep` pays an eager warm-up step and a capture for
+each batch shape before it replays; built afresh for each client (each ``train`` call), that is
+most of a small sub-model's client time on a GPU (H100, CIFAR-10-shaped round: the 10 clients
+spent 3.7-4.8 s for ~1.6 s of replayed steps). Clients of one keep ratio get sub-models of the
+same shapes, so :class:`StepPool` keeps one private copy of such a model with its step (and its
+captured graphs) and trains every later model of that shape on it:
+
+1. copy the caller's parameters and buffers into the pooled copy (ω is a buffer);
+2. zero the momentum buffers in place (SGD's first step sets ``buf = grad``; from a zero buffer
+   ``0.9 * 0 + grad`` is the same number, so the first replayed step is a first step), and
+   recompute ClipLR's per-column scales and Frobenius decay's ``2γ ωω^T`` in place from the new
+   ω, since the graphs read those tensors;
+3. train (replays), then copy the trained parameters and buffers back into the caller's model.
+
+Two models share an entry only if everything that shapes their step is equal: module types and
+names, every parameter's and buffer's shape, dtype, device, strides and ``requires_grad``, the
+plain (number, string, tuple) attributes of every module (stride, padding, groups, ε, dropout
+``p``, ``pad_terms_to``...), ``repr(model)``, and the step's settings (lr and momentum are baked
+into a graph). A model with forward/backward hooks or an instance-level ``forward`` is never
+pooled (the hooks are arbitrary code the pooled copy would not run); ``TrainConfig.reuse_step``
+turns pooling off for anything else this cannot see.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from fedshard.step import TrainStep
+from fedshard.train_config import TrainConfig
+
+__all__ = ["StepPool", "model_signature"]
+
+logger = logging.getLogger(__name__)
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, tuple):
+        return all(_plain(v) for v in value)
+    return isinstance(value, _PLAIN)
+
+
+def model_signature(model: nn.Module, cfg: TrainConfig) -> tuple[Any, ...] | None:
+    """What must be equal for two models to share a pooled step, or ``None`` if ``model``
+    cannot be pooled (it has hooks or an instance-level ``forward``).
+
+    Parameters
+    ----------
+    model : nn.Module
+        On its training device.
+    cfg : TrainConfig
+        The step's settings; only ``seed``, ``epochs`` and ``log_every_epoch`` are left out
+        (they do not enter the step).
+    """
+    modules = []
+    for name, m in model.named_modules():
+        hooks = (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks,
+                 m._backward_pre_hooks, m._state_dict_hooks, m._load_state_dict_pre_hooks)
+        if any(hooks) or "forward" in m.__dict__:
+            return None
+        attrs = tuple(sorted((k, v) for k, v in m.__dict__.items()
+                             if not k.startswith("_") and _plain(v)))
+        modules.append((name, type(m).__module__, type(m).__qualname__, attrs))
+    tensors = tuple(
+        (kind, name, tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device),
+         t.requires_grad)
+        for kind, named in (("param", model.named_parameters()), ("buffer", model.named_buffers()))
+        for name, t in named)
+    settings = (cfg.lr, cfg.momentum, cfg.frobenius_decay, cfg.clip_tau, cfg.weight_decay,
+                str(torch.device(cfg.device)), cfg.channels_last, cfg.compile, cfg.cuda_graph,
+                cfg.max_grad_norm, cfg.pad_terms)
+    return (tuple(modules), tensors, repr(model), settings)
+
+
+class _Entry:
+    def __init__(self, model: nn.Module, cfg: TrainConfig) -> None:
+        self.model = copy.deepcopy(model)
+        self.model.train()
+        self.step = TrainStep(self.model, cfg)
+        self.params: list[torch.Tensor] = list(self.model.parameters())
+        self.buffers: list[torch.Tensor] = list(self.model.buffers())
+        self.busy = False
+        self.uses = 0
+
+
+class StepPool:
+    """Pooled training steps, one per model signature (:func:`model_signature`), at most
+    ``size`` of them, least recently used dropped first. A new entry replaces any entry of
+    the same model with other settings (in a simulation: the previous round's learning rate),
+    so a worker captures its graphs once per round and sub-model shape.
+
+    Thread-safe: an entry in use by one thread is not lent to another (that call gets a fresh,
+    unpooled step). An entry whose training raised is dropped: a failed capture or a NaN leaves
+    its graphs and state unusable.
+
+    Parameters
+    ----------
+    size : int
+        Entries kept, ``>= 1``. Each holds a copy of a model and, under CUDA graphs, the
+        graphs' memory pools (about a step's activations per batch shape).
+    """
+
+    def __init__(self, size: int = 4) -> None:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"StepPool size={size!r}: expected an int >= 1.")
+        self.size = size
+        self._entries: OrderedDict[tuple[Any, ...], _Entry] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        """Drop every entry (their graphs and model copies are freed with them)."""
+        with self._lock:
+            self._entries.clear()
+
+    @contextmanager
+    def lease(self, model: nn.Module, cfg: TrainConfig) -> Iterator[TrainStep]:
+        """A step that trains ``model``: pooled when possible (see the module), else fresh.
+
+        ``model`` must already be on ``cfg.device`` in its training layout. On a normal exit
+        the trained parameters and buffers are in ``model``; if the body raises, ``model`` is
+        left as it was and the entry is dropped.
+        """
+        key = model_signature(model, cfg)
+        entry = None
+        if key is not None:
+            with self._lock:
+                entry = self._entries.get(key)
+                if entry is not None and entry.busy:
+                    entry = None  # another thread trains on it; this call goes unpooled
+                    key = None
+                elif entry is not None:
+                    self._entries.move_to_end(key)
+                    entry.busy = True
+        if key is None:
+            yield TrainStep(model, cfg)
+            return
+        if entry is None:
+            entry = _Entry(model, cfg)
+            entry.busy = True
+            with self._lock:
+                # the same model with other settings: an earlier round's lr (cosine
+                # schedule), which will not come back; free its graphs now
+                for old_key in [k for k, e in self._entries.items()
+                                if k[:-1] == key[:-1] and not e.busy]:
+                    del self._entries[old_key]
+                self._entries[key] = entry
+                while len(self._entries) > self.size:
+                    old_key, old = next(iter(self._entries.items()))
+                    if old.busy:
+                        break
+                    del self._entries[old_key]
+        else:
+            _load(entry, model)
+        ok = False
+        try:
+            yield entry.step
+            ok = True
+        finally:
+            with self._lock:
+                entry.busy = False
+                entry.uses += 1
+                if not ok:
+                    self._entries.pop(key, None)
+        with torch.no_grad():
+            params: list[torch.Tensor] = list(model.parameters())
+            torch._foreach_copy_(params, entry.params)
+            buffers: list[torch.Tensor] = list(model.buffers())
+            if buffers:
+                torch._foreach_copy_(buffers, entry.buffers)
+
+
+@torch.no_grad()
+def _load(entry: _Entry, model: nn.Module) -> None:
+    """Steps 1 and 2 of the module docstring: the caller's state in, the optimizer's reset."""
+    params: list[torch.Tensor] = list(model.parameters())
+    torch._foreach_copy_(entry.params, params)
+    if entry.buffers:
+        buffers: list[torch.Tensor] = list(model.buffers())
+        torch._foreach_copy_(entry.buffers, buffers)
+    momenta = [s["momentum_buffer"] for s in entry.step.optimizer.state.values()
+               if s.get("momentum_buffer") is not None]
+    if momenta:
+        torch._foreach_zero_(momenta)
+    entry.step.optimizer.refresh_scales_()
+    entry.step.decay.refresh_()

@@ -1,0 +1,199 @@
+"""The step pool (TrainConfig.reuse_step): clients trained one after another on one pooled
+step give exactly what each gets from a fresh step (float64, CPU; the CUDA-graph case is in
+test_cuda.py), and models that differ in anything that shapes the step never share one."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from fedshard.spectral import SpectralConv2d, SpectralLinear
+from fedshard.step_pool import StepPool, model_signature
+from fedshard.training import STEP_POOL, TrainConfig, train
+
+D = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _fresh_pool() -> Iterator[None]:
+    torch.set_num_threads(1)
+    STEP_POOL.clear()
+    yield
+    STEP_POOL.clear()
+
+
+def _client_model(client: int, omega: tuple[float, ...] = (1.0, 3.0, 12.0, 30.0),
+                  stride: int = 1) -> nn.Sequential:
+    """A conv sub-model with len(omega) terms; every client has its own factors, ω and head."""
+    g = torch.Generator().manual_seed(100 + client)
+    n = len(omega)
+    conv = SpectralConv2d(
+        torch.randn(5, n, generator=g, dtype=D) / 2,
+        torch.randn(3 * 9, n, generator=g, dtype=D) / 3,
+        torch.tensor(omega, dtype=D) * (1 + 0.5 * client),  # ω differs per client
+        0.1 * torch.randn(5, generator=g, dtype=D),
+        in_channels=3, kernel_size=3, padding=1, stride=stride,
+    )
+    side = 6 if stride == 1 else 3
+    lin = SpectralLinear(
+        torch.randn(7, 3, generator=g, dtype=D) / 2,
+        torch.randn(5 * side * side, 3, generator=g, dtype=D) / 8,
+        torch.tensor([2.0, 9.0, 25.0], dtype=D) / (1 + client),
+        torch.zeros(7, dtype=D),
+    )
+    head = nn.Linear(7, 3).to(D)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(3, 7, generator=g, dtype=D))
+        head.bias.copy_(torch.randn(3, generator=g, dtype=D))
+    return nn.Sequential(conv, nn.GroupNorm(1, 5).to(D), nn.ReLU(), nn.Flatten(), lin,
+                         nn.Tanh(), head)
+
+
+def _loader(client: int, n: int = 22) -> DataLoader[tuple[torch.Tensor, ...]]:
+    g = torch.Generator().manual_seed(200 + client)
+    data = TensorDataset(torch.randn(n, 3, 6, 6, generator=g, dtype=D),
+                         torch.randint(0, 3, (n,), generator=g))
+    return DataLoader(data, batch_size=8, shuffle=True,
+                      generator=torch.Generator().manual_seed(client))  # 8, 8, n - 16
+
+
+# ClipLR τ = 10 clips some columns (ω up to 60), weight decay on the dense parameters
+CFG = TrainConfig(epochs=2, lr=0.02, momentum=0.9, frobenius_decay=1e-2, clip_tau=10.0,
+                  weight_decay=1e-3, log_every_epoch=False)
+
+
+def _same(a: nn.Module, b: nn.Module) -> None:
+    for (key, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(x, y), f"{key}: max |diff| {(x - y).abs().max().item():.3g}"
+
+
+def test_clients_trained_on_one_pooled_step_equal_fresh_training() -> None:
+    """Four clients (different factors, ω, data and data sizes) one after another on one
+    pooled step, bit for bit as each trained on its own fresh step: the momentum restarts
+    at zero, ClipLR's scales and Frobenius decay's ωω^T follow each client's ω."""
+    sizes = (22, 19, 22, 30)  # last batches of 6, 3, 6 and 6 examples
+    for client, n in enumerate(sizes):
+        fresh, pooled = _client_model(client), _client_model(client)
+        want = train(fresh, _loader(client, n), dataclasses.replace(CFG, reuse_step=False))
+        got = train(pooled, _loader(client, n), dataclasses.replace(CFG, reuse_step=True))
+        _same(pooled, fresh)
+        assert (got.loss, got.accuracy, got.num_examples) == \
+            (want.loss, want.accuracy, want.num_examples), client
+    assert len(STEP_POOL) == 1
+    (entry,) = STEP_POOL._entries.values()
+    assert entry.uses == len(sizes)
+
+
+def test_pooled_training_leaves_earlier_clients_models_alone() -> None:
+    first, second = _client_model(0), _client_model(1)
+    cfg = dataclasses.replace(CFG, reuse_step=True)
+    train(first, _loader(0), cfg)
+    after_first = {k: v.clone() for k, v in first.state_dict().items()}
+    train(second, _loader(1), cfg)
+    for key, value in first.state_dict().items():
+        assert torch.equal(value, after_first[key]), key
+    assert first[0].pad_terms_to == 1  # the pooled copy, not the caller's model, is set up
+
+
+def test_anything_that_shapes_the_step_gets_its_own_entry() -> None:
+    base = model_signature(_client_model(0), CFG)
+    assert base is not None
+    assert model_signature(_client_model(3), CFG) == base  # other values, same shapes
+    others = {
+        "terms": model_signature(_client_model(0, omega=(1.0, 2.0, 3.0)), CFG),
+        "stride": model_signature(_client_model(0, stride=2), CFG),
+        "lr": model_signature(_client_model(0), dataclasses.replace(CFG, lr=0.01)),
+        "momentum": model_signature(_client_model(0), dataclasses.replace(CFG, momentum=0.5)),
+        "tau": model_signature(_client_model(0), dataclasses.replace(CFG, clip_tau=None)),
+        "dtype": model_signature(_client_model(0).float(), CFG),
+        "eval mode": model_signature(_client_model(0).eval(), CFG),
+    }
+    frozen = _client_model(0)
+    frozen[-1].bias.requires_grad_(False)
+    others["requires_grad"] = model_signature(frozen, CFG)
+    eps = _client_model(0)
+    norm = eps[1]
+    assert isinstance(norm, nn.GroupNorm)
+    norm.eps = 1e-3  # a plain attribute the forward reads
+    others["attribute"] = model_signature(eps, CFG)
+    for what, signature in others.items():
+        assert signature is not None and signature != base, what
+    assert len(set(others.values())) == len(others)
+
+
+def test_models_with_hooks_or_their_own_forward_are_never_pooled() -> None:
+    hooked = _client_model(0)
+    calls: list[int] = []
+    hooked[0].register_forward_hook(lambda *_: calls.append(1))
+    assert model_signature(hooked, CFG) is None
+    train(hooked, _loader(0), dataclasses.replace(CFG, reuse_step=True))
+    assert len(calls) == 6 and len(STEP_POOL) == 0  # 3 batches x 2 epochs, the hook ran
+    patched = _client_model(0)
+    patched[2].forward = lambda x: torch.relu(x) * 2
+    assert model_signature(patched, CFG) is None
+
+
+def test_pool_keeps_the_most_recently_used_entries() -> None:
+    pool = StepPool(size=2)
+    models = [_client_model(0, omega=w) for w in ((1.0,), (1.0, 2.0), (1.0, 2.0, 3.0))]
+    for model in (models[0], models[1], models[0], models[2]):
+        with pool.lease(model, CFG) as step:
+            step(torch.randn(2, 3, 6, 6, dtype=D), torch.tensor([0, 1]))
+    kept = {e.step.decay.layers[0].omega.numel() for e in pool._entries.values()}
+    assert kept == {1, 3}  # models[1] was the least recently used
+    with pytest.raises(ValueError, match=r"StepPool size=0: expected an int >= 1"):
+        StepPool(size=0)
+
+
+def test_a_new_learning_rate_replaces_the_entry_of_the_same_model() -> None:
+    """The next round (cosine lr) needs new graphs: the old round's entry is freed, while a
+    model of another shape keeps its own."""
+    pool = StepPool(size=4)
+    batch = (torch.randn(2, 3, 6, 6, dtype=D), torch.tensor([0, 1]))
+    other = _client_model(0, omega=(1.0, 2.0))
+    for lr in (0.05, 0.04, 0.03):
+        for model in (_client_model(0), other):
+            with pool.lease(model, dataclasses.replace(CFG, lr=lr)) as step:
+                step(*batch)
+    assert len(pool) == 2
+    assert {k[-1][0] for k in pool._entries} == {0.03}
+
+
+def test_an_entry_in_use_is_not_lent_twice() -> None:
+    pool = StepPool()
+    a, b = _client_model(0), _client_model(1)
+    with pool.lease(a, CFG) as outer, pool.lease(b, CFG) as inner:
+        assert inner is not outer and inner.model is b  # a fresh step on the caller's model
+    assert len(pool) == 1
+
+
+def test_a_failed_training_drops_its_entry_and_leaves_the_model_as_it_was() -> None:
+    model = _client_model(0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(FloatingPointError, match=r"training loss became"):
+        train(model, _loader(0), dataclasses.replace(CFG, lr=1e12, clip_tau=None,
+                                                     reuse_step=True))
+    assert len(STEP_POOL) == 0
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    # the next client of the same shape starts from a new entry and trains as a fresh step
+    fresh, pooled = _client_model(1), _client_model(1)
+    train(fresh, _loader(1), dataclasses.replace(CFG, reuse_step=False))
+    train(pooled, _loader(1), dataclasses.replace(CFG, reuse_step=True))
+    _same(pooled, fresh)
+
+
+def test_a_pooled_cuda_graph_still_needs_a_cuda_device() -> None:
+    with pytest.raises(ValueError, match=r"cuda_graph=True needs the model on a CUDA device"):
+        train(_client_model(0), _loader(0), dataclasses.replace(CFG, cuda_graph=True))
+    assert len(STEP_POOL) == 0
+
+
+def test_reuse_step_is_validated() -> None:
+    with pytest.raises(ValueError, match=r"TrainConfig.reuse_step='yes': expected True, False"):
+        TrainConfig(reuse_step="yes")  # type: ignore[arg-type]
