@@ -1,5 +1,6 @@
 """fedshard ClientApp: declares its keep ratio, trains the shard it receives (thin)."""
 
+import copy
 from dataclasses import replace
 
 from flwr.app import Context, Message
@@ -8,11 +9,11 @@ from flwr.clientapp import ClientApp
 from fedshard.client import handle_evaluate, handle_query, handle_train
 from fedshard.config import RunConfig
 from fedshard.task import (
-    build_model,
     client_dataset,
     declared_keep_ratio,
     node_partition,
     resolve_device,
+    template_model,
 )
 
 app = ClientApp()
@@ -36,7 +37,8 @@ def query(msg: Message, context: Context) -> Message:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     cfg, pid, num = _node(context)
-    return handle_train(msg, build_model(cfg), client_dataset(cfg, pid, num),
+    # the process's shared model: handle_train only reads it (it copies what it trains)
+    return handle_train(msg, template_model(cfg), client_dataset(cfg, pid, num),
                         device=resolve_device(cfg.client_device),
                         train_options={"compile": cfg.compile, "cuda_graph": cfg.cuda_graph})
 
@@ -44,5 +46,6 @@ def train(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     cfg, pid, num = _node(context)
-    return handle_evaluate(msg, build_model(cfg), client_dataset(cfg, pid, num),
+    # handle_evaluate loads the global weights into the model it gets: a copy
+    return handle_evaluate(msg, copy.deepcopy(template_model(cfg)), client_dataset(cfg, pid, num),
                            device=resolve_device(cfg.client_device))

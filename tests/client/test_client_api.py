@@ -158,3 +158,42 @@ def test_sharding_client_app_turns_a_fedavg_handler_into_a_shard_reply() -> None
     np.testing.assert_array_equal(reply.content[P.ARRAYS]["2.indices"].numpy(),
                                   sent["2.indices"].numpy())
     assert reply.content[P.METRICS]["x"] == 1.0
+
+
+def test_handle_train_only_reads_the_model_so_one_instance_serves_every_message() -> None:
+    """The ClientApp passes one per-process model (fedshard.task.template_model) to every
+    train message: handle_train must leave it bit for bit as it was, also when it trains the
+    dense FedAvg reference copy, and give what a fresh model gives."""
+    template = net()
+    before = {k: v.clone() for k, v in template.state_dict().items()}
+    replies = []
+    for kw in ({}, {"fedavg_cosine": True}):
+        msg = train_message(**kw)
+        shared = handle_train(msg, template, data())
+        fresh = handle_train(msg, net(), data())
+        replies.append(shared)
+        for key in fresh.content[P.ARRAYS]:
+            np.testing.assert_array_equal(shared.content[P.ARRAYS][key].numpy(),
+                                          fresh.content[P.ARRAYS][key].numpy(), err_msg=key)
+    assert P.REFERENCE in replies[1].content.array_records
+    for key, value in template.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert all(p.grad is None for p in template.parameters())
+
+
+def test_template_model_is_built_once_per_model_setting() -> None:
+    from dataclasses import replace
+
+    from fedshard.config import RunConfig
+    from fedshard.task import build_model, template_model
+
+    cfg = RunConfig(model="mlp", model_width=16, dataset="fashion-mnist", seed=5)
+    first = template_model(cfg)
+    assert template_model(replace(cfg, lr=0.01, method="unbiased")) is first  # not model settings
+    for key, value in build_model(cfg).state_dict().items():
+        assert torch.equal(first.state_dict()[key], value), key  # the same initialization
+    other = template_model(replace(cfg, seed=6))
+    name = next(iter(first.state_dict()))
+    assert other is not first and not torch.equal(other.state_dict()[name],
+                                                  first.state_dict()[name])
+    assert template_model(replace(cfg, model_width=8)) is not first

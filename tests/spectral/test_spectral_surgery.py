@@ -217,6 +217,38 @@ def test_build_submodel_copies_the_original_bias() -> None:
     assert layer.bias.data_ptr() != model.body.bias.data_ptr()
 
 
+def _reference_build(model: nn.Module, factors: dict[str, LayerFactors]) -> nn.Module:
+    """The obvious construction: copy everything, then replace each named layer."""
+    import copy
+
+    sub = copy.deepcopy(model)
+    for name, fac in factors.items():
+        dense = sub.get_submodule(name)
+        cls = SpectralConv2d if isinstance(dense, nn.Conv2d) else SpectralLinear
+        parent, _, child = name.rpartition(".")
+        setattr(sub.get_submodule(parent), child, cls.from_factors(dense, fac.u, fac.v, fac.omega))
+    return sub
+
+
+def test_build_submodel_copies_only_what_it_keeps_and_equals_copy_then_replace() -> None:
+    """The replaced layers' dense weights are not copied (they are most of the model); the
+    result is the copy-everything-then-replace model, module for module."""
+    model = _resnet(torch.float32)
+    factors = {}
+    for i, name in enumerate(RESNET_SHARDED[::3]):
+        u, v, _ = decompose(model.get_submodule(name).weight)
+        factors[name] = LayerFactors(u[:, : 2 + i], v[:, : 2 + i], torch.linspace(1, 5, 2 + i))
+    sub = build_submodel(model, factors)
+    want = _reference_build(model, factors)
+    assert repr(sub) == repr(want)
+    for (key, x), (key2, y) in zip(sub.state_dict().items(), want.state_dict().items(),
+                                   strict=True):
+        assert key == key2 and torch.equal(x, y), key
+    assert all(not isinstance(m, nn.Identity) for m in sub.modules())
+    kept = {p.data_ptr() for p in sub.parameters()}
+    assert not kept & {p.data_ptr() for p in model.parameters()}  # nothing shared either
+
+
 def test_build_submodel_reports_every_shape_mismatch() -> None:
     model = Reordered()
     factors = {
