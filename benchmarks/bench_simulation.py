@@ -106,6 +106,7 @@ def main() -> None:
         data[pid] = TensorDataset(torch.randn(examples, 3, 32, 32, generator=g),
                                   torch.randint(0, 10, (examples,), generator=g))
 
+    template = model()
     options = {"cuda_graph": args.cuda_graph, "compile": args.compile,
                "reuse_step": False if args.no_reuse_step else None}
     client_s: dict[int, float] = {}
@@ -115,7 +116,8 @@ def main() -> None:
         if msg.metadata.message_type == "query":
             return handle_query(msg, args.keep_ratio, pid)
         t0 = time.perf_counter()
-        reply = handle_train(msg, model(), data[pid], device=device, train_options=options)
+        # one model per process, as the ClientApp does (fedshard.task.template_model)
+        reply = handle_train(msg, template, data[pid], device=device, train_options=options)
         sync(device)
         key = len(marks)  # rounds started so far
         client_s[key] = client_s.get(key, 0.0) + time.perf_counter() - t0
@@ -162,7 +164,7 @@ def main() -> None:
         t0 = time.perf_counter()
         for msg in sent[-1]:
             s = P.TrainSettings.from_record(msg.content.config_records[P.CONFIG])
-            sub, _ = submodel_from_record(model(), msg.content.array_records[P.ARRAYS])
+            sub, _ = submodel_from_record(template, msg.content.array_records[P.ARRAYS])
             pid = grid.contexts[msg.metadata.dst_node_id].node_config["partition-id"]
             loader = DataLoader(data[pid], batch_size=s.batch_size, shuffle=True,
                                 generator=torch.Generator().manual_seed(s.train_seed))
@@ -188,7 +190,7 @@ def main() -> None:
                   "batch": 32, "resnet18_width": width, "keep_ratio": args.keep_ratio,
                   "method": "collective", "cuda_graph": args.cuda_graph,
                   "compile": args.compile, "graph_warmup": args.graph_warmup,
-                  "reuse_step": not args.no_reuse_step},
+                  "reuse_step": args.cuda_graph and not args.no_reuse_step},
         "round_s": [round(x, 3) for x in rounds],
         "clients_s": [round(client_s.get(2 * i + 1, float("nan")), 3)
                       for i in range(args.rounds)],

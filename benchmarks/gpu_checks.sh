@@ -38,6 +38,7 @@ run cuda_tests 120 python3 -m pytest -q -p no:cacheprovider tests/spectral/test_
 run bench_simulation_graph 60 python3 benchmarks/bench_simulation.py --device cuda --rounds 3 --cuda-graph
 run bench_simulation_graph_fresh 60 python3 benchmarks/bench_simulation.py --device cuda --rounds 3 --cuda-graph --no-reuse-step
 run bench_simulation_compile_graph 90 python3 benchmarks/bench_simulation.py --device cuda --rounds 3 --cuda-graph --compile
+run bench_receive 60 python3 benchmarks/bench_receive.py --repeats 5
 run bench_client_eager_graph 80 python3 benchmarks/bench_client.py --device cuda --quick --cuda-graph --pad-terms --ratios 0.1 1.0 --steps 20 --repeats 10 --warmup 5 --kernels 12
 run bench_client_compile 150 python3 benchmarks/bench_client.py --device cuda --quick --compile --cuda-graph --ratios 0.1 --steps 20 --repeats 10 --warmup 5
 if [ -d .gpu/old ] && [ -n "${OLD:-}" ]; then cd .gpu/old
