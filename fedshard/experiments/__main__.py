@@ -82,7 +82,8 @@ def _run(suite: Suite, args: argparse.Namespace) -> int:
 def _report(suite: Suite, args: argparse.Namespace) -> int:
     files = write_report(suite, args.out)
     for path in (files.table, files.results, files.milestones, files.accuracy_plot,
-                 files.per_seed_plot, files.anme_plot, files.diagnostics_plot):
+                 files.per_seed_plot, files.anme_plot, files.diagnostics_plot,
+                 files.cosine_table, files.cosine_plot):
         if path is not None:
             _say(f"[{suite.name}] wrote {path}")
     return 0

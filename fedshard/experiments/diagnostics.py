@@ -10,6 +10,10 @@ diagnostics (``diagnostics``/``fedavg-cosine`` runs) as curves.
 - ``diagnostics.png`` - one panel per diagnostic any run recorded (:data:`DIAGNOSTICS`), one
   line per run: the accuracy of the global model against the accuracy of its top-⌈rN⌉
   truncation, the energy share of the terms no client could draw, and the FedAvg cosine.
+- ``fedavg-cosine.md`` and ``fedavg-cosine.png`` - for the runs with ``fedavg-cosine``: the
+  cosine between the server's update and FedAvg's (same start, same clients, dense copies),
+  over all parameters and over the sharded layers only (where the strategies differ), as
+  means over blocks of :data:`COSINE_BLOCK` rounds and as curves (paper, Sec. 4.4).
 """
 
 from __future__ import annotations
@@ -21,8 +25,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DIAGNOSTICS", "MILESTONES", "metric_curves", "milestones_markdown",
-           "plot_diagnostics", "plot_per_seed"]
+__all__ = [
+    "COSINES",
+    "COSINE_BLOCK",
+    "DIAGNOSTICS",
+    "MILESTONES",
+    "cosine_markdown",
+    "metric_curves",
+    "milestones_markdown",
+    "plot_cosines",
+    "plot_diagnostics",
+    "plot_per_seed",
+]
 
 #: Rounds whose accuracy the milestone table reports (besides the last round).
 MILESTONES = (10, 20)
@@ -34,6 +48,13 @@ DIAGNOSTICS = {
     "fedavg-cosine": "cos(strategy update, FedAvg update)",
 }
 _PERCENT = ("test-accuracy", "test-accuracy-top-n")
+#: The FedAvg-cosine metrics (metric -> what it covers) of ``fedavg-cosine.md``/``.png``.
+COSINES = {
+    "fedavg-cosine": "all parameters",
+    "fedavg-cosine-sharded": "sharded layers only",
+}
+#: Rounds per block of the means in ``fedavg-cosine.md``.
+COSINE_BLOCK = 10
 
 
 def metric_curves(directory: Path, metrics: Sequence[str]) -> dict[str, list[tuple[int, float]]]:
@@ -163,5 +184,73 @@ def plot_per_seed(cells: Sequence[Any], path: Path) -> Path | None:
         ax.legend(fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.12), ncols=2)
     axes[0].set_ylabel("test accuracy (%)")
     fig.suptitle("Test accuracy per seed (each seed is its own data split and initial model)")
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def _cosine_runs(cells: Sequence[Any]) -> list[tuple[Any, Any, dict[str, list[tuple[int, float]]]]]:
+    found = []
+    for cell in cells:
+        for run in cell.runs:
+            curves = metric_curves(run.spec.directory, list(COSINES))
+            if curves:
+                found.append((cell, run, curves))
+    return found
+
+
+def cosine_markdown(cells: Sequence[Any]) -> str | None:
+    """``fedavg-cosine.md`` (see the module), or ``None`` when no run recorded the cosine."""
+    found = _cosine_runs(cells)
+    if not found:
+        return None
+    last = max(r for _, _, curves in found for c in curves.values() for r, _ in c)
+    blocks = [(lo, min(lo + COSINE_BLOCK - 1, last)) for lo in range(1, last + 1, COSINE_BLOCK)]
+    spans = [*blocks, (1, last)] if len(blocks) > 1 else blocks
+    heads = [f"rounds {lo}–{hi}" for lo, hi in blocks]
+    heads += ["all rounds"] * (len(spans) - len(blocks))
+    lines = ["# FedAvg cosine", "",
+             "Mean over the rounds of cos(server update, FedAvg update): the strategy's update "
+             "against the one FedAvg would have made from the same global model with the same "
+             "clients training dense copies (paper, Sec. 4.4). Higher: closer to FedAvg.", ""]
+    for metric, what in COSINES.items():
+        lines += [f"## {what} (`{metric}`)", "",
+                  "| Strategy | Column | Seed | " + " | ".join(heads) + " |",
+                  "|---|---|---|" + "---|" * len(heads)]
+        for cell, run, curves in found:
+            curve = curves.get(metric, [])
+            means = []
+            for lo, hi in spans:
+                got = [v for r, v in curve if lo <= r <= hi]
+                means.append(f"{statistics.fmean(got):.3f}" if got else "—")
+            lines.append(f"| {cell.label} | {cell.column or '(reference)'} | {run.spec.seed} | "
+                         + " | ".join(means) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot_cosines(cells: Sequence[Any], path: Path) -> Path | None:
+    """``fedavg-cosine.png`` (see the module), or ``None`` when no run recorded the cosine."""
+    found = _cosine_runs(cells)
+    if not found:
+        return None
+    from fedshard.experiments.report import _colors, _matplotlib
+
+    _, Figure, FigureCanvasAgg = _matplotlib()
+    fig = Figure(figsize=(11, 5.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(COSINES), squeeze=False, sharey=True)[0]
+    names = [f"{cell.label}, seed {run.spec.seed}" for cell, run, _ in found]
+    colors = _colors(list(dict.fromkeys(names)))
+    for ax, (metric, what) in zip(axes, COSINES.items(), strict=True):
+        for (_cell, _run, curves), name in zip(found, names, strict=True):
+            curve = curves.get(metric, [])
+            if curve:
+                ax.plot([r for r, _ in curve], [v for _, v in curve], color=colors[name],
+                        lw=1.3, label=name)
+        ax.set_title(f"cos(strategy update, FedAvg update): {what}", fontsize="small")
+        ax.set_xlabel("round")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="x-small")
+    fig.suptitle("Agreement of each round's server update with FedAvg's (same clients)")
     fig.savefig(path, dpi=120)
     return path

@@ -40,7 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from fedshard.experiments.diagnostics import (
+    cosine_markdown,
     milestones_markdown,
+    plot_cosines,
     plot_diagnostics,
     plot_per_seed,
 )
@@ -128,6 +130,8 @@ class ReportFiles:
     milestones: Path | None = None
     diagnostics_plot: Path | None = None  # only when some run recorded a diagnostic
     per_seed_plot: Path | None = None  # only when some run finished
+    cosine_table: Path | None = None  # only when some run recorded fedavg-cosine
+    cosine_plot: Path | None = None
 
 
 def _finite(value: Any) -> bool:
@@ -558,5 +562,12 @@ def write_report(suite: Suite, out_dir: Path | None = None) -> ReportFiles:
     anme = plot_anme(suite, cells, out / "anme.png")
     extra = plot_diagnostics(cells, out / "diagnostics.png")
     per_seed = plot_per_seed(cells, out / "accuracy-per-seed.png")
+    cosine_text = cosine_markdown(cells)
+    cosine_table = None
+    if cosine_text is not None:
+        cosine_table = out / "fedavg-cosine.md"
+        cosine_table.write_text(cosine_text)
+    cosine_plot = plot_cosines(cells, out / "fedavg-cosine.png")
     return ReportFiles(table=table, results=results, accuracy_plot=accuracy, anme_plot=anme,
-                       milestones=milestones, diagnostics_plot=extra, per_seed_plot=per_seed)
+                       milestones=milestones, diagnostics_plot=extra, per_seed_plot=per_seed,
+                       cosine_table=cosine_table, cosine_plot=cosine_plot)

@@ -84,3 +84,27 @@ def test_per_seed_plot_has_one_panel_per_seed_that_finished(tmp_path: Path) -> N
     two = png_size(write_report(suite, tmp_path / "two").per_seed_plot)  # type: ignore[arg-type]
     # 5.6 in per panel at 120 dpi: seeds {0} -> 1 panel, seeds {0, 1} -> 2 panels
     assert one[0] == round(5.6 * 120) and two[0] == round(2 * 5.6 * 120)
+
+
+def test_fedavg_cosine_table_and_plot(tmp_path: Path) -> None:
+    """Block means of the cosine metrics against hand computation; no cosine, no files."""
+    suite = _suite(tmp_path)
+    runs = {(r.label, r.seed): r for r in suite.runs}
+    assert write_report(suite).cosine_table is None
+    every5 = [0, 5, 10, 15, 20, 25]
+    # A seed 0: cosine = round / 100 over all parameters, 0.5 on the sharded layers from round 3
+    _finish(runs["A", 0], {r: 0.5 for r in every5},
+            {"fedavg-cosine": {r: r / 100 for r in range(1, 26)},
+             "fedavg-cosine-sharded": {r: 0.5 for r in range(3, 26)}})
+    _finish(runs["B", 0], {r: 0.3 for r in every5}, {})  # no cosine: not in the table
+    files = write_report(suite)
+    assert files.cosine_table is not None and files.cosine_plot is not None
+    assert png_size(files.cosine_plot)[0] > 400
+    text = files.cosine_table.read_text()
+    assert "| Strategy | Column | Seed | rounds 1–10 | rounds 11–20 | rounds 21–25 | all rounds |" \
+        in text
+    rows = [line for line in text.splitlines() if line.startswith("| A")]
+    assert len(rows) == 2 and not any(line.startswith("| B") for line in text.splitlines())
+    # rounds 1-10: mean 5.5 / 100; 11-20: 15.5 / 100; 21-25: 23 / 100; 1-25: 13 / 100
+    assert rows[0] == "| A | c | 0 | 0.055 | 0.155 | 0.230 | 0.130 |"
+    assert rows[1] == "| A | c | 0 | 0.500 | 0.500 | 0.500 | 0.500 |"
