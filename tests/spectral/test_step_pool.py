@@ -89,6 +89,29 @@ def test_clients_trained_on_one_pooled_step_equal_fresh_training() -> None:
     assert entry.uses == len(sizes)
 
 
+def test_pooled_compiled_step_trains_later_clients_like_eager() -> None:
+    """compile + pool (the fastest GPU setting pools under cuda_graph): the second client
+    runs the first one's compiled code on the pooled copy and still matches eager."""
+    try:
+        import torch._inductor
+    except ImportError as err:  # pragma: no cover - inductor ships with torch
+        pytest.skip(f"torch.compile's inductor backend cannot be imported here: {err}")
+    cfg = dataclasses.replace(CFG, epochs=1)
+    for client in range(2):
+        eager, pooled = _client_model(client).float(), _client_model(client).float()
+        loader = DataLoader(TensorDataset(*(t.float() if t.is_floating_point() else t
+                                            for t in _loader(client).dataset.tensors)),
+                            batch_size=8)
+        want = train(eager, loader, cfg)
+        got = train(pooled, loader, dataclasses.replace(cfg, compile=True, reuse_step=True))
+        for (key, x), y in zip(pooled.state_dict().items(), eager.state_dict().values(),
+                               strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=key)
+        assert got.loss == pytest.approx(want.loss, rel=1e-5)
+    (entry,) = STEP_POOL._entries.values()
+    assert entry.uses == 2
+
+
 def test_pooled_training_leaves_earlier_clients_models_alone() -> None:
     first, second = _client_model(0), _client_model(1)
     cfg = dataclasses.replace(CFG, reuse_step=True)
