@@ -169,6 +169,12 @@ class StepPool:
         ok = False
         try:
             yield entry.step
+            with torch.no_grad():  # step 3, before the entry is lent again
+                params: list[torch.Tensor] = list(model.parameters())
+                torch._foreach_copy_(params, entry.params)
+                buffers: list[torch.Tensor] = list(model.buffers())
+                if buffers:
+                    torch._foreach_copy_(buffers, entry.buffers)
             ok = True
         finally:
             with self._lock:
@@ -176,12 +182,6 @@ class StepPool:
                 entry.uses += 1
                 if not ok:
                     self._entries.pop(key, None)
-        with torch.no_grad():
-            params: list[torch.Tensor] = list(model.parameters())
-            torch._foreach_copy_(params, entry.params)
-            buffers: list[torch.Tensor] = list(model.buffers())
-            if buffers:
-                torch._foreach_copy_(buffers, entry.buffers)
 
 
 @torch.no_grad()

@@ -195,6 +195,33 @@ def test_an_entry_in_use_is_not_lent_twice() -> None:
     assert len(pool) == 1
 
 
+def test_clients_training_in_threads_at_once_each_get_their_own_result() -> None:
+    """The in-process grid may run ClientApps in threads: six clients of one shape trained
+    concurrently with the pool equal their fresh trainings."""
+    import threading
+
+    cfg = dataclasses.replace(CFG, reuse_step=True)
+    models = [_client_model(c) for c in range(6)]
+    errors: list[BaseException] = []
+
+    def work(c: int) -> None:
+        try:
+            train(models[c], _loader(c), cfg)
+        except BaseException as err:  # pragma: no cover - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(c,)) for c in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for c, model in enumerate(models):
+        fresh = _client_model(c)
+        train(fresh, _loader(c), dataclasses.replace(CFG, reuse_step=False))
+        _same(model, fresh)
+
+
 def test_a_failed_training_drops_its_entry_and_leaves_the_model_as_it_was() -> None:
     model = _client_model(0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
