@@ -127,7 +127,7 @@ def plot_diagnostics(cells: Sequence[Any], path: Path) -> Path | None:
     present = [m for m in DIAGNOSTICS if any(m in c for c in curves.values())]
     if not present:
         return None
-    from fedshard.experiments.report import _colors, _matplotlib
+    from fedshard.experiments.plots import _colors, _matplotlib
 
     _, Figure, FigureCanvasAgg = _matplotlib()
     fig = Figure(figsize=(5.2 * len(present), 5.2), layout="constrained")
@@ -162,7 +162,7 @@ def plot_per_seed(cells: Sequence[Any], path: Path) -> Path | None:
     runs = [(cell, run) for cell in cells for run in cell.runs if run.curve]
     if not runs:
         return None
-    from fedshard.experiments.report import _colors, _matplotlib
+    from fedshard.experiments.plots import _colors, _matplotlib
 
     _, Figure, FigureCanvasAgg = _matplotlib()
     seeds = sorted({run.spec.seed for _, run in runs})
@@ -233,7 +233,7 @@ def plot_cosines(cells: Sequence[Any], path: Path) -> Path | None:
     found = _cosine_runs(cells)
     if not found:
         return None
-    from fedshard.experiments.report import _colors, _matplotlib
+    from fedshard.experiments.plots import _colors, _matplotlib
 
     _, Figure, FigureCanvasAgg = _matplotlib()
     fig = Figure(figsize=(11, 5.2), layout="constrained")

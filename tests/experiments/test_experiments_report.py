@@ -214,7 +214,7 @@ def test_plot_colours_give_ten_labels_ten_distinct_hues() -> None:
     """With more than ten labels the first ten still get the ten tab10 hues (a paper table has
     eleven rows); taking tab20 in its own order gave Unbiased and Collective two reds."""
     matplotlib = pytest.importorskip("matplotlib")
-    from fedshard.experiments.report import _colors
+    from fedshard.experiments.plots import _colors
 
     labels = [f"row {i}" for i in range(11)]
     colours = _colors(labels)
@@ -240,11 +240,12 @@ def test_a_column_without_main_setting_cells_bolds_its_best(tmp_path: Path) -> N
 def test_plot_legends_lie_outside_the_data(tmp_path: Path, build: str) -> None:
     """With a paper-sized table (11 rows) a legend inside the axes hides curves or bars; every
     legend must sit outside every panel's plotting area."""
+    from fedshard.experiments import plots as plot_module
     from fedshard.experiments import report as report_module
 
     suite = make_suite(tmp_path)
     populate(suite)
-    fig = getattr(report_module, build)(suite, report_module.collect(suite))
+    fig = getattr(plot_module, build)(suite, report_module.collect(suite))
     renderer = fig.canvas.get_renderer()
     fig.draw(renderer)  # the constrained layout places the legends at draw time
     legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
