@@ -164,10 +164,13 @@ class StepPool:
                     if old.busy:
                         break
                     del self._entries[old_key]
+            loaded = True  # the copy starts as model: nothing to load
         else:
-            _load(entry, model)
+            loaded = False
         ok = False
         try:
+            if not loaded:
+                _load(entry, model)
             yield entry.step
             with torch.no_grad():  # step 3, before the entry is lent again
                 params: list[torch.Tensor] = list(model.parameters())
@@ -180,8 +183,8 @@ class StepPool:
             with self._lock:
                 entry.busy = False
                 entry.uses += 1
-                if not ok:
-                    self._entries.pop(key, None)
+                if not ok and self._entries.get(key) is entry:
+                    del self._entries[key]
 
 
 @torch.no_grad()
