@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import statistics
 import sys
 import time
@@ -29,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
+from bench_simulation import cpu_name  # noqa: E402
 from flower_grid import InProcessGrid  # noqa: E402
 from flwr.app import ArrayRecord, ConfigRecord, Message  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
@@ -40,16 +40,6 @@ from fedshard.client import handle_query, receive  # noqa: E402
 from fedshard.models import resnet18  # noqa: E402
 from fedshard.spectral import LayerFactors, SpectralConv2d, SpectralLinear  # noqa: E402
 from fedshard.strategy import SpectralSharding  # noqa: E402
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
 
 
 def build_submodel_full_copy(model: nn.Module, factors: dict[str, LayerFactors]) -> nn.Module:
