@@ -29,11 +29,20 @@ import torch
 
 from fedshard.rundir import CHECKPOINT_NAME, PREVIOUS_CHECKPOINT_NAME
 
-__all__ = ["CHECKPOINT_NAME", "PREVIOUS_CHECKPOINT_NAME", "Checkpoint", "CheckpointError"]
+__all__ = [
+    "CHECKPOINT_NAME",
+    "PREVIOUS_CHECKPOINT_NAME",
+    "RESUME_MAY_CHANGE",
+    "Checkpoint",
+    "CheckpointError",
+]
 
 logger = logging.getLogger(__name__)
 
 _FORMAT = 1
+#: Run-config keys a resumed run may change: where and how fast it runs, not what it computes.
+RESUME_MAY_CHANGE = ("resume", "overwrite", "round-timeout", "client-device", "server-device",
+                     "compile", "cuda-graph", "tensorboard")
 _KEYS = ("format", "server-round", "arrays", "config", "capabilities", "history")
 _WHAT_TO_DO = (
     "Delete it to fall back on {prev} (Checkpoint.load(directory, fallback=True) does that "

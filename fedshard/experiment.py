@@ -17,7 +17,7 @@ from flwr.serverapp import Grid
 from torch import nn
 from torch.utils.data import DataLoader
 
-from fedshard.checkpoint import Checkpoint
+from fedshard.checkpoint import RESUME_MAY_CHANGE, Checkpoint
 from fedshard.config import RunConfig
 from fedshard.data import load_test_set
 from fedshard.nodes import load_keep_ratio_table
@@ -76,17 +76,12 @@ def build_strategy(cfg: RunConfig, model: nn.Module, device: str = "cpu") -> Spe
     )
 
 
-#: Run-config keys a resumed run may change: how and where it runs, not what it computes.
-_RESUME_MAY_CHANGE = ("resume", "overwrite", "round-timeout", "client-device", "server-device",
-                      "compile", "cuda-graph", "tensorboard")
-
-
 def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict[str, Any]:
     """The ServerApp's whole job: model, strategy, rounds, results, checkpoints, resume.
 
     With ``resume`` and a checkpoint in the run's results folder, the run continues after the
     checkpoint's round with the checkpoint's model, capability cache and history; the config
-    must be the one the checkpoint was written with (apart from ``_RESUME_MAY_CHANGE``: where
+    must be the one the checkpoint was written with (apart from ``RESUME_MAY_CHANGE``: where
     and how fast it runs). ``device`` overrides ``server-device`` (SVD, rebuild, central
     evaluation).
     """
@@ -106,7 +101,7 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
         logger.warning("resume=true but %s holds no checkpoint: starting from round 1",
                        directory)
     if checkpoint is not None:
-        checkpoint.check_config(cfg.as_dict(), ignore=_RESUME_MAY_CHANGE)
+        checkpoint.check_config(cfg.as_dict(), ignore=RESUME_MAY_CHANGE)
         done = checkpoint.server_round
         if done >= cfg.num_server_rounds:
             logger.info("Run %s already finished (%d rounds); nothing to do.", directory, done)

@@ -3,8 +3,9 @@
 - :mod:`~fedshard.experiments.suite` - the suite TOML file, validated up front (with
   :mod:`~fedshard.experiments.app`, :mod:`~fedshard.experiments.fields`,
   :mod:`~fedshard.experiments.tables` and :mod:`~fedshard.experiments.compare`).
-- :mod:`~fedshard.experiments.runner` - runs a suite (skips finished runs, re-runs partial
-  ones), with progress lines and an ETA; Ctrl-C/SIGTERM stop the current simulation cleanly.
+- :mod:`~fedshard.experiments.runner` - runs a suite (skips finished runs, resumes interrupted
+  ones from their checkpoint), with progress lines and an ETA
+  (:mod:`~fedshard.experiments.progress`); Ctrl-C/SIGTERM stop the current simulation cleanly.
 - :mod:`~fedshard.experiments.report` - ``table.md``, ``accuracy.png``, ``anme.png``,
   ``results.json``.
 

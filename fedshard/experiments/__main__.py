@@ -55,14 +55,16 @@ def _load(args: argparse.Namespace) -> Suite:
 def _status(suite: Suite) -> int:
     statuses = suite_status(suite)
     counts = Counter(s.state for s in statuses)
-    left = sum(s.spec.num_rounds for s in statuses if s.state is not RunState.FINISHED)
+    left = sum(s.spec.num_rounds - (s.resume_round or 0) for s in statuses
+               if s.state is not RunState.FINISHED)
     _say(f"[{suite.name}] {len(statuses)} run(s) in {suite.results_dir}: "
          + ", ".join(f"{counts[state]} {state.value}" for state in
-                     (RunState.FINISHED, RunState.PARTIAL, RunState.STALE, RunState.PENDING))
+                     (RunState.FINISHED, RunState.RESUMABLE, RunState.PARTIAL, RunState.STALE,
+                      RunState.PENDING))
          + f"; {left} rounds to run")
     width = max((len(s.spec.title) for s in statuses), default=0)
     for s in statuses:
-        _say(f"  {s.spec.index + 1:>3} {s.state.value:<8} {s.spec.title:<{width}}  {s.detail}")
+        _say(f"  {s.spec.index + 1:>3} {s.state.value:<9} {s.spec.title:<{width}}  {s.detail}")
     return 0
 
 
@@ -70,11 +72,11 @@ def _run(suite: Suite, args: argparse.Namespace) -> int:
     echo = (lambda line: _say(f"    flwr| {line}")) if args.verbose else None
     try:
         outcome = run_suite(suite, emit=_say, echo=echo, rerun_stale=args.rerun_stale,
-                            fail_fast=args.fail_fast, seeds=args.seed,
-                            labels=args.label)
+                            restart_partial=args.restart_partial, fail_fast=args.fail_fast,
+                            seeds=args.seed, labels=args.label)
     except KeyboardInterrupt:
-        _say(f"[{suite.name}] interrupted; finished runs are kept, the interrupted one starts "
-             "again from scratch on the next `run`")
+        _say(f"[{suite.name}] interrupted; finished runs are kept, the interrupted one "
+             "resumes from its last checkpoint on the next `run`")
         return 130
     return 0 if outcome.ok else 1
 
@@ -98,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     commands = {
         "run": "run every unfinished run of the suite (finished ones are skipped)",
-        "status": "list each run as finished, partial, stale or pending",
+        "status": "list each run as finished, resumable, partial, stale or pending",
         "report": "write table.md, results.json, accuracy.png and anme.png",
     }
     for name, text in commands.items():
@@ -112,6 +114,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.add_argument("--rerun-stale", action="store_true",
                            help="delete and re-run finished runs whose settings differ from "
                            "the suite's")
+            p.add_argument("--restart-partial", action="store_true",
+                           help="start unfinished runs again from scratch instead of resuming "
+                           "them from their checkpoint")
             p.add_argument("--fail-fast", action="store_true",
                            help="stop at the first failed run")
             p.add_argument("--seed", type=int, action="append", default=None, metavar="SEED",

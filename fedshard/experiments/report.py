@@ -48,7 +48,7 @@ from fedshard.experiments.diagnostics import (
     plot_per_seed,
 )
 from fedshard.experiments.plots import plot_accuracy, plot_anme
-from fedshard.experiments.runner import RunState, run_status
+from fedshard.experiments.status import RunState, run_status
 from fedshard.experiments.suite import RunSpec, Suite
 
 __all__ = [

@@ -1,12 +1,13 @@
 """Run an experiment suite: one ``flwr run`` per run, resumable, with progress and an ETA.
 
-A run is *finished* when its folder has ``summary.json`` (written last, atomically, by
-:class:`fedshard.results.RunRecorder`) with ``rounds-completed`` equal to the run's
-``num-server-rounds``, and its ``config.json`` shows the settings the suite asks for now.
-Finished runs are skipped; a run folder that exists but is not finished (interrupted, failed)
-is deleted and the run starts again from scratch. A finished run whose settings differ from
-the suite's (the suite file was edited) is *stale*: the runner refuses to start until it is
-removed or ``rerun_stale`` is given, so that hours of results are never deleted silently.
+What each run's folder holds decides what happens to it (:mod:`fedshard.experiments.status`).
+Finished runs are skipped. A *resumable* run (interrupted or failed, with a checkpoint of the
+suite's settings) continues after its checkpoint's round (``resume=true``; every random stream
+is derived from ``(seed, round, ...)``, so the result is the uninterrupted run's). A *partial*
+run (no usable checkpoint, or ``restart_partial``) is deleted and starts again from scratch,
+with the reason printed. A finished run whose settings differ from the suite's (the suite file
+was edited) is *stale*: the runner refuses to start until it is removed or ``rerun_stale`` is
+given, so that hours of results are never deleted silently.
 
 Besides the recorder's files, each run folder gets ``runner.json`` (suite entry, the exact
 run-config overrides, the wall time, exit code and status) and ``flwr-output.log`` (everything
@@ -16,7 +17,6 @@ run-config overrides, the wall time, exit code and status) and ``flwr-output.log
 from __future__ import annotations
 
 import contextlib
-import enum
 import json
 import logging
 import os
@@ -30,7 +30,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from fedshard.config import ProblemsError, RunConfig
+from fedshard.config import ProblemsError
+from fedshard.experiments.progress import MetricsTail, Progress, format_duration
+from fedshard.experiments.status import (
+    RunState,
+    RunStatus,
+    StaleRunsError,
+    run_status,
+    suite_status,
+)
 from fedshard.experiments.suite import RunSpec, Suite
 from fedshard.launch import SimulationRun, run_simulation
 
@@ -48,10 +56,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Config keys that name where a run is stored, not how it trains (moving a results folder
-#: does not make its runs stale).
-_LOCATION_KEYS = ("results-dir", "run-name")
 
 
 class Launcher(Protocol):
@@ -71,44 +75,12 @@ class Launcher(Protocol):
     ) -> SimulationRun: ...
 
 
-class RunState(enum.Enum):
-    """Where a run stands on disk."""
-
-    PENDING = "pending"  # no folder yet
-    PARTIAL = "partial"  # folder without a complete summary: re-run from scratch
-    FINISHED = "finished"  # complete, with the suite's settings: skipped
-    STALE = "stale"  # complete, but with other settings than the suite's now
-
-
-@dataclass(frozen=True)
-class RunStatus:
-    """A run's state, why, and its summary when it has one."""
-
-    spec: RunSpec
-    state: RunState
-    detail: str
-    summary: dict[str, Any] | None = None
-
-
 class SelectionError(ProblemsError):
     """Raised when ``run_suite``'s ``seeds``/``labels`` name what the suite does not have."""
 
     def __init__(self, suite_name: str, problems: list[str]) -> None:
         super().__init__(f"run selection for suite {suite_name!r}", problems,
                          "nothing was started")
-
-
-class StaleRunsError(ValueError):
-    """Finished runs whose settings differ from the suite's; nothing was started."""
-
-    def __init__(self, stale: list[RunStatus]) -> None:
-        self.stale = stale
-        lines = "\n".join(f"  - {s.spec.directory}: {s.detail}" for s in stale)
-        super().__init__(
-            f"{len(stale)} finished run(s) used other settings than the suite asks for now; "
-            f"no run was started. Delete them, restore the suite, or re-run them with "
-            f"--rerun-stale (which deletes them):\n{lines}"
-        )
 
 
 @dataclass
@@ -125,135 +97,10 @@ class SuiteOutcome:
         return not self.failed
 
 
-def format_duration(seconds: float) -> str:
-    """``"1h 02m"``, ``"4m 05s"`` or ``"12s"``."""
-    s = round(max(seconds, 0.0))
-    if s >= 3600:
-        return f"{s // 3600}h {s % 3600 // 60:02d}m"
-    if s >= 60:
-        return f"{s // 60}m {s % 60:02d}s"
-    return f"{s}s"
-
-
-def _read_json(path: Path) -> Any:
-    return json.loads(path.read_text())
-
-
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
     os.replace(tmp, path)
-
-
-def run_status(spec: RunSpec) -> RunStatus:
-    """Classify ``spec``'s folder as pending, partial, finished or stale (see module doc)."""
-    folder = spec.directory
-    if not folder.exists():
-        return RunStatus(spec, RunState.PENDING, "not started")
-    try:
-        summary = _read_json(folder / "summary.json")
-    except FileNotFoundError:
-        return RunStatus(spec, RunState.PARTIAL, "no summary.json (interrupted or failed)")
-    except (OSError, ValueError) as err:
-        return RunStatus(spec, RunState.PARTIAL, f"unreadable summary.json ({err})")
-    try:
-        used = _read_json(folder / "config.json")["config"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        return RunStatus(spec, RunState.STALE, f"summary.json but no readable config.json "
-                         f"({err}); cannot tell which settings it ran with", summary)
-    done = summary.get("rounds-completed")
-    if done != used.get("num-server-rounds"):
-        return RunStatus(spec, RunState.PARTIAL,
-                         f"{done} of {used.get('num-server-rounds')} rounds completed")
-    expected = spec.config.as_dict()
-    # A key that a newer fedshard added is absent from older runs: they ran with its default.
-    defaults = RunConfig().as_dict()
-    diffs = [f"{k}={used.get(k, defaults.get(k))!r} (suite: {v!r})" for k, v in expected.items()
-             if k not in _LOCATION_KEYS and used.get(k, defaults.get(k)) != v]
-    if diffs:
-        return RunStatus(spec, RunState.STALE, "finished with " + ", ".join(diffs), summary)
-    acc = summary.get("final-test-accuracy")
-    acc_text = f"final test acc {acc:.2%}, " if isinstance(acc, (int, float)) else ""
-    return RunStatus(spec, RunState.FINISHED, f"{acc_text}{done} rounds", summary)
-
-
-def suite_status(suite: Suite) -> list[RunStatus]:
-    """:func:`run_status` of every run, in execution order."""
-    return [run_status(spec) for spec in suite.runs]
-
-
-# ---------------------------------------------------------------------- progress and ETA
-class _Progress:
-    """Progress lines and the suite's ETA from the seconds per round measured so far."""
-
-    def __init__(self, suite: Suite, statuses: list[RunStatus], emit: Callable[[str], None],
-                 clock: Callable[[], float]) -> None:
-        self.suite = suite
-        self.emit = emit
-        self.clock = clock
-        self.start = clock()
-        self.todo = {s.spec.name: s.spec.num_rounds for s in statuses
-                     if s.state is not RunState.FINISHED}
-        self.round_s: list[float] = []  # measured seconds of rounds >= 1 (round 0 = setup)
-        self.overhead_s: list[float] = []  # per launch: wall time not spent in rounds
-
-    def prefix(self, spec: RunSpec) -> str:
-        return f"[{self.suite.name}] run {spec.index + 1}/{len(self.suite.runs)} {spec.title}"
-
-    def eta(self) -> str:
-        if not self.round_s:
-            return "?"
-        per_round = sum(self.round_s) / len(self.round_s)
-        overhead = sum(self.overhead_s) / len(self.overhead_s) if self.overhead_s else 0.0
-        # Every pending run pays the launch overhead; the current one has paid it already.
-        launches = max(len(self.todo) - 1, 0)
-        return format_duration(sum(self.todo.values()) * per_round + launches * overhead)
-
-    def round(self, spec: RunSpec, row: Mapping[str, Any]) -> None:
-        r = int(row.get("round", 0))
-        parts = [f"{self.prefix(spec)}: round {r}/{spec.num_rounds}"]
-        acc = row.get("test-accuracy")
-        if isinstance(acc, (int, float)):
-            parts.append(f"test acc {acc:.2%}")
-        seconds = row.get("round-s")
-        if r >= 1 and isinstance(seconds, (int, float)):
-            self.round_s.append(float(seconds))
-            self.todo[spec.name] = max(spec.num_rounds - r, 0)
-            parts.append(f"{seconds:.1f} s/round")
-        parts.append(f"suite ETA {self.eta()}")
-        self.emit(" | ".join(parts))
-
-    def launched(self, spec: RunSpec, wall_s: float, rounds_s: float) -> None:
-        self.todo.pop(spec.name, None)
-        self.overhead_s.append(max(wall_s - rounds_s, 0.0))
-
-
-class _MetricsTail:
-    """New complete lines of a growing ``metrics.jsonl``."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-
-    def rows(self) -> list[dict[str, Any]]:
-        try:
-            with self.path.open("rb") as fh:
-                fh.seek(self.offset)
-                data = fh.read()
-        except FileNotFoundError:
-            return []
-        if len(data) == 0 and self.offset > 0 and self.path.stat().st_size < self.offset:
-            self.offset = 0  # the recorder truncated it (not expected within one launch)
-            return self.rows()
-        end = data.rfind(b"\n") + 1  # a line being written has no newline yet
-        self.offset += end
-        rows = []
-        for line in data[:end].splitlines():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                logger.warning("%s: skipping unreadable line %r", self.path, line[:80])
-        return rows
 
 
 # ---------------------------------------------------------------------- signals and locking
@@ -329,6 +176,7 @@ def run_suite(
     emit: Callable[[str], None] | None = None,
     echo: Callable[[str], None] | None = None,
     rerun_stale: bool = False,
+    restart_partial: bool = False,
     fail_fast: bool = False,
     seeds: Collection[int] | None = None,
     labels: Collection[str] | None = None,
@@ -352,6 +200,9 @@ def run_suite(
     rerun_stale : bool
         Delete and re-run finished runs whose settings differ from the suite's, instead of
         raising :class:`StaleRunsError`.
+    restart_partial : bool
+        Delete unfinished runs and start them from scratch even when their checkpoint could
+        continue them (e.g. after a change to the code that the settings do not show).
     fail_fast : bool
         Stop at the first failed run instead of going on with the next.
     seeds : collection of int, optional
@@ -376,7 +227,7 @@ def run_suite(
         When ``seeds`` or ``labels`` names a seed or label that no run of the suite has.
     KeyboardInterrupt
         On Ctrl-C or SIGTERM, after the current simulation's processes are stopped; the
-        interrupted run's folder is re-run from scratch next time.
+        interrupted run resumes from its last checkpoint next time.
     """
     say = emit if emit is not None else logger.info
     selected = _selection(suite, seeds, labels)
@@ -388,10 +239,17 @@ def run_suite(
     with _suite_lock(suite.results_dir), _interrupts_raise():
         # Re-read inside the lock: another runner may have finished runs meanwhile.
         statuses = selected(suite_status(suite))
-        progress = _Progress(suite, statuses, say, clock)
-        pending = sum(s.state is not RunState.FINISHED for s in statuses)
+        if restart_partial:
+            statuses = [RunStatus(s.spec, RunState.PARTIAL, f"{s.detail}; restart_partial")
+                        if s.state is RunState.RESUMABLE else s for s in statuses]
+        todo = {s.spec.name: s.spec.num_rounds - (s.resume_round or 0) for s in statuses
+                if s.state is not RunState.FINISHED}
+        progress = Progress(suite, todo, say, clock)
+        pending = len(todo)
+        resumable = sum(s.state is RunState.RESUMABLE for s in statuses)
         say(f"[{suite.name}] {len(statuses)} run(s): {len(statuses) - pending} finished, "
-            f"{pending} to run -> {suite.results_dir}")
+            f"{pending} to run ({resumable} of them resumed from a checkpoint) -> "
+            f"{suite.results_dir}")
         for status in statuses:
             spec = status.spec
             if status.state is RunState.FINISHED:
@@ -400,11 +258,11 @@ def run_suite(
                 continue
             if status.state is RunState.STALE and not rerun_stale:  # appeared meanwhile
                 raise StaleRunsError([status])
-            if status.state is not RunState.PENDING:
+            if status.state in (RunState.PARTIAL, RunState.STALE):
                 say(f"{progress.prefix(spec)}: deleting {status.state.value} run folder "
                     f"({status.detail}); starting again from scratch")
                 _remove_run_folder(suite, spec)
-            error = _launch_one(suite, spec, launch, progress, echo)
+            error = _launch_one(suite, spec, launch, progress, echo, status.resume_round)
             if error is None:
                 outcome.finished.append(spec.name)
                 continue
@@ -444,11 +302,24 @@ def _selection(suite: Suite, seeds: Collection[int] | None, labels: Collection[s
     ]
 
 
-def _launch_one(suite: Suite, spec: RunSpec, launch: Launcher, progress: _Progress,
-                echo: Callable[[str], None] | None) -> str | None:
-    """Launch ``spec``; return ``None`` when it finished, else why not."""
+def _launch_one(suite: Suite, spec: RunSpec, launch: Launcher, progress: Progress,
+                echo: Callable[[str], None] | None, resume_round: int | None) -> str | None:
+    """Launch ``spec`` (with ``resume=true`` after ``resume_round``, if given); return
+    ``None`` when it finished, else why not."""
     say = progress.emit
     spec.directory.mkdir(parents=True, exist_ok=True)
+    earlier: list[Any] = []
+    if resume_round is not None:
+        try:
+            old = dict(json.loads((spec.directory / "runner.json").read_text()))
+            before = old.pop("earlier-launches", [])
+            earlier = [*(before if isinstance(before, list) else []), old]
+        except (OSError, ValueError, TypeError) as err:
+            logger.warning("%s: runner.json of the earlier launch is unreadable (%s); its "
+                           "record is lost", spec.directory, err)
+    run_config = dict(spec.run_config)
+    if resume_round is not None:
+        run_config["resume"] = True
     home = Path(tempfile.mkdtemp(prefix=f"fedshard-flwr-{spec.name[:40]}-"))
     record: dict[str, Any] = {
         "suite": suite.name, "suite-file": suite.source, "label": spec.label,
@@ -459,22 +330,36 @@ def _launch_one(suite: Suite, spec: RunSpec, launch: Launcher, progress: _Progre
         "flwr-home": str(home), "launched": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "status": "running",
     }
+    if resume_round is not None:
+        record["resumed-after-round"] = resume_round
+        record["earlier-launches"] = earlier
     _write_json(spec.directory / "runner.json", record)
-    say(f"{progress.prefix(spec)}: starting ({spec.num_rounds} rounds) -> {spec.directory}")
-    tail = _MetricsTail(spec.directory / "metrics.jsonl")
+    if resume_round is None:
+        say(f"{progress.prefix(spec)}: starting ({spec.num_rounds} rounds) -> {spec.directory}")
+    else:
+        say(f"{progress.prefix(spec)}: resuming after round {resume_round} of "
+            f"{spec.num_rounds} from its checkpoint -> {spec.directory}")
+    tail = MetricsTail(spec.directory / "metrics.jsonl")
     rounds_s = 0.0
+    done = resume_round or 0
 
     def follow() -> None:
         nonlocal rounds_s
         for row in tail.rows():
-            if int(row.get("round", 0)) >= 1:
+            r = int(row.get("round", 0))
+            if r <= done and resume_round is not None:
+                continue  # rows of the earlier launch(es)
+            if r >= 1:
                 rounds_s += float(row.get("round-s", 0.0))
             progress.round(spec, row)
 
     start = progress.clock()
     sim: SimulationRun | None = None
     error: str | None = None
-    with (spec.directory / "flwr-output.log").open("w") as log:
+    with (spec.directory / "flwr-output.log").open("w" if resume_round is None else "a") as log:
+        if resume_round is not None:
+            log.write(f"---- resumed after round {resume_round} "
+                      f"({time.strftime('%Y-%m-%dT%H:%M:%S%z')}) ----\n")
 
         def on_line(line: str) -> None:
             log.write(line + "\n")
@@ -485,7 +370,7 @@ def _launch_one(suite: Suite, spec: RunSpec, launch: Launcher, progress: _Progre
 
         try:
             sim = launch(
-                suite.app_dir, spec.run_config, num_supernodes=suite.num_supernodes,
+                suite.app_dir, run_config, num_supernodes=suite.num_supernodes,
                 flwr_home=home, client_num_cpus=suite.client_num_cpus,
                 timeout_s=suite.timeout_s, on_line=on_line, client_num_gpus=suite.client_num_gpus,
             )
@@ -493,7 +378,8 @@ def _launch_one(suite: Suite, spec: RunSpec, launch: Launcher, progress: _Progre
             record.update(status="interrupted", **{"wall-s": progress.clock() - start})
             _write_json(spec.directory / "runner.json", record)
             say(f"{progress.prefix(spec)}: interrupted; the run's processes are stopped and it "
-                "will start again from scratch next time")
+                "will resume from its last checkpoint next time (--restart-partial: from "
+                "scratch)")
             raise
         except Exception as err:  # a launcher failure (timeout, missing flwr) fails this run
             error = f"{type(err).__name__}: {err}"
@@ -509,6 +395,9 @@ def _launch_one(suite: Suite, spec: RunSpec, launch: Launcher, progress: _Progre
         error = f"flwr run returned but the run is {status.state.value}: {status.detail}"
     record.update({"wall-s": wall_s, "returncode": None if sim is None else sim.returncode,
                    "status": "finished" if error is None else "failed"})
+    if error is not None and resume_round is not None:
+        error += (f" (resumed after round {resume_round}; `run --restart-partial` starts it "
+                  "from scratch)")
     if error is not None:
         record["error"] = error
     _write_json(spec.directory / "runner.json", record)

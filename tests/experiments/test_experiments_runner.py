@@ -8,111 +8,25 @@ import os
 import re
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
+from runner_fakes import ROOT, FakeLauncher, finish_directly, make_suite, rows_for, write_run
 
 from fedshard.config import RunConfig
 from fedshard.experiments import (
     RunState,
     SelectionError,
     StaleRunsError,
-    Suite,
     load_suite,
-    parse_suite,
     run_suite,
     suite_status,
 )
 from fedshard.experiments import runner as runner_module
 from fedshard.experiments.__main__ import main
-from fedshard.experiments.suite import app_defaults
 from fedshard.launch import SimulationRun
-
-ROOT = Path(__file__).resolve().parents[2]
-APP_DEFAULTS = app_defaults(ROOT)
-
-
-def make_suite(tmp_path: Path, *, rounds: int = 2, seeds: tuple[int, ...] = (0, 1)) -> Suite:
-    data = {
-        "suite": {"name": "t", "results-dir": str(tmp_path / "res"), "num-supernodes": 3,
-                  "seeds": list(seeds)},
-        "defaults": {"model": "mlp", "num-server-rounds": rounds, "min-available-nodes": 3},
-        "runs": [
-            {"label": "Top-n", "column": "r = 0.25", "method": "top-n", "keep-ratios": "0.25"},
-            {"label": "Collective", "column": "r = 0.25", "method": "collective",
-             "keep-ratios": "0.25"},
-        ],
-    }
-    return parse_suite(data, app_dir=ROOT, source="t.toml")
-
-
-def write_run(folder: Path, config: Mapping[str, Any], rows: list[dict[str, Any]], *,
-              summary: bool = True) -> None:
-    """A run folder as fedshard.results.RunRecorder documents it (written independently)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps({"config": dict(config)}))
-    with (folder / "metrics.jsonl").open("a") as fh:
-        for row in rows:
-            fh.write(json.dumps(row) + "\n")
-    if summary:
-        accs = [r["test-accuracy"] for r in rows if "test-accuracy" in r]
-        (folder / "summary.json").write_text(json.dumps({
-            "rounds-completed": max(r["round"] for r in rows),
-            "final-test-accuracy": accs[-1], "best-test-accuracy": max(accs), "wall-s": 1.0}))
-
-
-def rows_for(rounds: int, *, round_s: float = 10.0) -> list[dict[str, Any]]:
-    return [{"round": r, "wall-s": round_s * r, "round-s": round_s if r else 0.5,
-             "test-accuracy": 0.5 + 0.1 * r} for r in range(rounds + 1)]
-
-
-class FakeLauncher:
-    """Stands in for run_simulation: writes the run folder round by round, printing a line
-    per round, and records what it was called with."""
-
-    def __init__(self, *, returncode: int = 0, fail: frozenset[str] = frozenset(),
-                 during: Callable[[str, int], None] | None = None, wall_s: float = 40.0) -> None:
-        self.calls: list[dict[str, Any]] = []
-        self.returncode = returncode
-        self.fail = fail
-        self.during = during
-        self.wall_s = wall_s
-
-    def __call__(self, app_dir: Path, run_config: Mapping[str, Any], *, num_supernodes: int,
-                 flwr_home: Path | None = None, client_num_cpus: int = 1,
-                 timeout_s: float = 3600.0,
-                 on_line: Callable[[str], None] | None = None,
-                 client_num_gpus: float = 0.0) -> SimulationRun:
-        name = run_config["run-name"]
-        self.calls.append({"app_dir": app_dir, "run_config": dict(run_config),
-                           "num_supernodes": num_supernodes, "flwr_home": flwr_home,
-                           "client_num_cpus": client_num_cpus, "timeout_s": timeout_s,
-                           "client_num_gpus": client_num_gpus})
-        assert on_line is not None
-        folder = Path(run_config["results-dir"]) / name
-        config = RunConfig.from_mapping({**APP_DEFAULTS, **run_config}).as_dict()
-        rows = rows_for(int(run_config["num-server-rounds"]))
-        write_run(folder, config, [], summary=False)
-        for row in rows:
-            if name in self.fail and row["round"] == 1:
-                on_line("Traceback: boom")
-                return SimulationRun(1, "line a\nTraceback: boom\n", 3.0)
-            write_run(folder, config, [row], summary=False)
-            on_line(f"INFO : round {row['round']}")
-            if self.during is not None:
-                self.during(name, row["round"])
-        accs = [r["test-accuracy"] for r in rows]
-        (folder / "summary.json").write_text(json.dumps({
-            "rounds-completed": rows[-1]["round"], "final-test-accuracy": accs[-1],
-            "best-test-accuracy": max(accs), "wall-s": self.wall_s}))
-        return SimulationRun(self.returncode, "ok\n", self.wall_s)
-
-
-def finish_directly(suite: Suite, index: int) -> None:
-    spec = suite.runs[index]
-    write_run(spec.directory, spec.config.as_dict(), rows_for(spec.num_rounds))
 
 
 def test_finished_runs_are_skipped_and_partial_ones_rerun_from_scratch(tmp_path: Path) -> None:
@@ -218,7 +132,7 @@ def test_zero_exit_without_summary_is_a_failure(tmp_path: Path) -> None:
     outcome = run_suite(suite, launch=launch, emit=lambda _: None)
     assert outcome.failed[0] == ("top-n__r-0-25__seed0",
                                  "flwr run returned but the run is partial: no summary.json "
-                                 "(interrupted or failed)")
+                                 "(interrupted or failed); no checkpoint")
 
 
 def test_stale_finished_runs_stop_the_suite_unless_asked(tmp_path: Path) -> None:
@@ -326,8 +240,8 @@ def test_cli_status_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str
     write_run(spec.directory, spec.config.as_dict(), rows_for(spec.num_rounds))
     assert main(["status", str(suite_file), "--results-dir", str(results)]) == 0
     out = capsys.readouterr().out
-    assert f"[smoke] 2 run(s) in {results}: 1 finished, 0 partial, 0 stale, 1 pending;" \
-           " 2 rounds to run" in out
+    assert f"[smoke] 2 run(s) in {results}: 1 finished, 0 resumable, 0 partial, 0 stale, " \
+           "1 pending; 2 rounds to run" in out
     assert re.search(r"1 finished\s+Top-n / r = 0.25 / seed 0\s+final test acc 70.00%", out)
     assert re.search(r"2 pending\s+Collective / r = 0.25 / seed 0\s+not started", out)
 
@@ -344,7 +258,6 @@ def test_cli_status_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 def test_a_key_added_later_with_its_default_does_not_make_a_run_stale(tmp_path: Path) -> None:
     """Runs finished before fedshard gained a run-config key ran with that key's default."""
-    from fedshard.config import RunConfig
     from fedshard.experiments.runner import RunState, run_status
     from fedshard.experiments.suite import parse_suite
 

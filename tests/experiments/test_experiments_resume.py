@@ -1,0 +1,168 @@
+"""The suite runner resumes an unfinished run from its server checkpoint when the checkpoint
+was written with the suite's settings, and starts it from scratch otherwise (fake launcher,
+real checkpoint files; the app's own resume is tested in tests/strategy/test_resume.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from runner_fakes import ROOT, FakeLauncher, make_suite, rows_for, save_checkpoint, write_run
+
+from fedshard.checkpoint import CHECKPOINT_NAME, PREVIOUS_CHECKPOINT_NAME
+from fedshard.experiments import RunState, load_suite, run_suite, suite_status
+from fedshard.experiments.__main__ import main
+
+
+def interrupted(tmp_path: Path, *, rounds: int = 4, at: int = 2):
+    """A one-seed suite whose first run was interrupted during round ``at + 1``: rows and
+    checkpoint up to round ``at``, as the app leaves them."""
+    suite = make_suite(tmp_path, rounds=rounds, seeds=(0,))
+
+    def stop(name: str, server_round: int) -> None:
+        if server_round == at:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_suite(suite, launch=FakeLauncher(during=stop, checkpoints=True),
+                  emit=lambda _: None)
+    return suite
+
+
+def rounds_in(folder: Path) -> list[int]:
+    return [json.loads(x)["round"] for x in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_an_interrupted_run_resumes_after_its_checkpoint(tmp_path: Path) -> None:
+    suite = interrupted(tmp_path, rounds=4, at=2)
+    spec = suite.runs[0]
+    status = suite_status(suite)[0]
+    assert status.state is RunState.RESUMABLE and status.resume_round == 2
+    assert status.detail == "no summary.json (interrupted or failed); checkpoint after round 2 of 4"
+    (spec.directory / "leftover.txt").write_text("kept: the folder is not deleted")
+
+    launch = FakeLauncher(checkpoints=True)
+    lines: list[str] = []
+    outcome = run_suite(suite, launch=launch, emit=lines.append)
+
+    assert outcome.finished == [spec.name, suite.runs[1].name]
+    assert launch.calls[0]["run_config"] == {**spec.run_config, "resume": True}
+    assert "resume" not in launch.calls[1]["run_config"]  # the other run starts normally
+    assert (spec.directory / "leftover.txt").exists()
+    assert rounds_in(spec.directory) == [0, 1, 2, 3, 4]
+    assert "[t] 2 run(s): 0 finished, 2 to run (1 of them resumed from a checkpoint)" in lines[0]
+    assert lines[1] == ("[t] run 1/2 Top-n / r = 0.25 / seed 0: resuming after round 2 of 4 "
+                        f"from its checkpoint -> {spec.directory}")
+    # progress only for the rounds run now; the ETA counts 1 + 4 rounds after round 3
+    run1 = [line for line in lines if "Top-n" in line and ": round " in line]
+    assert [re.search(r"round (\d)/4", line)[1] for line in run1] == ["3", "4"]  # type: ignore[index]
+    assert run1[0].endswith("10.0 s/round | suite ETA 50s")
+    record = json.loads((spec.directory / "runner.json").read_text())
+    assert record["status"] == "finished" and record["resumed-after-round"] == 2
+    assert record["run-config"] == spec.run_config
+    assert [e["status"] for e in record["earlier-launches"]] == ["interrupted"]
+    log = (spec.directory / "flwr-output.log").read_text().splitlines()
+    assert log[:3] == ["INFO : round 0", "INFO : round 1", "INFO : round 2"]
+    assert re.fullmatch(r"---- resumed after round 2 \(.*\) ----", log[3])
+    assert log[4:] == ["INFO : round 3", "INFO : round 4"]
+    assert [s.state for s in suite_status(suite)] == [RunState.FINISHED] * 2
+
+
+def test_restart_partial_starts_a_resumable_run_from_scratch(tmp_path: Path) -> None:
+    suite = interrupted(tmp_path)
+    spec = suite.runs[0]
+    (spec.directory / "leftover.txt").write_text("deleted")
+    launch = FakeLauncher()
+    lines: list[str] = []
+    run_suite(suite, launch=launch, emit=lines.append, restart_partial=True)
+    assert launch.calls[0]["run_config"] == spec.run_config
+    assert not (spec.directory / "leftover.txt").exists()
+    assert rounds_in(spec.directory) == [0, 1, 2, 3, 4]
+    assert any(re.search(r"seed 0: deleting partial run folder \(.*checkpoint after round 2 of "
+                         r"4; restart_partial\); starting again from scratch", line)
+               for line in lines)
+
+
+def test_a_checkpoint_of_other_settings_is_not_resumed(tmp_path: Path) -> None:
+    suite = make_suite(tmp_path, rounds=3, seeds=(0,))
+    spec = suite.runs[0]
+    config = spec.config.as_dict()
+    write_run(spec.directory, {**config, "lr": 0.1}, rows_for(1), summary=False)
+    save_checkpoint(spec.directory, {**config, "lr": 0.1}, 1)
+    status = suite_status(suite)[0]
+    assert status.state is RunState.PARTIAL and status.resume_round is None
+    assert re.search(r"its checkpoint was written with other settings \(Cannot resume: .*lr: "
+                     r"0\.1 -> 0\.05", status.detail), status.detail
+    launch = FakeLauncher()
+    run_suite(suite, launch=launch, emit=lambda _: None)
+    assert "resume" not in launch.calls[0]["run_config"]
+    assert rounds_in(spec.directory) == [0, 1, 2, 3]
+
+
+def test_settings_that_may_change_on_resume_do_not_block_it(tmp_path: Path) -> None:
+    suite = make_suite(tmp_path, rounds=3, seeds=(0,))
+    spec = suite.runs[0]
+    config = spec.config.as_dict()
+    write_run(spec.directory, config, rows_for(1), summary=False)
+    save_checkpoint(spec.directory, {**config, "round-timeout": 5.0, "client-device": "cuda"}, 1)
+    assert suite_status(suite)[0].state is RunState.RESUMABLE
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_round(tmp_path: Path) -> None:
+    suite = interrupted(tmp_path, rounds=4, at=2)
+    folder = suite.runs[0].directory
+    (folder / CHECKPOINT_NAME).write_bytes(b"torn")
+    status = suite_status(suite)[0]
+    assert status.state is RunState.RESUMABLE and status.resume_round == 1
+
+    launch = FakeLauncher(checkpoints=True)
+    lines: list[str] = []
+    run_suite(suite, launch=launch, emit=lines.append)
+    assert "resuming after round 1 of 4" in lines[1]
+    assert rounds_in(folder) == [0, 1, 2, 3, 4]  # the earlier launch's round 2 is replaced
+
+    (folder / CHECKPOINT_NAME).write_bytes(b"torn")
+    (folder / PREVIOUS_CHECKPOINT_NAME).write_bytes(b"torn too")
+    (folder / "summary.json").unlink()
+    status = suite_status(suite)[0]
+    assert status.state is RunState.PARTIAL
+    assert "its checkpoint is unusable (Neither checkpoint in" in status.detail
+
+
+def test_a_checkpoint_of_the_last_round_without_summary_starts_again(tmp_path: Path) -> None:
+    suite = make_suite(tmp_path, rounds=2, seeds=(0,))
+    spec = suite.runs[0]
+    write_run(spec.directory, spec.config.as_dict(), rows_for(2), summary=False)
+    save_checkpoint(spec.directory, spec.config.as_dict(), 2)
+    status = suite_status(suite)[0]
+    assert status.state is RunState.PARTIAL
+    assert status.detail.endswith("its checkpoint is of round 2 of 2 but the run wrote no "
+                                  "summary")
+
+
+def test_a_failed_resume_says_how_to_start_from_scratch(tmp_path: Path) -> None:
+    suite = interrupted(tmp_path, rounds=4, at=2)
+    name = suite.runs[0].name
+    outcome = run_suite(suite, launch=FakeLauncher(fail=frozenset({name})),
+                        emit=lambda _: None)
+    assert outcome.failed[0] == (name, "flwr run exited with code 1 (resumed after round 2; "
+                                 "`run --restart-partial` starts it from scratch)")
+    # still resumable from the same checkpoint
+    assert suite_status(suite)[0].resume_round == 2
+
+
+def test_cli_status_counts_resumable_runs_and_their_rounds_left(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    results = tmp_path / "res"
+    suite_file = ROOT / "experiments" / "smoke.toml"
+    spec = load_suite(suite_file, results_dir=results).runs[0]  # 2 rounds
+    write_run(spec.directory, spec.config.as_dict(), rows_for(1), summary=False)
+    save_checkpoint(spec.directory, spec.config.as_dict(), 1)
+    assert main(["status", str(suite_file), "--results-dir", str(results)]) == 0
+    out = capsys.readouterr().out
+    assert f"[smoke] 2 run(s) in {results}: 0 finished, 1 resumable, 0 partial, 0 stale, " \
+           "1 pending; 3 rounds to run" in out
+    assert re.search(r"1 resumable\s+Top-n / r = 0.25 / seed 0\s+no summary.json \(interrupted "
+                     r"or failed\); checkpoint after round 1 of 2", out)
