@@ -37,7 +37,7 @@ PriSM, Wallenius mean, +Scaled          ``sampling.probabilities``, ``sampling.w
 Conditional Poisson sampling (CPS)      ``sampling.cps.ConditionalPoisson``
 Method → design, per group and layer    ``sampling.plan.draw_layer``, ``plan_round``
 ANME                                    ``sampling.entropy.anme``
-Factorized layer U·diag(ω)·Vᵀ           ``spectral.layers.SpectralLinear``/``SpectralConv2d``
+Factorized layer U·diag(ω)·Vᵀ           ``spectral.layers.SpectralLinear``, ``spectral.conv``
 Frobenius decay γ‖UΩVᵀ‖²_F (Sec. 3.3)   ``optim.frobenius_penalty``, ``optim.FrobeniusDecay``
 ClipLR min(1, τ/ω_i) (Sec. 3.3)         ``optim.ClipLR.column_scale``
 Per-term aggregation (Sec. 3.1 step 3)  ``spectral.aggregate.term_means``, ``rebuild_weight``

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedshard.optim import ClipLR, FrobeniusDecay
-from fedshard.spectral.layers import SpectralConv2d, SpectralLayer
+from fedshard.spectral.conv import SpectralConv2d
+from fedshard.spectral.layers import SpectralLayer
 from fedshard.train_config import TrainConfig
 
 __all__ = ["TrainStep", "build_optimizer", "cross_entropy_sums"]

@@ -7,8 +7,9 @@ Torch only (no Flower). Typical client flow::
     factors = extract_factors(sub)               # name -> (U, V), sent back to the server
 """
 
+from fedshard.spectral.conv import SpectralConv2d
 from fedshard.spectral.decompose import check_indices, compose, decompose, num_terms, take_terms
-from fedshard.spectral.layers import SpectralConv2d, SpectralLayer, SpectralLinear
+from fedshard.spectral.layers import SpectralLayer, SpectralLinear
 from fedshard.spectral.selection import (
     check_shardable,
     multipliers_can_compound,

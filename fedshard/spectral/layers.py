@@ -1,4 +1,5 @@
-"""Factorized affine layers ``W_hat = U Ω V^T`` applied without forming ``W_hat``.
+"""Factorized affine layers ``W_hat = U Ω V^T`` applied without forming ``W_hat``: the base
+class and the linear layer (the convolution is in :mod:`fedshard.spectral.conv`).
 
 Modelled on PEFT's ``SVDLinear``: the forward pass applies the factors, and
 ``from_dense`` / ``to_dense`` are an exact (float64) or float32-round-off round trip.
@@ -9,7 +10,7 @@ State-dict names: ``<layer>.u`` ``(c_out, n)``, ``<layer>.v`` ``(c_in*k_h*k_w, n
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -17,19 +18,9 @@ from torch import nn
 
 from fedshard.spectral.decompose import decompose, take_terms
 
-__all__ = ["SpectralConv2d", "SpectralLayer", "SpectralLinear"]
+__all__ = ["SpectralLayer", "SpectralLinear"]
 
-PaddingMode = Literal["zeros", "reflect", "replicate", "circular"]
 _Layer = TypeVar("_Layer", bound="SpectralLayer")
-
-
-def _pair(value: int | Sequence[int], what: str) -> tuple[int, int]:
-    if isinstance(value, int):
-        return (value, value)
-    pair = tuple(int(x) for x in value)
-    if len(pair) != 2:
-        raise ValueError(f"{what} must be an int or a pair of ints, got {value!r}.")
-    return (pair[0], pair[1])
 
 
 class SpectralLayer(nn.Module):
@@ -316,156 +307,6 @@ class SpectralLinear(SpectralLayer):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"rank={self.rank}, bias={self.bias is not None}"
-        )
-
-
-class SpectralConv2d(SpectralLayer):
-    """2-D convolution factorized as a ``k x k`` conv to ``n`` channels and a ``1 x 1`` conv.
-
-    Parameters
-    ----------
-    u : torch.Tensor
-        ``(out_channels, n)``, trainable; with ``ω`` it forms the ``1 x 1`` conv.
-    v : torch.Tensor
-        ``(in_channels * k_h * k_w, n)``, trainable; column ``j`` reshaped to
-        ``(in_channels, k_h, k_w)`` is the kernel of the ``j``-th intermediate channel.
-    omega : torch.Tensor
-        ``(n,)`` auxiliary multipliers, frozen buffer.
-    bias : torch.Tensor, optional
-        ``(out_channels,)``, added by the ``1 x 1`` conv.
-    in_channels : int
-        Input channels ``c_in``.
-    kernel_size, stride, padding, dilation, padding_mode
-        As in ``nn.Conv2d``; the first conv uses them, the ``1 x 1`` conv has stride 1 and no
-        padding. ``groups`` is always 1.
-
-    Notes
-    -----
-    Decomposing a convolution into a regular convolution with ``n`` output channels followed by
-    a ``1 x 1`` convolution follows the paper (Sec. 4.1, after Niu et al. 2023 and Wang et al.
-    2023). Costs ``O(HW n (c_in k_h k_w + c_out))`` instead of ``O(HW c_in k_h k_w c_out)``.
-    """
-
-    def __init__(
-        self,
-        u: torch.Tensor,
-        v: torch.Tensor,
-        omega: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        *,
-        in_channels: int,
-        kernel_size: int | Sequence[int],
-        stride: int | Sequence[int] = 1,
-        padding: int | Sequence[int] | str = 0,
-        dilation: int | Sequence[int] = 1,
-        padding_mode: PaddingMode = "zeros",
-    ) -> None:
-        super().__init__(u, v, omega, bias)
-        self.in_channels = int(in_channels)
-        self.out_channels = int(u.shape[0])
-        self.kernel_size = _pair(kernel_size, "kernel_size")
-        self.stride = _pair(stride, "stride")
-        self.dilation = _pair(dilation, "dilation")
-        self.padding: tuple[int, int] | str
-        if isinstance(padding, str):
-            if padding not in ("same", "valid"):
-                raise ValueError(f"padding must be 'same', 'valid' or ints, got {padding!r}.")
-            self.padding = padding
-        else:
-            self.padding = _pair(padding, "padding")
-        if padding_mode not in ("zeros", "reflect", "replicate", "circular"):
-            raise ValueError(
-                f"padding_mode must be 'zeros', 'reflect', 'replicate' or 'circular', got "
-                f"{padding_mode!r}; the layer was not built."
-            )
-        self.padding_mode = padding_mode
-        fan_in = self.in_channels * self.kernel_size[0] * self.kernel_size[1]
-        if v.shape[0] != fan_in:
-            raise ValueError(
-                f"SpectralConv2d expects v with in_channels*k_h*k_w = {self.in_channels}*"
-                f"{self.kernel_size[0]}*{self.kernel_size[1]} = {fan_in} rows, got "
-                f"{v.shape[0]}; the layer was not built."
-            )
-        # Explicit padding for non-"zeros" modes, in F.pad order (left, right, top, bottom),
-        # computed exactly as nn.Conv2d does.
-        self._pad: tuple[int, int, int, int]
-        if self.padding == "valid":
-            self._pad = (0, 0, 0, 0)
-        elif self.padding == "same":
-            total_h = self.dilation[0] * (self.kernel_size[0] - 1)
-            total_w = self.dilation[1] * (self.kernel_size[1] - 1)
-            self._pad = (total_w // 2, total_w - total_w // 2, total_h // 2, total_h - total_h // 2)
-        else:
-            assert isinstance(self.padding, tuple)
-            self._pad = (self.padding[1], self.padding[1], self.padding[0], self.padding[0])
-
-    #: Pad the ``n`` intermediate channels with zero terms to a multiple of this (1: off;
-    #: :class:`~fedshard.training.TrainStep` sets it from ``TrainConfig.pad_terms``): cuDNN
-    #: runs a thin convolution whose channel count is not a multiple of 8 on slow fallback
-    #: kernels (H100, r = 0.1 ResNet-18 in a CUDA graph: 4.84 against 5.47 ms per step). A
-    #: zero term adds exactly nothing to the output and gets exactly zero gradient; only
-    #: the real ``n`` columns are parameters, so what is trained and sent is unchanged.
-    pad_terms_to: int = 1
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the layer to ``x`` of shape ``(B, in_channels, H, W)``."""
-        v: torch.Tensor = self.v
-        u = self.u * self.omega  # ω folded into the 1x1 conv's (c_out, n) weight
-        rank = self.rank
-        pad = -rank % self.pad_terms_to
-        if pad:
-            v, u = F.pad(v, (0, pad)), F.pad(u, (0, pad))  # zero columns n .. n+pad-1
-            rank += pad
-        # (n, c_in, k_h, k_w): row-major reshape matches W.reshape(c_out, -1) in decompose().
-        kernel = v.mT.reshape(rank, self.in_channels, *self.kernel_size)
-        if self.padding_mode == "zeros":
-            hidden = F.conv2d(x, kernel, None, self.stride, self.padding, self.dilation)
-        else:
-            padded = F.pad(x, self._pad, mode=self.padding_mode)
-            hidden = F.conv2d(padded, kernel, None, self.stride, 0, self.dilation)
-        # hidden: (B, n, H', W'); 1x1 conv with U diag(ω): (c_out, n, 1, 1).
-        return F.conv2d(hidden, u[:, :, None, None], self.bias)
-
-    dense_type = nn.Conv2d
-    _other_types_hint = "transposed and 1-D/3-D convolutions are not supported."
-
-    @classmethod
-    def _geometry(cls, layer: nn.Module) -> dict[str, Any]:
-        assert isinstance(layer, nn.Conv2d)
-        if layer.groups != 1:
-            raise TypeError(
-                f"SpectralConv2d supports groups=1 only, got a Conv2d with "
-                f"groups={layer.groups}; leave this layer dense."
-            )
-        padding = layer.padding if isinstance(layer.padding, str) else tuple(layer.padding)
-        return {
-            "in_channels": layer.in_channels,
-            "kernel_size": tuple(layer.kernel_size),
-            "stride": tuple(layer.stride),
-            "padding": padding,
-            "dilation": tuple(layer.dilation),
-            "padding_mode": layer.padding_mode,
-        }
-
-    def _empty_dense(self) -> nn.Conv2d:
-        return nn.Conv2d(
-            self.in_channels,
-            self.out_channels,
-            self.kernel_size,
-            stride=self.stride,
-            padding=self.padding,
-            dilation=self.dilation,
-            bias=self.bias is not None,
-            padding_mode=self.padding_mode,
-            device=self.u.device,
-            dtype=self.u.dtype,
-        )
-
-    def extra_repr(self) -> str:
-        return (
-            f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
-            f"stride={self.stride}, padding={self.padding}, dilation={self.dilation}, "
-            f"padding_mode={self.padding_mode}, rank={self.rank}, bias={self.bias is not None}"
         )
 
 

@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from fedshard.spectral.conv import SpectralConv2d
 from fedshard.spectral.decompose import check_indices, decompose, take_terms
-from fedshard.spectral.layers import SpectralConv2d, SpectralLayer, SpectralLinear
+from fedshard.spectral.layers import SpectralLayer, SpectralLinear
 from fedshard.spectral.selection import check_shardable
 
 __all__ = ["LayerFactors", "build_submodel", "extract_factors", "shard_model"]
