@@ -7,7 +7,6 @@ Usable with any training loop: wrap any optimizer in :class:`ClipLR`, add
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +15,7 @@ import torch
 from torch import nn
 
 from fedshard.spectral.layers import SpectralLayer
+from fedshard.train_config import finite_real
 
 __all__ = ["ClipLR", "FrobeniusDecay", "frobenius_penalty"]
 
@@ -67,7 +67,7 @@ class ClipLR(torch.optim.Optimizer):
                 f"ClipLR wraps a torch.optim.Optimizer, got {type(optimizer).__name__}; "
                 "build e.g. torch.optim.SGD(model.parameters(), ...) first."
             )
-        if tau is not None and (not _finite(tau) or tau <= 0):
+        if tau is not None and (not finite_real(tau) or tau <= 0):
             raise ValueError(f"ClipLR tau={tau!r}: expected a finite number > 0 or None.")
         # Optimizer.__init__ is not called: it would build a second set of parameter groups.
         # Groups, state and defaults stay the wrapped optimizer's (Opacus' DPOptimizer does
@@ -278,6 +278,3 @@ class FrobeniusDecay:
                     factor.grad = torch.zeros_like(factor)
                 factor.grad.addmm_(factor, weight)  # (rows, n) += (rows, n) @ (n, n)
 
-
-def _finite(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["EvalResult", "TrainConfig", "TrainResult"]
+__all__ = ["EvalResult", "TrainConfig", "TrainResult", "finite_real"]
 
 
 @dataclass(frozen=True)
@@ -111,19 +111,19 @@ class TrainConfig:
 
         if isinstance(self.epochs, bool) or not isinstance(self.epochs, int) or self.epochs < 1:
             raise bad("epochs", self.epochs, "an int >= 1")
-        if not _finite(self.lr) or self.lr < 0:
+        if not finite_real(self.lr) or self.lr < 0:
             # lr = 0 is allowed: a round that changes nothing (a diagnostic of the pipeline)
             raise bad("lr", self.lr, "a finite number >= 0")
-        if not _finite(self.momentum) or not 0 <= self.momentum < 1:
+        if not finite_real(self.momentum) or not 0 <= self.momentum < 1:
             raise bad("momentum", self.momentum, "a number in [0, 1)")
-        if not _finite(self.frobenius_decay) or self.frobenius_decay < 0:
+        if not finite_real(self.frobenius_decay) or self.frobenius_decay < 0:
             raise bad("frobenius_decay", self.frobenius_decay, "a finite number >= 0")
-        if self.clip_tau is not None and (not _finite(self.clip_tau) or self.clip_tau <= 0):
+        if self.clip_tau is not None and (not finite_real(self.clip_tau) or self.clip_tau <= 0):
             raise bad("clip_tau", self.clip_tau, "a finite number > 0 (or None to disable ClipLR)")
-        if not _finite(self.weight_decay) or self.weight_decay < 0:
+        if not finite_real(self.weight_decay) or self.weight_decay < 0:
             raise bad("weight_decay", self.weight_decay, "a finite number >= 0")
         if self.max_grad_norm is not None and (
-            not _finite(self.max_grad_norm) or self.max_grad_norm <= 0
+            not finite_real(self.max_grad_norm) or self.max_grad_norm <= 0
         ):
             raise bad("max_grad_norm", self.max_grad_norm, "a finite number > 0 (or None)")
         for field in ("input_key", "target_key"):
@@ -173,5 +173,7 @@ class EvalResult:
     num_examples: int
 
 
-def _finite(x: object) -> bool:
+def finite_real(x: object) -> bool:
+    """True for a finite ``int`` or ``float`` (not a ``bool``, NaN or ±inf): a setting that
+    arrives from outside (a run config, a message) is checked with this before use."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
