@@ -34,7 +34,7 @@ pytestmark = [
 
 
 def _interrupt_cli_after_first_round(results: Path) -> tuple[int, list[str]]:
-    """Start the CLI on the smoke suite, SIGTERM it once run 1 reports a round."""
+    """Start the CLI on the smoke suite, SIGTERM it once run 1 reports round 1."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "fedshard.experiments", "run", "experiments/smoke.toml",
          "--results-dir", str(results)],
@@ -54,7 +54,7 @@ def _interrupt_cli_after_first_round(results: Path) -> tuple[int, list[str]]:
             if not line:
                 break
             lines.append(line.rstrip("\n"))
-            if re.search(r"run 1/2 .*: round 0/2", line):
+            if re.search(r"run 1/2 .*: round 1/2", line):
                 os.kill(proc.pid, signal.SIGTERM)
                 break
         else:
@@ -81,8 +81,9 @@ def test_smoke_suite_interrupt_resume_skip_report(tmp_path: Path) -> None:
     record = json.loads((first.directory / "runner.json").read_text())
     assert record["status"] == "interrupted"
     assert processes_with_env("FLWR_HOME", record["flwr-home"]) == []
-    # Stopped at round 0, before the first checkpoint: it starts again from scratch (if the
-    # signal lost the race with round 1, it resumes after it).
+    # Stopped in round 2. The server writes round 1's metrics row, then its checkpoint: the
+    # run resumes after round 1, or (if the signal won that race, which is rare) starts again
+    # from scratch.
     first_state, second_state = (s.state for s in suite_status(suite))
     assert second_state is RunState.PENDING
     assert first_state in (RunState.PARTIAL, RunState.RESUMABLE)
@@ -100,7 +101,13 @@ def test_smoke_suite_interrupt_resume_skip_report(tmp_path: Path) -> None:
     assert launched == [first.name, second.name]
     restarted = "deleting partial run folder" if first_state is RunState.PARTIAL else \
         "resuming after round 1 of 2"
-    assert any(restarted in line for line in progress)
+    assert any(restarted in line for line in progress), "\n".join(progress)
+    if first_state is RunState.RESUMABLE:
+        record = json.loads((first.directory / "runner.json").read_text())
+        assert record["resumed-after-round"] == 1
+        assert [e["status"] for e in record["earlier-launches"]] == ["interrupted"]
+        config = json.loads((first.directory / "config.json").read_text())
+        assert config["resumed"][0]["after-round"] == 1  # the app did resume
     assert any(re.search(r"run 2/2 Collective / r = 0.25 / seed 0: round 2/2 \| test acc "
                          r"\d+\.\d\d% \| \d+\.\d s/round \| suite ETA", line) for line in progress)
     for spec in suite.runs:
