@@ -40,9 +40,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _FORMAT = 1
-#: Run-config keys a resumed run may change: where and how fast it runs, not what it computes.
-RESUME_MAY_CHANGE = ("resume", "overwrite", "round-timeout", "client-device", "server-device",
-                     "compile", "cuda-graph", "tensorboard")
+#: Run-config keys a resumed run may change: where it is stored (a moved results folder) and
+#: where and how fast it runs, not what it computes.
+RESUME_MAY_CHANGE = ("resume", "overwrite", "results-dir", "run-name", "round-timeout",
+                     "client-device", "server-device", "compile", "cuda-graph", "tensorboard")
 _KEYS = ("format", "server-round", "arrays", "config", "capabilities", "history")
 _WHAT_TO_DO = (
     "Delete it to fall back on {prev} (Checkpoint.load(directory, fallback=True) does that "

@@ -82,8 +82,8 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
     With ``resume`` and a checkpoint in the run's results folder, the run continues after the
     checkpoint's round with the checkpoint's model, capability cache and history; the config
     must be the one the checkpoint was written with (apart from ``RESUME_MAY_CHANGE``: where
-    and how fast it runs). ``device`` overrides ``server-device`` (SVD, rebuild, central
-    evaluation).
+    it is stored, where and how fast it runs). ``device`` overrides ``server-device`` (SVD,
+    rebuild, central evaluation).
     """
     device = device or resolve_device(cfg.server_device)
     model = build_model(cfg)

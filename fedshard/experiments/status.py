@@ -103,7 +103,7 @@ def _unfinished(spec: RunSpec, reason: str) -> RunStatus:
     now, else PARTIAL; ``reason`` says why the run is not finished."""
     try:
         checkpoint = Checkpoint.load(spec.directory, fallback=True)
-    except CheckpointError as err:
+    except (CheckpointError, OSError) as err:  # OSError: e.g. a file it may not read
         return RunStatus(spec, RunState.PARTIAL, f"{reason}; its checkpoint is unusable ({err})")
     if checkpoint is None:
         return RunStatus(spec, RunState.PARTIAL, f"{reason}; no checkpoint")

@@ -106,7 +106,8 @@ def test_settings_that_may_change_on_resume_do_not_block_it(tmp_path: Path) -> N
     spec = suite.runs[0]
     config = spec.config.as_dict()
     write_run(spec.directory, config, rows_for(1), summary=False)
-    save_checkpoint(spec.directory, {**config, "round-timeout": 5.0, "client-device": "cuda"}, 1)
+    save_checkpoint(spec.directory, {**config, "round-timeout": 5.0, "client-device": "cuda",
+                                     "results-dir": "/moved/from/here", "run-name": "old"}, 1)
     assert suite_status(suite)[0].state is RunState.RESUMABLE
 
 
