@@ -1,6 +1,7 @@
 """One federated round of the CIFAR-10 preset's shape through Flower vs a bare training loop.
 
-10 clients of 500 CIFAR-shaped images (3×32×32, synthetic: this measures time, not accuracy),
+10 clients of 500 CIFAR-shaped images (3×32×32 ``uint8``, synthetic: this measures time, not
+accuracy; an ``ImageDataset`` each, standardized per image as the app's data sets are),
 2 local epochs, batch 32, ResNet-18 (GroupNorm) width 64, every client at r = 0.1, Collective
 with CPS, SGD-m + Frobenius decay + ClipLR. Two ways, side by side in this process, on the
 same device:
@@ -19,10 +20,13 @@ wall time of a 1,000-round cell, ``bare_s_per_round`` and ``flower_overhead_rati
 1 epoch) for a CPU.
 
 Usage: ``python benchmarks/bench_simulation.py [--device auto|cpu|cuda] [--quick] [--rounds 3]
-[--cuda-graph] [--compile] [--graph-warmup N] [--no-reuse-step]``; ``clients_s`` is the time
+[--cuda-graph] [--compile] [--graph-warmup N] [--no-reuse-step] [--data-loader]``;
+``clients_s`` is the time
 spent in the ClientApps' training handlers per round (the rest of ``round_s`` is the server
 and Flower). ``--no-reuse-step`` gives every client its own step (and CUDA graphs): the
 baseline of ``TrainConfig.reuse_step``, on by default with ``--cuda-graph``.
+``--data-loader`` reads the clients' data through a DataLoader (both ways): the baseline of
+``fedshard.batches.TensorBatches``, which holds each client's examples on the device.
 """
 
 from __future__ import annotations
@@ -42,13 +46,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
+import numpy as np  # noqa: E402
 from flower_grid import InProcessGrid  # noqa: E402
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message  # noqa: E402
 from flwr.common import logger as flwr_logger  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+from torch.utils.data import Dataset  # noqa: E402
 
 from fedshard import protocol as P  # noqa: E402
+from fedshard.batches import batches_for  # noqa: E402
 from fedshard.client import handle_query, handle_train, submodel_from_record  # noqa: E402
+from fedshard.data.images import ImageArrays, ImageDataset  # noqa: E402
 from fedshard.models import resnet18  # noqa: E402
 from fedshard.strategy import SpectralSharding  # noqa: E402
 from fedshard.training import TrainConfig, train  # noqa: E402
@@ -62,6 +69,19 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.machine()
+
+
+class NoTensors(Dataset[Any]):
+    """A data set without ``example_tensors()``: read through a DataLoader (``--data-loader``)."""
+
+    def __init__(self, data: ImageDataset) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.data[i]
 
 
 def sync(device: str) -> None:
@@ -86,6 +106,9 @@ def main() -> None:
     ap.add_argument("--no-reuse-step", action="store_true",
                     help="every client builds (and captures) its own step: TrainConfig."
                          "reuse_step=False, the baseline of the step pool (both ways)")
+    ap.add_argument("--data-loader", action="store_true",
+                    help="clients read their data through a DataLoader, not held on the "
+                         "device (the baseline of TensorBatches; both ways)")
     args = ap.parse_args()
     if args.graph_warmup is not None:
         import fedshard.step as step_module
@@ -100,11 +123,13 @@ def main() -> None:
             torch.manual_seed(0)
             return resnet18(num_classes=10, in_channels=3, width=width)
 
-    data = {}
+    data: dict[int, Dataset[Any]] = {}
     for pid in range(args.clients):
-        g = torch.Generator().manual_seed(pid)
-        data[pid] = TensorDataset(torch.randn(examples, 3, 32, 32, generator=g),
-                                  torch.randint(0, 10, (examples,), generator=g))
+        rng = np.random.default_rng([0, pid])
+        images = ImageDataset(ImageArrays(
+            rng.integers(0, 256, (examples, 3, 32, 32), dtype=np.uint8),
+            rng.integers(0, 10, examples).astype(np.int64)))
+        data[pid] = NoTensors(images) if args.data_loader else images
 
     template = model()
     options = {"cuda_graph": args.cuda_graph, "compile": args.compile,
@@ -166,8 +191,7 @@ def main() -> None:
             s = P.TrainSettings.from_record(msg.content.config_records[P.CONFIG])
             sub, _ = submodel_from_record(template, msg.content.array_records[P.ARRAYS])
             pid = grid.contexts[msg.metadata.dst_node_id].node_config["partition-id"]
-            loader = DataLoader(data[pid], batch_size=s.batch_size, shuffle=True,
-                                generator=torch.Generator().manual_seed(s.train_seed))
+            loader = batches_for(data[pid], s.batch_size, seed=s.train_seed, device=device)
             train(sub, loader, TrainConfig(
                 epochs=s.local_epochs, lr=s.lr, momentum=s.momentum,
                 frobenius_decay=s.frobenius_decay, clip_tau=s.clip_lr_tau,
@@ -190,7 +214,8 @@ def main() -> None:
                   "batch": 32, "resnet18_width": width, "keep_ratio": args.keep_ratio,
                   "method": "collective", "cuda_graph": args.cuda_graph,
                   "compile": args.compile, "graph_warmup": args.graph_warmup,
-                  "reuse_step": args.cuda_graph and not args.no_reuse_step},
+                  "reuse_step": args.cuda_graph and not args.no_reuse_step,
+                  "data": "data-loader" if args.data_loader else "tensor-batches"},
         "round_s": [round(x, 3) for x in rounds],
         "clients_s": [round(client_s.get(2 * i + 1, float("nan")), 3)
                       for i in range(args.rounds)],

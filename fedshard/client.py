@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from fedshard import protocol as P
+from fedshard.batches import TensorBatches, batches_for
 from fedshard.sampling import as_keep_ratio
 from fedshard.shard import Shard, receive, submodel_from_record  # re-exported
 from fedshard.training import (
@@ -107,28 +108,37 @@ def handle_query(msg: Message, keep_ratio: float, node_key: str | int | None = N
 
 
 # ---------------------------------------------------------------------------- data
-def _loader(data: Dataset[Any] | DataLoader[Any], batch_size: int,
-            seed: int | None) -> DataLoader[Any]:
-    """``data`` as a DataLoader: a given one as is; a Dataset batched (and, for training,
-    shuffled with the round's seed). Dict samples stay dicts: the training loop reads them
-    (:mod:`fedshard.batches`)."""
-    if isinstance(data, DataLoader):
+Loader = DataLoader[Any] | TensorBatches
+
+
+def _loader(data: Dataset[Any] | Loader, batch_size: int, seed: int | None,
+            device: str | torch.device) -> Loader:
+    """``data`` as batches: a given DataLoader or :class:`TensorBatches` as is; a Dataset
+    through :func:`~fedshard.batches.batches_for` (fedshard's own data sets held on
+    ``device``, others in a DataLoader; for training shuffled with the round's seed). Dict
+    samples stay dicts: the training loop reads them (:mod:`fedshard.batches`)."""
+    if isinstance(data, (DataLoader, TensorBatches)):
         if seed is not None:
-            logger.info("handle_train: using the given DataLoader as is (batch size %s); the "
-                        "server's batch-size=%d is ignored.", data.batch_size, batch_size)
-        loader = data
-    elif seed is None:
-        loader = DataLoader(data, batch_size=batch_size, shuffle=False)
-    else:
-        loader = DataLoader(data, batch_size=batch_size, shuffle=True,
-                            generator=torch.Generator().manual_seed(seed))
-    return loader
+            logger.info("handle_train: using the given %s as is (batch size %s); the "
+                        "server's batch-size=%d is ignored.", type(data).__name__,
+                        data.batch_size, batch_size)
+        return data
+    return batches_for(data, batch_size, seed=seed, device=device)
+
+
+def _again(loader: Loader, data: Dataset[Any] | Loader, batch_size: int, seed: int | None,
+           device: str | torch.device) -> Loader:
+    """The same batches in the same order once more (the FedAvg reference's training)."""
+    if isinstance(loader, TensorBatches):  # the same tensors, its generator from the start
+        return TensorBatches(loader.inputs, loader.targets, loader.batch_size,
+                             seed=loader.seed, device=loader.device)
+    return _loader(data, batch_size, seed, device)
 
 
 def handle_train(
     msg: Message,
     model: nn.Module,
-    data: Dataset[Any] | DataLoader[Any],
+    data: Dataset[Any] | Loader,
     *,
     device: str = "cpu",
     input_key: str | None = None,
@@ -143,10 +153,15 @@ def handle_train(
         The ``train`` message.
     model : nn.Module
         A fresh instance of the server's model (not modified).
-    data : Dataset or DataLoader
+    data : Dataset, DataLoader or TensorBatches
         A ``Dataset`` is batched with the server's ``batch-size`` and shuffled with the
-        round's seed; a ``DataLoader`` is used as is. Samples may be ``(x, y)`` pairs or
-        dicts (``input_key``/``target_key``; ``None``: flwr-datasets' names, e.g. ``"img"``
+        round's seed. One that gives all its examples as tensors
+        (:class:`~fedshard.batches.HasTensors`, as fedshard's data sets do), or a
+        ``TensorDataset`` of ``(inputs, targets)``, is held on the device as
+        :class:`~fedshard.batches.TensorBatches`, in the order a DataLoader would give (same
+        model, less host work per batch). A ``DataLoader`` or ``TensorBatches`` is used as
+        is. Samples may be ``(x, y)`` pairs or dicts (``input_key``/``target_key``;
+        ``None``: flwr-datasets' names, e.g. ``"img"``
         and ``"label"``, see :data:`fedshard.batches.INPUT_KEYS`).
     device : str
         Where to train.
@@ -168,15 +183,16 @@ def handle_train(
     shard = receive(msg, model, device=device)
     s = shard.settings
     options = {"input_key": input_key, "target_key": target_key, **dict(train_options or {})}
-    result = train(shard.model, _loader(data, s.batch_size, s.train_seed),
-                   shard.train_config(**options))
+    loader = _loader(data, s.batch_size, s.train_seed, shard.device)
+    result = train(shard.model, loader, shard.train_config(**options))
     metrics = {P.TRAIN_LOSS: result.loss, P.TRAIN_ACCURACY: result.accuracy}
     if dense is None:
         return shard.reply(result.num_examples, metrics)
     record = msg.content.array_records[P.REFERENCE]
     dense.load_state_dict({k: torch.as_tensor(np.array(a.numpy())) for k, a in record.items()},
                           strict=True)
-    ref = train(dense.to(shard.device), _loader(data, s.batch_size, s.train_seed),
+    ref = train(dense.to(shard.device),
+                _again(loader, data, s.batch_size, s.train_seed, shard.device),
                 shard.train_config(**options))
     reply = shard.reply(result.num_examples, {**metrics, "fedavg-train-loss": ref.loss})
     reply.content[P.REFERENCE] = ArrayRecord(
@@ -185,7 +201,7 @@ def handle_train(
 
 
 def handle_evaluate(
-    msg: Message, model: nn.Module, data: Dataset[Any] | DataLoader[Any], *,
+    msg: Message, model: nn.Module, data: Dataset[Any] | Loader, *,
     batch_size: int = 256, device: str = "cpu", input_key: str | None = None,
     target_key: str | None = None,
 ) -> Message:
@@ -194,7 +210,7 @@ def handle_evaluate(
     record = msg.content.array_records[P.ARRAYS]
     state = {k: torch.as_tensor(np.array(a.numpy())) for k, a in record.items()}
     model.load_state_dict(state, strict=True)
-    loader = _loader(data, batch_size, None)
+    loader = _loader(data, batch_size, None, device)
     result = evaluate(model, loader, device=device, input_key=input_key, target_key=target_key)
     metrics = MetricRecord({
         P.NUM_EXAMPLES: int(result.num_examples),

@@ -15,8 +15,8 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 from torch import nn
-from torch.utils.data import DataLoader
 
+from fedshard.batches import batches_for
 from fedshard.checkpoint import RESUME_MAY_CHANGE, Checkpoint
 from fedshard.config import RunConfig
 from fedshard.data import load_test_set
@@ -164,7 +164,7 @@ def central_evaluate_fn(
     client trains), and ``tail-energy-top-n``, the energy share of the terms cut off."""
     test = load_test_set(cfg.dataset, data_dir=cfg.data_dir or None,
                          max_examples=cfg.test_max_examples or None, download=cfg.download)
-    loader = DataLoader(test, batch_size=256, shuffle=False)
+    loader = batches_for(test, 256, device=device)  # held on the device when it fits
     board = TensorBoardLog(cfg.results_path / "tensorboard") if cfg.tensorboard else None
 
     def evaluate_fn(flower_round: int, arrays: ArrayRecord) -> MetricRecord | None:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from fedshard.batches import INPUT_KEYS, TARGET_KEYS, dataset_size, unpack_batch
+from fedshard.batches import INPUT_KEYS, TARGET_KEYS, TensorBatches, dataset_size, unpack_batch
 from fedshard.optim import ClipLR, FrobeniusDecay, frobenius_penalty
 from fedshard.step import TrainStep, build_optimizer, cross_entropy_sums
 from fedshard.step_pool import StepPool
@@ -43,7 +43,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def train(model: nn.Module, loader: DataLoader[Any], cfg: TrainConfig) -> TrainResult:
+def train(model: nn.Module, loader: DataLoader[Any] | TensorBatches,
+          cfg: TrainConfig) -> TrainResult:
     """Train ``model`` in place for ``cfg.epochs`` epochs with cross-entropy.
 
     Parameters
@@ -52,7 +53,7 @@ def train(model: nn.Module, loader: DataLoader[Any], cfg: TrainConfig) -> TrainR
         Moved to ``cfg.device`` and left there, in train mode. Outputs ``(B, C)`` logits with
         ``(B,)`` targets, or ``(B, T, C)`` with ``(B, T)`` targets (next-token prediction);
         targets equal to ``-100`` are ignored.
-    loader : DataLoader
+    loader : DataLoader or TensorBatches
         Yields ``(inputs, targets)`` pairs or dicts (see :attr:`TrainConfig.input_key`).
     cfg : TrainConfig
         Settings.
@@ -94,7 +95,8 @@ STEP_POOL = StepPool(size=4)
 
 
 def _train_loop(
-    step: TrainStep, loader: DataLoader[Any], cfg: TrainConfig, device: torch.device
+    step: TrainStep, loader: DataLoader[Any] | TensorBatches, cfg: TrainConfig,
+    device: torch.device
 ) -> TrainResult:
     # Device-side sums: the only reads back to the host are the periodic finiteness checks
     # and the per-epoch log line. CE >= 0, so a sum is finite iff every summand is.
@@ -169,7 +171,7 @@ def _check_finite(loss_sum: torch.Tensor, epoch: int, steps: int, cfg: TrainConf
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
-    loader: DataLoader[Any],
+    loader: DataLoader[Any] | TensorBatches,
     device: str | torch.device = "cpu",
     *,
     input_key: str | None = None,
@@ -181,7 +183,7 @@ def evaluate(
     ----------
     model : nn.Module
         Moved to ``device``; its train/eval mode is restored afterwards.
-    loader : DataLoader
+    loader : DataLoader or TensorBatches
         Yields ``(inputs, targets)`` pairs or dicts, shapes as in :func:`train`.
     device : str or torch.device
         Where to evaluate.

@@ -125,3 +125,12 @@ class ImageDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return per_image_standardization(self._images[index]), self._labels[index]
+
+    def example_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All examples at once: ``(N, C, H, W)`` standardized ``float32`` images and ``(N,)``
+        labels, ``[i]`` equal to ``self[i]`` (for :class:`fedshard.batches.TensorBatches`)."""
+        if len(self) == 0:
+            return torch.empty(self._images.shape, dtype=torch.float32), self._labels.clone()
+        # one image at a time, as __getitem__ does: a batched reduction may round differently
+        return (torch.stack([per_image_standardization(img) for img in self._images]),
+                self._labels.clone())

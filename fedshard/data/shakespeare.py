@@ -181,3 +181,9 @@ class ShakespeareDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         row = self._rows[index].long()
         return row[:-1], row[1:]
+
+    def example_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All examples at once: ``(N, L)`` inputs and targets, ``int64``, ``[i]`` equal to
+        ``self[i]`` (for :class:`fedshard.batches.TensorBatches`)."""
+        rows = self._rows.long()
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
