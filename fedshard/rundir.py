@@ -118,10 +118,22 @@ class RunLock:
     ...     write_results(directory)
     """
 
+    #: The lock file's name inside the directory.
+    lock_name = LOCK_NAME
+
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self.path = directory / LOCK_NAME
+        self.path = directory / self.lock_name
         self._fh: IO[str] | None = None
+
+    def _refusal(self, holder: str) -> RunLockedError:
+        """The error when ``holder`` (described) has the lock; subclasses say what is refused."""
+        return RunLockedError(
+            f"{self.directory} is in use by another run ({holder}; lock file {self.path}). "
+            "Two runs writing one directory would interleave their metrics, so this run "
+            "was not started. Wait for the other run to end or stop it, or give this run "
+            "another run-name."
+        )
 
     @property
     def held(self) -> bool:
@@ -147,12 +159,7 @@ class RunLock:
         except BlockingIOError:
             holder = _describe_holder(fh.read())
             fh.close()
-            raise RunLockedError(
-                f"{self.directory} is in use by another run ({holder}; lock file {self.path}). "
-                "Two runs writing one directory would interleave their metrics, so this run "
-                "was not started. Wait for the other run to end or stop it, or give this run "
-                "another run-name."
-            ) from None
+            raise self._refusal(holder) from None
         except BaseException:
             fh.close()
             raise

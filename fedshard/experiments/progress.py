@@ -7,8 +7,10 @@ round and per launch measured so far. Used by :func:`fedshard.experiments.run_su
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -88,24 +90,34 @@ class Progress:
 
 
 class MetricsTail:
-    """New complete lines of a growing ``metrics.jsonl``."""
+    """New complete lines of a growing ``metrics.jsonl``.
 
-    def __init__(self, path: Path) -> None:
+    ``skip_existing``: what the file holds now is not new (a resumed run's earlier launches).
+    The recorder rewrites the file atomically when it starts (a new inode: a resumed run
+    drops the rows after its checkpoint), so a new inode (or a shorter file) means reading
+    from the start again; the caller skips the rows it has seen by their round.
+    """
+
+    def __init__(self, path: Path, *, skip_existing: bool = False) -> None:
         self.path = path
         self.offset = 0
+        self.inode: int | None = None
+        if skip_existing:
+            with contextlib.suppress(FileNotFoundError):
+                st = path.stat()
+                self.offset, self.inode = st.st_size, st.st_ino
 
     def rows(self) -> list[dict[str, Any]]:
         try:
             with self.path.open("rb") as fh:
+                st = os.fstat(fh.fileno())
+                if st.st_ino != self.inode or st.st_size < self.offset:
+                    # replaced, truncated in place, or first seen: read it from the start
+                    self.offset, self.inode = 0, st.st_ino
                 fh.seek(self.offset)
                 data = fh.read()
         except FileNotFoundError:
             return []
-        if len(data) == 0 and self.offset > 0 and self.path.stat().st_size < self.offset:
-            # The recorder rewrote it shorter: a resumed run drops the rows after its
-            # checkpoint before it appends new ones.
-            self.offset = 0
-            return self.rows()
         end = data.rfind(b"\n") + 1  # a line being written has no newline yet
         self.offset += end
         rows = []

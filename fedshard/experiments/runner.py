@@ -41,6 +41,7 @@ from fedshard.experiments.status import (
 )
 from fedshard.experiments.suite import RunSpec, Suite
 from fedshard.launch import SimulationRun, run_simulation
+from fedshard.rundir import RunLock, RunLockedError
 
 __all__ = [
     "Launcher",
@@ -48,6 +49,7 @@ __all__ = [
     "RunStatus",
     "SelectionError",
     "StaleRunsError",
+    "SuiteLock",
     "SuiteOutcome",
     "format_duration",
     "run_status",
@@ -132,34 +134,17 @@ def _interrupts_raise() -> Iterator[None]:
             signal.signal(s, h)
 
 
-@contextlib.contextmanager
-def _suite_lock(results_dir: Path) -> Iterator[None]:
-    """Exclusive lock on the results folder: two runners would delete each other's runs."""
-    results_dir.mkdir(parents=True, exist_ok=True)
-    path = results_dir / ".runner.lock"
-    with path.open("a+") as fh:
-        try:
-            import fcntl
-        except ImportError:  # pragma: no cover - not POSIX: no lock
-            yield
-            return
-        try:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.seek(0)
-            holder = fh.read().strip() or "?"
-            raise RuntimeError(
-                f"another runner (pid {holder}) is working in {results_dir}; wait for it or "
-                "stop it first. Nothing was started."
-            ) from None
-        fh.seek(0)
-        fh.truncate()
-        fh.write(str(os.getpid()))
-        fh.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+class SuiteLock(RunLock):
+    """Exclusive lock on a suite's results folder: two runners would delete each other's
+    runs (:class:`~fedshard.rundir.RunLock`'s flock, on ``.runner.lock``)."""
+
+    lock_name = ".runner.lock"
+
+    def _refusal(self, holder: str) -> RunLockedError:
+        return RunLockedError(
+            f"another runner ({holder}) is working in {self.directory}; wait for it or stop "
+            "it first. Nothing was started."
+        )
 
 
 def _remove_run_folder(suite: Suite, spec: RunSpec) -> None:
@@ -236,7 +221,8 @@ def run_suite(
     if stale and not rerun_stale:
         raise StaleRunsError(stale)
     outcome = SuiteOutcome()
-    with _suite_lock(suite.results_dir), _interrupts_raise():
+    suite.results_dir.mkdir(parents=True, exist_ok=True)
+    with SuiteLock(suite.results_dir), _interrupts_raise():
         # Re-read inside the lock: another runner may have finished runs meanwhile.
         statuses = selected(suite_status(suite))
         if restart_partial:
@@ -339,7 +325,7 @@ def _launch_one(suite: Suite, spec: RunSpec, launch: Launcher, progress: Progres
     else:
         say(f"{progress.prefix(spec)}: resuming after round {resume_round} of "
             f"{spec.num_rounds} from its checkpoint -> {spec.directory}")
-    tail = MetricsTail(spec.directory / "metrics.jsonl")
+    tail = MetricsTail(spec.directory / "metrics.jsonl", skip_existing=resume_round is not None)
     rounds_s = 0.0
     done = resume_round or 0
 

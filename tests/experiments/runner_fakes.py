@@ -15,6 +15,7 @@ from fedshard.config import RunConfig
 from fedshard.experiments import Suite, parse_suite
 from fedshard.experiments.suite import app_defaults
 from fedshard.launch import SimulationRun
+from fedshard.rundir import write_private
 
 ROOT = Path(__file__).resolve().parents[2]
 APP_DEFAULTS = app_defaults(ROOT)
@@ -83,11 +84,12 @@ class FakeLauncher:
         config = RunConfig.from_mapping({**APP_DEFAULTS, **run_config}).as_dict()
         rows = rows_for(int(run_config["num-server-rounds"]))
         if run_config.get("resume"):
+            on_line("INFO : resuming")  # flwr prints before the app's recorder starts
             # as the app: continue after the checkpoint's round, dropping later rows
             checkpoint = Checkpoint.load(folder, fallback=True)
             assert checkpoint is not None
             kept = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
-            (folder / "metrics.jsonl").write_text("".join(
+            write_private(folder / "metrics.jsonl", "".join(  # atomically, as the recorder
                 json.dumps(r) + "\n" for r in kept if r["round"] <= checkpoint.server_round))
             rows = rows[checkpoint.server_round + 1:]
         write_run(folder, config, [], summary=False)

@@ -66,8 +66,26 @@ def test_an_interrupted_run_resumes_after_its_checkpoint(tmp_path: Path) -> None
     log = (spec.directory / "flwr-output.log").read_text().splitlines()
     assert log[:3] == ["INFO : round 0", "INFO : round 1", "INFO : round 2"]
     assert re.fullmatch(r"---- resumed after round 2 \(.*\) ----", log[3])
-    assert log[4:] == ["INFO : round 3", "INFO : round 4"]
+    assert log[4:] == ["INFO : resuming", "INFO : round 3", "INFO : round 4"]
     assert [s.state for s in suite_status(suite)] == [RunState.FINISHED] * 2
+
+
+def test_a_row_written_after_the_checkpoint_is_reported_once(tmp_path: Path) -> None:
+    """The app records a round's row before its checkpoint: a run stopped between the two
+    leaves a row the resumed launch drops and writes again; its progress line comes once."""
+    suite = interrupted(tmp_path, rounds=4, at=2)
+    spec = suite.runs[0]
+    stale = {**rows_for(4)[3], "test-accuracy": 0.999}  # round 3, never checkpointed
+    with (spec.directory / "metrics.jsonl").open("a") as fh:
+        fh.write(json.dumps(stale) + "\n")
+    assert suite_status(suite)[0].resume_round == 2
+
+    lines: list[str] = []
+    run_suite(suite, launch=FakeLauncher(checkpoints=True), emit=lines.append)
+    run1 = [line for line in lines if "Top-n" in line and ": round " in line]
+    assert [re.search(r"round (\d)/4", line)[1] for line in run1] == ["3", "4"]  # type: ignore[index]
+    assert "99.90%" not in "".join(run1)
+    assert rounds_in(spec.directory) == [0, 1, 2, 3, 4]
 
 
 def test_restart_partial_starts_a_resumable_run_from_scratch(tmp_path: Path) -> None:

@@ -209,8 +209,9 @@ def test_sigterm_unwinds_through_the_launcher_and_restores_handlers(tmp_path: Pa
 def test_a_second_runner_on_the_same_results_is_refused(tmp_path: Path) -> None:
     suite = make_suite(tmp_path, seeds=(0,))
     launch = FakeLauncher()
-    with runner_module._suite_lock(suite.results_dir), pytest.raises(
-        RuntimeError, match=rf"another runner \(pid {os.getpid()}\) is working in"
+    suite.results_dir.mkdir(parents=True, exist_ok=True)
+    with runner_module.SuiteLock(suite.results_dir), pytest.raises(
+        RuntimeError, match=rf"another runner \(pid {os.getpid()} on host .*\) is working in"
     ):
         run_suite(suite, launch=launch, emit=lambda _: None)
     assert launch.calls == []
