@@ -87,6 +87,16 @@ def dataset_size(loader: DataLoader[Any] | TensorBatches, fallback: int) -> int:
         return fallback
 
 
+def _example_tensors(dataset: HasTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    inputs, targets = dataset.example_tensors()
+    if inputs.shape[0] != len(dataset):
+        raise ValueError(
+            f"{type(dataset).__name__}.example_tensors() gave {inputs.shape[0]} examples "
+            f"but the data set has {len(dataset)}; no batches were made."
+        )
+    return inputs, targets
+
+
 @runtime_checkable
 class HasTensors(Protocol):
     """A map-style data set that can give all its examples at once, as ``dataset[i]`` would
@@ -180,12 +190,7 @@ class TensorBatches:
     ) -> TensorBatches:
         """Batches of a :class:`HasTensors` data set (its ``example_tensors()``), as the
         constructor."""
-        inputs, targets = dataset.example_tensors()
-        if inputs.shape[0] != len(dataset):
-            raise ValueError(
-                f"{type(dataset).__name__}.example_tensors() gave {inputs.shape[0]} examples "
-                f"but the data set has {len(dataset)}; no batches were made."
-            )
+        inputs, targets = _example_tensors(dataset)
         return cls(inputs, targets, batch_size, seed=seed, device=device)
 
     @property
@@ -237,7 +242,7 @@ def batches_for(
     generator=torch.Generator().manual_seed(seed))``'s), so the choice changes no result."""
     pair: tuple[torch.Tensor, torch.Tensor] | None = None
     if isinstance(dataset, HasTensors):
-        pair = dataset.example_tensors()
+        pair = _example_tensors(dataset)
     elif isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2:
         pair = (dataset.tensors[0], dataset.tensors[1])
     if pair is not None:

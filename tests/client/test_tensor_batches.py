@@ -169,6 +169,8 @@ def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match=r"Liar.example_tensors\(\) gave 3 examples but the "
                                          r"data set has 99"):
         TensorBatches.from_dataset(Liar(_images(3, 1, 28, seed=0)), 2)
+    with pytest.raises(ValueError, match=r"Liar.example_tensors\(\) gave 3 examples"):
+        batches_for(Liar(_images(3, 1, 28, seed=0)), 2, seed=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
