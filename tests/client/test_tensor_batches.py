@@ -4,7 +4,10 @@ sets' ``example_tensors()`` against their own ``__getitem__``; the ClientApp pat
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -181,3 +184,33 @@ def test_cuda_batches_equal_the_cpu_ones() -> None:
     assert gpu.inputs.is_cuda
     for (a, b), (c, d) in zip(cpu, gpu, strict=True):
         assert c.is_cuda and torch.equal(a, c.cpu()) and torch.equal(b, d.cpu())
+
+
+def test_the_apps_train_and_evaluate_without_a_dataloader(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fedshard's own ClientApp and the server's central evaluation hold their data as
+    TensorBatches: a run with DataLoader iteration made to fail still trains and evaluates."""
+    import fakedata
+    from flower_grid import InProcessGrid
+
+    import client_app
+    from fedshard.config import RunConfig
+    from fedshard.experiment import run_server
+
+    def refuse(self: DataLoader[Any]) -> None:
+        raise AssertionError("a DataLoader was iterated")
+
+    monkeypatch.setattr(DataLoader, "__iter__", refuse)
+    fakedata.write_fashion_mnist(tmp_path / "data", 60, 20, np.random.default_rng(0))
+    cfg = {"dataset": "fashion-mnist", "data-dir": str(tmp_path / "data"), "model": "mlp",
+           "model-width": 16, "num-server-rounds": 1, "num-partitions": 3,
+           "min-available-nodes": 3, "fraction-train": 1.0, "fraction-evaluate": 1.0,
+           "batch-size": 8, "results-dir": str(tmp_path / "out"), "run-name": "r", "seed": 1}
+    grid = InProcessGrid(client_app.app, [{"partition-id": i, "num-partitions": 3}
+                                          for i in range(3)], cfg)
+    run_server(grid, RunConfig.from_mapping(cfg))
+    rows = [json.loads(x) for x in (tmp_path / "out" / "r" / "metrics.jsonl").open()]
+    last = rows[-1]
+    assert last["round"] == 1 and last["replies-used"] == 3, last
+    assert "test-accuracy" in last and "eval-accuracy" in last, last
