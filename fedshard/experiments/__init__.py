@@ -6,13 +6,15 @@
 - :mod:`~fedshard.experiments.runner` - runs a suite (skips finished runs, resumes interrupted
   ones from their checkpoint), with progress lines and an ETA
   (:mod:`~fedshard.experiments.progress`); Ctrl-C/SIGTERM stop the current simulation cleanly.
+- :mod:`~fedshard.experiments.cells` - the finished runs' numbers, one cell per row and column.
 - :mod:`~fedshard.experiments.report` - ``table.md``, ``accuracy.png``, ``anme.png``,
   ``results.json``.
 
 Command line: ``python -m fedshard.experiments {run,status,report} SUITE``.
 """
 
-from fedshard.experiments.report import Cell, ReportFiles, collect, write_report
+from fedshard.experiments.cells import Cell, collect
+from fedshard.experiments.report import ReportFiles, write_report
 from fedshard.experiments.runner import (
     RunState,
     RunStatus,

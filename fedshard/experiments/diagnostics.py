@@ -2,7 +2,7 @@
 diagnostics (``diagnostics``/``fedavg-cosine`` runs) as curves.
 
 - ``milestones.md`` - per finished run: test accuracy (%) at rounds 10 and 20 (where evaluated),
-  at its last round, and the mean of its last :data:`~fedshard.experiments.report.LAST_EVALS`
+  at its last round, and the mean of its last :data:`~fedshard.experiments.cells.LAST_EVALS`
   evaluations; then the same per cell (mean over seeds).
 - ``accuracy-per-seed.png`` - test accuracy against round, one panel per seed, one line per
   cell: the seeds' own curves, which the mean over seeds of ``accuracy.png`` hides (with a
@@ -88,7 +88,7 @@ def _pct(value: float | None) -> str:
 
 
 def milestones_markdown(cells: Sequence[Any]) -> str:
-    """The milestone tables (see the module) for report cells (``report.Cell``)."""
+    """The milestone tables (see the module) for report cells (``cells.Cell``)."""
     heads = [f"Round {r}" for r in MILESTONES]
     lines = ["# Accuracy at milestone rounds", "",
              "Test accuracy (%) at rounds " + ", ".join(map(str, MILESTONES)) + ", at the last "

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from fedshard.experiments.suite import Suite
 
 if TYPE_CHECKING:
-    from fedshard.experiments.report import Cell
+    from fedshard.experiments.cells import Cell
 
 __all__ = ["plot_accuracy", "plot_anme"]
 
