@@ -8,14 +8,13 @@ milestone tables (:mod:`.plots`, :mod:`.diagnostics`) all draw from these cells.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import statistics
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from fedshard.experiments.diagnostics import metric_curves
 from fedshard.experiments.status import RunState, run_status
 from fedshard.experiments.suite import RunSpec, Suite
 
@@ -81,29 +80,17 @@ def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _read_rows(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            rows.append(json.loads(line))
-    return rows
-
-
 def _run_result(spec: RunSpec, summary: dict[str, Any]) -> RunResult | None:
     final: Any = summary.get("final-test-accuracy")
     if not _finite(final):
         logger.warning("%s: finished without a test accuracy (eval-every=0?); left out",
                        spec.directory)
         return None
-    try:
-        rows = _read_rows(spec.directory / "metrics.jsonl")
-    except (OSError, ValueError) as err:
-        logger.warning("%s: unreadable metrics.jsonl (%s); no curve", spec.directory, err)
-        rows = []
-    curve = tuple((int(r["round"]), 100.0 * float(r["test-accuracy"])) for r in rows
-                  if _finite(r.get("test-accuracy")))
-    anme = [float(r["anme"]) for r in rows
-            if int(r.get("round", 0)) >= 1 and _finite(r.get("anme"))]
+    curves = metric_curves(spec.directory, ["test-accuracy", "anme"])
+    if "test-accuracy" not in curves:
+        logger.warning("%s: no test accuracy in metrics.jsonl; no curve", spec.directory)
+    curve = tuple(curves.get("test-accuracy", ()))
+    anme = [value for r, value in curves.get("anme", ()) if r >= 1]
     best: Any = summary.get("best-test-accuracy")
     wall: Any = summary.get("wall-s")
     return RunResult(

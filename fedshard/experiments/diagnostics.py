@@ -70,6 +70,8 @@ def metric_curves(directory: Path, metrics: Sequence[str]) -> dict[str, list[tup
             row = json.loads(line)
         except ValueError:
             continue
+        if not isinstance(row, dict):
+            continue
         for m in metrics:
             value = row.get(m)
             if isinstance(value, (int, float)) and not isinstance(value, bool) \
