@@ -8,6 +8,7 @@
 # (commit 20529be, unpacked under .gpu/old; with OLD=1) on the same card, the before of
 # before/after.
 # Usage: OUT=/some/dir bash benchmarks/gpu_checks.sh
+#        CHECKS="cuda_tests bench_batches" OUT=/some/dir bash benchmarks/gpu_checks.sh  (only those)
 # Writes $OUT/summary.txt (one line per check: rc, seconds), $OUT/results.jsonl (each check's
 # JSON, one line each) and $OUT/logs.tgz (every check's stdout/stderr), all refreshed after
 # each check so that a run stopped at its time limit still returns what it finished.
@@ -22,6 +23,7 @@ export PYTHONUNBUFFERED=1 ROOT=$PWD
   python3 -c "import torch, flwr; print('torch', torch.__version__, 'flwr', flwr.__version__)" ) > "$LOGS/env.txt" 2>&1
 cp "$LOGS/env.txt" "$OUT/env.txt"
 run() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
+  if [ -n "${CHECKS:-}" ] && [[ " $CHECKS " != *" $name "* ]]; then return; fi
   timeout "$limit" "$@" > "$LOGS/$name.out" 2> "$LOGS/$name.err"; local rc=$?
   echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
   python3 - "$name" "$LOGS/$name.out" >> "$OUT/results.jsonl" <<'PY'
