@@ -59,7 +59,8 @@ COSINE_BLOCK = 10
 
 def metric_curves(directory: Path, metrics: Sequence[str]) -> dict[str, list[tuple[int, float]]]:
     """``metric -> [(round, value), ...]`` from a run's ``metrics.jsonl`` (finite values only;
-    accuracies in %). A missing or unreadable file gives no curves."""
+    accuracies in %). A missing or unreadable file gives no curves; a line that is not a JSON
+    object, or whose round is not a number, is skipped."""
     try:
         lines = (Path(directory) / "metrics.jsonl").read_text().splitlines()
     except OSError:
@@ -72,11 +73,15 @@ def metric_curves(directory: Path, metrics: Sequence[str]) -> dict[str, list[tup
             continue
         if not isinstance(row, dict):
             continue
+        try:
+            server_round = int(row.get("round", 0))
+        except (TypeError, ValueError, OverflowError):
+            continue  # a row without a usable round cannot be placed on a curve
         for m in metrics:
             value = row.get(m)
             if isinstance(value, (int, float)) and not isinstance(value, bool) \
                     and math.isfinite(value):
-                out[m].append((int(row.get("round", 0)), 100.0 * value if m in _PERCENT
+                out[m].append((server_round, 100.0 * value if m in _PERCENT
                                else float(value)))
     return {m: c for m, c in out.items() if c}
 

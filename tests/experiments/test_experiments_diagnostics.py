@@ -9,6 +9,7 @@ from typing import Any
 from test_experiments_report import ROOT, png_size
 
 from fedshard.experiments import parse_suite, write_report
+from fedshard.experiments.diagnostics import metric_curves
 
 
 def _suite(tmp_path: Path, rounds: int = 25) -> Any:
@@ -108,3 +109,20 @@ def test_fedavg_cosine_table_and_plot(tmp_path: Path) -> None:
     # rounds 1-10: mean 5.5 / 100; 11-20: 15.5 / 100; 21-25: 23 / 100; 1-25: 13 / 100
     assert rows[0] == "| A | c | 0 | 0.055 | 0.155 | 0.230 | 0.130 |"
     assert rows[1] == "| A | c | 0 | 0.500 | 0.500 | 0.500 | 0.500 |"
+
+
+def test_metric_curves_skip_lines_they_cannot_place(tmp_path: Path) -> None:
+    """A damaged metrics.jsonl (a torn line, a JSON list, a bad round, NaN) gives the curves of
+    its good rows instead of raising (the report reads every run's file)."""
+    lines = [
+        '{"round": 5, "test-accuracy": 0.25, "anme": 0.5}',
+        '{"round": 10, "test-acc',  # torn write
+        '[1, 2, 3]',
+        '{"round": "ten", "test-accuracy": 0.9}',
+        '{"round": null, "test-accuracy": 0.9}',
+        '{"round": 15, "test-accuracy": NaN, "anme": 0.4}',
+        '{"round": 20, "test-accuracy": 0.5}',
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    curves = metric_curves(tmp_path, ["test-accuracy", "anme", "absent"])
+    assert curves == {"test-accuracy": [(5, 25.0), (20, 50.0)], "anme": [(5, 0.5), (15, 0.4)]}
