@@ -7,6 +7,7 @@ the step replayed from a CUDA graph (Sec. 3.3).
 
 from __future__ import annotations
 
+import gc
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -189,8 +190,22 @@ class _StepGraphs:
                 return out[0], out[1], out[2]
             static_in, static_tg = inputs.clone(), targets.clone()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):  # records the step; it runs at the replay below
-                static_out = self.step(static_in, static_tg)
+            # No automatic garbage collection inside the capture: a collection there can free
+            # an unreachable CUDA graph (a dropped TrainStep and its _StepGraphs form a
+            # reference cycle, freed only by the collector), and destroying a graph is not
+            # permitted while a stream captures: it invalidates this capture
+            # (cudaErrorStreamCaptureInvalidated: seen once on an H100, then reproduced there by
+            # collecting a dead captured step inside a capture). PyTorch no longer collects
+            # before a capture (torch.compiler.config.force_cudagraph_gc); garbage made in
+            # the meantime is collected after it.
+            gc_was_enabled = gc.isenabled()
+            gc.disable()
+            try:
+                with torch.cuda.graph(graph):  # records the step; it runs at the replay below
+                    static_out = self.step(static_in, static_tg)
+            finally:
+                if gc_was_enabled:
+                    gc.enable()
             self.graphs[key] = (graph, static_in, static_tg, static_out)
             self.seen.pop(key, None)
             while len(self.graphs) > self._MAX_GRAPHS:

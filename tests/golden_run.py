@@ -3,7 +3,10 @@ nothing (same config -> same model, bit for bit).
 
 ``run_server`` (the ServerApp's whole job) over the in-process grid of fedshard's own
 ClientApps, on small fake Fashion-MNIST files written from a fixed seed, with one torch thread
-(oneDNN's results can depend on the thread count). Prints ``{"name": sha256, ...}``; the hash
+(oneDNN's results can depend on the thread count) and torch's CPU kernels held to AVX2 (the
+pins were taken on AVX2 machines; on an AMD EPYC with AVX-512, 2026-11-27, ATen's and oneDNN's
+AVX-512 kernels rounded differently and all three hashes changed, with no code change; held
+to AVX2 there, all three matched). Prints ``{"name": sha256, ...}``; the hash
 is over the final ``model.pt`` (sorted keys, dtype, shape and raw bytes of every tensor).
 
 Usage: python tests/golden_run.py [NAME ...]
@@ -13,9 +16,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
+
+# Read by torch when it loads (before `import torch` below): ATen's vectorized CPU kernels and
+# oneDNN's convolutions/matmuls use AVX2 code even on an AVX-512 CPU.
+os.environ["ATEN_CPU_CAPABILITY"] = "avx2"
+os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX2"
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))

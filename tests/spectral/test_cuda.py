@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 from collections.abc import Iterator
 
 import pytest
@@ -186,8 +187,9 @@ def test_pooled_cuda_graphs_train_later_clients_like_their_own_graphs() -> None:
     differed by 1.1e-4 on conv1.weight of scale 0.35 (H200, 2026-11-27, float32, ω up to
     60), while it matched each client's own graphs to 1e-5. Padded eager makes the float32
     comparison tight, in the dtype clients train in. (A float64 version passed three of
-    four runs on an H100, 2026-11-27; in the first, on a cold machine, one capture failed
-    with cudaErrorStreamCaptureInvalidated, not seen again.) A graph that replayed a stale
+    four runs on an H100, 2026-11-27; in the first, one capture failed with
+    cudaErrorStreamCaptureInvalidated: a garbage collection inside the capture destroyed an
+    earlier test's dead graph, see ``test_no_garbage_collection_runs_inside_a_real_capture``.) A graph that replayed a stale
     batch, another client's ω or a missed update would move the weights by ~lr * grad,
     1e-3 and more."""
     cfg = dataclasses.replace(CFG, device="cuda", epochs=2, cuda_graph=True)
@@ -222,3 +224,24 @@ def test_pooled_cuda_graphs_train_later_clients_like_their_own_graphs() -> None:
     assert entry.uses == 3 and entry.step._graphs is not None
     # _MAX_GRAPHS = 3: the full batch and the two latest short ones (4 was dropped)
     assert sorted(key[0][0] for key in entry.step._graphs.graphs) == [5, 6, 8]
+
+
+def test_no_garbage_collection_runs_inside_a_real_capture() -> None:
+    """The capture runs with Python's collector off (``tests/spectral/test_step_graphs.py``
+    checks the logic on the CPU): a collection there can free an unreachable CUDA graph
+    (a dropped step's), and destroying a graph while a stream captures invalidates the capture
+    (cudaErrorStreamCaptureInvalidated: seen once on an H100 in a float64 version of the
+    pooled test, then reproduced there at will by collecting a dead captured step inside
+    another step's capture; the same collection without a dead graph captured fine)."""
+    model = _submodel()
+    seen: list[bool] = []
+
+    def record(module: nn.Module, args: object) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            seen.append(gc.isenabled())
+
+    model.register_forward_pre_hook(record)
+    cfg = dataclasses.replace(CFG, device="cuda", cuda_graph=True, reuse_step=False)
+    train(model, _loader(), cfg)  # 3 batches of 8: warm-up, capture, replay
+    assert seen == [False]
+    assert gc.isenabled()

@@ -10,6 +10,10 @@ History of the pins:
   literally, and the fused one agree to 1e-12 relative in float64. The split alone and the
   split + fused step give the same hashes as the fused step alone on the old layout.
 
+* 2026-11-27: the CI machine had AVX-512 and all three changed with no code change (torch's
+  AVX-512 kernels round differently); ``golden_run.py`` now holds torch's CPU kernels to AVX2,
+  the ISA the pins were taken with, and all three match again (no re-pin).
+
 A change that claims to change nothing must keep them; a change that is meant to change the
 numbers re-pins them in its own commit and says why (with its own proof of equivalence).
 """
@@ -17,9 +21,12 @@ numbers re-pins them in its own commit and says why (with its own proof of equiv
 from __future__ import annotations
 
 import json
+import platform
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 GOLDEN = {
     "mlp-collective": "c8ded9408b021d08948930b4c10669e650bd2db058ff3ec20eea0195fca1f350",
@@ -28,6 +35,16 @@ GOLDEN = {
 }
 
 
+def _has_avx2() -> bool:
+    try:
+        return platform.machine() in ("x86_64", "AMD64") and " avx2" in Path(
+            "/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_avx2(), reason="the pins are of torch's AVX2 CPU kernels "
+                    "(x86-64); other CPUs round differently")
 def test_fixed_runs_give_the_pinned_models_bit_for_bit() -> None:
     script = Path(__file__).resolve().parents[1] / "golden_run.py"
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,

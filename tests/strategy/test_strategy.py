@@ -259,6 +259,18 @@ def _wrong_dtype(reply: Message) -> Message:
     return reply
 
 
+def _truncated(reply: Message) -> Message:
+    a = reply.content[P.ARRAYS]["body.u"]  # right header, one byte of data missing
+    reply.content[P.ARRAYS]["body.u"] = Array(a.dtype, tuple(a.shape), a.stype, a.data[:-1])
+    return reply
+
+
+def _foreign_stype(reply: Message) -> Message:
+    a = reply.content[P.ARRAYS]["body.u"]
+    reply.content[P.ARRAYS]["body.u"] = Array(a.dtype, tuple(a.shape), "torch.Tensor", a.data)
+    return reply
+
+
 def _zero_examples(reply: Message) -> Message:
     reply.content[P.METRICS][P.NUM_EXAMPLES] = 0
     return reply
@@ -276,6 +288,8 @@ TAMPERS = {
     "missing-key": (_missing_key, "bad-keys"),
     "extra-key": (_extra_key, "bad-keys"),
     "wrong-dtype": (_wrong_dtype, "bad-dtype"),
+    "truncated": (_truncated, "bad-array"),
+    "foreign-stype": (_foreign_stype, "bad-array"),
     "zero-examples": (_zero_examples, "bad-num-examples"),
     "no-metrics": (_no_metrics, "missing-record"),
 }

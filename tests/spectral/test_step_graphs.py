@@ -1,0 +1,99 @@
+"""The CUDA-graph step's capture logic on the CPU, with the CUDA calls replaced by fakes
+(``tests/spectral/test_cuda.py`` runs the real thing on a GPU)."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from fedshard.step import _StepGraphs
+
+
+class _Capture:
+    active = False
+
+
+class _FakeGraph:
+    def __init__(self) -> None:
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+
+
+class _FakeStream:
+    def wait_stream(self, other: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _fake_capture(graph: _FakeGraph) -> Iterator[None]:
+    _Capture.active = True
+    try:
+        yield
+    finally:
+        _Capture.active = False
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", _fake_capture)
+
+
+def _recording_step(seen: list[tuple[bool, bool]], fail_in_capture: bool = False):
+    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        seen.append((_Capture.active, gc.isenabled()))
+        if fail_in_capture and _Capture.active:
+            raise RuntimeError("CUDA error: operation failed due to a previous error "
+                               "during capture")
+        return x.sum(), y.sum(), torch.tensor(len(y))
+    return step
+
+
+def test_no_automatic_garbage_collection_inside_a_capture(fake_cuda: None) -> None:
+    """A collection inside a capture can destroy an unreachable CUDA graph, which invalidates
+    the capture: the warm-up step runs with the collector on, the captured one with it off,
+    replays do not run the step, and the collector is on again after each call."""
+    assert gc.isenabled()
+    seen: list[tuple[bool, bool]] = []
+    graphs = _StepGraphs(_recording_step(seen))
+    x, y = torch.ones(4, 3), torch.zeros(4, dtype=torch.long)
+    for _ in range(4):
+        graphs(x, y)
+        assert gc.isenabled()
+    assert seen == [(False, True), (True, False)]  # warm-up, capture; then two replays
+    (graph, *_), = graphs.graphs.values()
+    assert graph.replays == 3
+
+
+def test_a_failed_capture_turns_the_collector_back_on(fake_cuda: None) -> None:
+    seen: list[tuple[bool, bool]] = []
+    graphs = _StepGraphs(_recording_step(seen, fail_in_capture=True))
+    x, y = torch.ones(2, 3), torch.zeros(2, dtype=torch.long)
+    graphs(x, y)
+    with pytest.raises(RuntimeError, match="during capture"):
+        graphs(x, y)
+    assert gc.isenabled() and seen == [(False, True), (True, False)]
+    assert not graphs.graphs  # nothing half-captured is kept
+
+
+def test_a_collector_the_caller_turned_off_stays_off(fake_cuda: None) -> None:
+    seen: list[tuple[bool, bool]] = []
+    graphs = _StepGraphs(_recording_step(seen))
+    x, y = torch.ones(2, 3), torch.zeros(2, dtype=torch.long)
+    gc.disable()
+    try:
+        graphs(x, y)
+        graphs(x, y)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    assert seen == [(False, False), (True, False)]
