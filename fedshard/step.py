@@ -8,6 +8,7 @@ the step replayed from a CUDA graph (Sec. 3.3).
 from __future__ import annotations
 
 import gc
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -119,6 +120,21 @@ class TrainStep:
             # 5.78 ms at r = 0.1; 2.34 against 2.81 dense).
             self._loss = torch.compile(self._loss_eager)
 
+    def release_graphs(self) -> None:
+        """Free the captured CUDA graphs and their memory pools now (a later call captures
+        again). A dropped step is freed only by Python's garbage collector, at a time of its
+        choosing (its bound methods form reference cycles), with up to ``_MAX_GRAPHS`` graphs'
+        memory each; so whoever drops a graphed step releases them, and ``with TrainStep(...)``
+        does it on exit."""
+        if self._graphs is not None:
+            self._graphs.clear()
+
+    def __enter__(self) -> TrainStep:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release_graphs()
+
     def __call__(
         self, inputs: torch.Tensor, targets: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -154,6 +170,13 @@ class TrainStep:
         self.optimizer.step()
 
 
+#: Held while a thread captures a CUDA graph and while graphs are released: destroying a graph
+#: while another thread's stream captures would invalidate that capture (CUDA's default,
+#: global capture mode), and captures in two threads at once would interleave their
+#: gc.disable()/enable().
+_CAPTURE_LOCK = threading.Lock()
+
+
 class _StepGraphs:
     """A training step replayed from CUDA graphs, one per batch shape (PyTorch's whole-network
     capture recipe): ``_WARMUP`` eager steps of a shape on a side stream (they are real
@@ -176,6 +199,13 @@ class _StepGraphs:
         self.graphs: OrderedDict[tuple[Any, ...], tuple[Any, torch.Tensor, torch.Tensor,
                                                         tuple[torch.Tensor, ...]]] = OrderedDict()
 
+    def clear(self) -> None:
+        """Drop every graph (each is destroyed with its last reference, here: not while
+        another thread captures, see :data:`_CAPTURE_LOCK`)."""
+        with _CAPTURE_LOCK:
+            self.graphs.clear()
+            self.seen.clear()
+
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         key = (tuple(inputs.shape), inputs.dtype, tuple(targets.shape), targets.dtype)
@@ -197,19 +227,21 @@ class _StepGraphs:
             # (cudaErrorStreamCaptureInvalidated: seen once on an H100, then reproduced there by
             # collecting a dead captured step inside a capture). PyTorch no longer collects
             # before a capture (torch.compiler.config.force_cudagraph_gc); garbage made in
-            # the meantime is collected after it.
-            gc_was_enabled = gc.isenabled()
-            gc.disable()
-            try:
-                with torch.cuda.graph(graph):  # records the step; it runs at the replay below
-                    static_out = self.step(static_in, static_tg)
-            finally:
-                if gc_was_enabled:
-                    gc.enable()
-            self.graphs[key] = (graph, static_in, static_tg, static_out)
-            self.seen.pop(key, None)
-            while len(self.graphs) > self._MAX_GRAPHS:
-                self.graphs.popitem(last=False)
+            # the meantime is collected after it. The lock keeps other threads' captures and
+            # graph releases (clear) out, and with them a second gc.disable/enable.
+            with _CAPTURE_LOCK:
+                gc_was_enabled = gc.isenabled()
+                gc.disable()
+                try:
+                    with torch.cuda.graph(graph):  # records the step; runs at the replay below
+                        static_out = self.step(static_in, static_tg)
+                finally:
+                    if gc_was_enabled:
+                        gc.enable()
+                self.graphs[key] = (graph, static_in, static_tg, static_out)
+                self.seen.pop(key, None)
+                while len(self.graphs) > self._MAX_GRAPHS:
+                    self.graphs.popitem(last=False)  # destroyed here, inside the lock
         self.graphs.move_to_end(key)
         graph, static_in, static_tg, static_out = self.graphs[key]
         static_in.copy_(inputs)

@@ -123,9 +123,19 @@ class StepPool:
         return len(self._entries)
 
     def clear(self) -> None:
-        """Drop every entry (their graphs and model copies are freed with them)."""
+        """Drop every entry (their graphs are freed here; see :meth:`_drop`)."""
         with self._lock:
-            self._entries.clear()
+            for key in list(self._entries):
+                self._drop(key)
+
+    def _drop(self, key: tuple[Any, ...]) -> None:
+        """Remove an entry (with the lock held) and, unless a thread is training on it, free
+        its graphs now: the entry's step is otherwise freed only by the garbage collector
+        (:meth:`TrainStep.release_graphs`), and in a simulation an entry is replaced every
+        round (the learning rate changes)."""
+        entry = self._entries.pop(key)
+        if not entry.busy:
+            entry.step.release_graphs()
 
     @contextmanager
     def lease(self, model: nn.Module, cfg: TrainConfig) -> Iterator[TrainStep]:
@@ -147,7 +157,8 @@ class StepPool:
                     self._entries.move_to_end(key)
                     entry.busy = True
         if key is None:
-            yield TrainStep(model, cfg)
+            with TrainStep(model, cfg) as step:
+                yield step
             return
         if entry is None:
             entry = _Entry(model, cfg)
@@ -157,13 +168,13 @@ class StepPool:
                 # schedule), which will not come back; free its graphs now
                 for old_key in [k for k, e in self._entries.items()
                                 if k[:-1] == key[:-1] and not e.busy]:
-                    del self._entries[old_key]
+                    self._drop(old_key)
                 self._entries[key] = entry
                 while len(self._entries) > self.size:
                     old_key, old = next(iter(self._entries.items()))
                     if old.busy:
                         break
-                    del self._entries[old_key]
+                    self._drop(old_key)
             loaded = True  # the copy starts as model: nothing to load
         else:
             loaded = False
@@ -184,7 +195,7 @@ class StepPool:
                 entry.busy = False
                 entry.uses += 1
                 if not ok and self._entries.get(key) is entry:
-                    del self._entries[key]
+                    self._drop(key)
 
 
 @torch.no_grad()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -86,7 +86,7 @@ def train(model: nn.Module, loader: DataLoader[Any] | TensorBatches,
         model.to(memory_format=torch.channels_last)
     model.train()
     reuse = cfg.cuda_graph if cfg.reuse_step is None else cfg.reuse_step
-    with STEP_POOL.lease(model, cfg) if reuse else nullcontext(TrainStep(model, cfg)) as step:
+    with STEP_POOL.lease(model, cfg) if reuse else TrainStep(model, cfg) as step:
         return _train_loop(step, loader, cfg, device)
 
 

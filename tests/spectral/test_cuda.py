@@ -189,9 +189,9 @@ def test_pooled_cuda_graphs_train_later_clients_like_their_own_graphs() -> None:
     comparison tight, in the dtype clients train in. (A float64 version passed three of
     four runs on an H100, 2026-11-27; in the first, one capture failed with
     cudaErrorStreamCaptureInvalidated: a garbage collection inside the capture destroyed an
-    earlier test's dead graph, see ``test_no_garbage_collection_runs_inside_a_real_capture``.) A graph that replayed a stale
-    batch, another client's ω or a missed update would move the weights by ~lr * grad,
-    1e-3 and more."""
+    earlier test's dead graph, see ``test_no_garbage_collection_runs_inside_a_real_capture``.)
+    A graph that replayed a stale batch, another client's ω or a missed update would move
+    the weights by ~lr * grad, 1e-3 and more."""
     cfg = dataclasses.replace(CFG, device="cuda", epochs=2, cuda_graph=True)
     saved = torch.backends.cudnn.deterministic
     torch.backends.cudnn.deterministic = True

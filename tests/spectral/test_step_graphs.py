@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import weakref
 from collections.abc import Iterator
 
 import pytest
 import torch
+from torch import nn
 
-from fedshard.step import _StepGraphs
+from fedshard.step import TrainStep, _StepGraphs
+from fedshard.train_config import TrainConfig
 
 
 class _Capture:
@@ -97,3 +100,38 @@ def test_a_collector_the_caller_turned_off_stays_off(fake_cuda: None) -> None:
     finally:
         gc.enable()
     assert seen == [(False, False), (True, False)]
+
+
+def _captured(graphs: _StepGraphs) -> _FakeGraph:
+    x, y = torch.ones(2, 3), torch.zeros(2, dtype=torch.long)
+    graphs(x, y)  # warm-up
+    graphs(x, y)  # capture
+    (graph, *_), = graphs.graphs.values()
+    return graph
+
+
+def test_clear_destroys_the_graphs_at_once(fake_cuda: None) -> None:
+    """Not at the collector's next pass: with the collector off, the graph is gone on clear()."""
+    graphs = _StepGraphs(_recording_step([]))
+    ref = weakref.ref(_captured(graphs))
+    gc.disable()
+    try:
+        assert ref() is not None
+        graphs.clear()
+        assert ref() is None and not graphs.seen
+    finally:
+        gc.enable()
+
+
+def test_a_train_step_releases_its_graphs_when_its_with_block_ends(fake_cuda: None) -> None:
+    """``with TrainStep(...)`` (what ``train`` does for an unpooled step) frees the graphs on
+    exit, although the step itself, a reference cycle, waits for the collector."""
+    model = nn.Sequential(nn.Linear(3, 2))
+    with TrainStep(model, TrainConfig(log_every_epoch=False)) as step:
+        step._graphs = _StepGraphs(step._eager_step)  # what cuda_graph=True builds on a GPU
+        ref = weakref.ref(_captured(step._graphs))
+        gc.disable()
+    try:
+        assert ref() is None
+    finally:
+        gc.enable()

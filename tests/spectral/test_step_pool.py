@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fedshard.spectral import SpectralConv2d, SpectralLinear
 from fedshard.step_pool import StepPool, model_signature
-from fedshard.training import STEP_POOL, TrainConfig, train
+from fedshard.training import STEP_POOL, TrainConfig, TrainStep, train
 
 D = torch.float64
 
@@ -247,3 +247,53 @@ def test_a_pooled_cuda_graph_still_needs_a_cuda_device() -> None:
 def test_reuse_step_is_validated() -> None:
     with pytest.raises(ValueError, match=r"TrainConfig.reuse_step='yes': expected True, False"):
         TrainConfig(reuse_step="yes")  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def released(monkeypatch: pytest.MonkeyPatch) -> list[TrainStep]:
+    """The steps whose graphs were released (TrainStep.release_graphs), in order."""
+    seen: list[TrainStep] = []
+    original = TrainStep.release_graphs
+
+    def record(self: TrainStep) -> None:
+        seen.append(self)
+        original(self)
+
+    monkeypatch.setattr(TrainStep, "release_graphs", record)
+    return seen
+
+
+def test_every_entry_the_pool_drops_has_its_graphs_released(released: list[TrainStep]) -> None:
+    """A dropped entry's step is a reference cycle that only the garbage collector frees, so
+    the pool frees its graphs when it drops it: replaced by the next round's learning rate,
+    evicted as least recently used, dropped after a failed training, or cleared."""
+    pool = StepPool(size=2)
+    batch = (torch.randn(2, 3, 6, 6, dtype=D), torch.tensor([0, 1]))
+
+    def use(model: nn.Module, cfg: TrainConfig) -> TrainStep:
+        with pool.lease(model, cfg) as step:
+            step(*batch)
+        return step
+
+    first = use(_client_model(0), CFG)
+    assert released == []
+    second = use(_client_model(0), dataclasses.replace(CFG, lr=0.01))  # next round's lr
+    assert released == [first]
+    third = use(_client_model(0, omega=(1.0,)), CFG)
+    fourth = use(_client_model(0, omega=(1.0, 2.0)), CFG)  # size 2: `second` is evicted
+    assert released == [first, second]
+    with pytest.raises(RuntimeError, match="boom"), pool.lease(_client_model(0, (1.0,)), CFG):
+        raise RuntimeError("boom")  # a failed training drops its entry
+    assert released == [first, second, third]
+    pool.clear()
+    assert released == [first, second, third, fourth] and len(pool) == 0
+
+
+def test_steps_outside_the_pool_release_their_graphs_too(released: list[TrainStep]) -> None:
+    pool = StepPool()
+    a, b = _client_model(0), _client_model(1)
+    with pool.lease(a, CFG) as outer, pool.lease(b, CFG) as inner:
+        pass
+    assert released == [inner]  # the fresh step of the busy entry's second caller
+    train(_client_model(2), _loader(2), dataclasses.replace(CFG, reuse_step=False, epochs=1))
+    assert len(released) == 2 and released[1] is not outer  # train's own fresh step
