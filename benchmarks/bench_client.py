@@ -298,6 +298,9 @@ def main() -> None:
     ap.add_argument("--pad-terms", action="store_true",
                     help="also time TrainConfig.pad_terms' other choice: eager padded to 8, "
                          "graph unpadded")
+    ap.add_argument("--merge-terms", action="store_true",
+                    help="also time TrainConfig.merge_terms (one dense conv of U diag(ω) Vᵀ "
+                         "per sharded conv): eager, and graphed with --cuda-graph")
     ap.add_argument("--kernels", type=int, default=0,
                     help="with --quick: profile one eager step per model, list its N costliest "
                          "kernels and count all of them")
@@ -334,6 +337,11 @@ def main() -> None:
         if args.cuda_graph:
             modes["graph_unpadded"] = (TrainStep, dataclasses.replace(modes["graph"][1],
                                                                       pad_terms=1))
+    if args.merge_terms:
+        modes["merged"] = (TrainStep, dataclasses.replace(cfg, merge_terms=True))
+        if args.cuda_graph:
+            modes["graph_merged"] = (TrainStep, dataclasses.replace(modes["graph"][1],
+                                                                    merge_terms=True))
     steps = {
         f"{mode}/{key}": make(prepare(m, c), c)
         for mode, (make, c) in modes.items() for key, m in models.items()
@@ -353,7 +361,7 @@ def main() -> None:
                 if key != "dense":
                     quick[f"{prefix}step_time_ratio_{key}"] = round(
                         step_ms[mode][key] / step_ms[mode]["dense"], 4)
-        for mode in ("graph", "compiled_graph"):  # against the eager dense step
+        for mode in ("graph", "compiled_graph", "graph_merged"):  # against eager dense
             if mode in modes:
                 for key in configs:
                     if key != "dense":

@@ -109,6 +109,9 @@ def main() -> None:
     ap.add_argument("--data-loader", action="store_true",
                     help="clients read their data through a DataLoader, not held on the "
                          "device (the baseline of TensorBatches; both ways)")
+    ap.add_argument("--merge-terms", action="store_true",
+                    help="clients train each sharded conv as one dense conv of U diag(ω) Vᵀ "
+                         "(TrainConfig.merge_terms; both ways)")
     args = ap.parse_args()
     if args.graph_warmup is not None:
         import fedshard.step as step_module
@@ -133,7 +136,8 @@ def main() -> None:
 
     template = model()
     options = {"cuda_graph": args.cuda_graph, "compile": args.compile,
-               "reuse_step": False if args.no_reuse_step else None}
+               "reuse_step": False if args.no_reuse_step else None,
+               "merge_terms": args.merge_terms}
     client_s: dict[int, float] = {}
 
     def client(msg: Message, context: Context) -> Message:
@@ -215,6 +219,7 @@ def main() -> None:
                   "method": "collective", "cuda_graph": args.cuda_graph,
                   "compile": args.compile, "graph_warmup": args.graph_warmup,
                   "reuse_step": args.cuda_graph and not args.no_reuse_step,
+                  "merge_terms": args.merge_terms,
                   "data": "data-loader" if args.data_loader else "tensor-batches"},
         "round_s": [round(x, 3) for x in rounds],
         "clients_s": [round(client_s.get(2 * i + 1, float("nan")), 3)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check of the project in one run (the device machine has torch but no flwr/Ray):
-# the CUDA tests; bench_simulation.py at full size, graphed with the step pool, graphed with a
-# step per client (its baseline), graphed with DataLoaders (the baseline of TensorBatches),
+# the CUDA tests; bench_simulation.py at full size, graphed with the step pool, the same with
+# merge-terms, graphed with a step per client (its baseline), graphed with DataLoaders (the baseline of TensorBatches),
 # compiled + graphed; bench_batches.py (data held on the GPU vs a DataLoader); bench_client.py with the whole-step
 # CUDA graph, then compiled;
 # and the pre-fused-step bench_client.py
@@ -43,12 +43,13 @@ run cuda_tests 200 python3 -m pytest -q -rf --tb=short -o log_level=WARNING -p n
   --deselect tests/spectral/test_step_pool.py::test_pooled_compiled_step_trains_later_clients_like_eager \
   tests/spectral/test_cuda.py tests/spectral/test_spectral_device.py tests/spectral/test_step_pool.py tests/client/test_tensor_batches.py
 run bench_simulation_graph 60 python3 benchmarks/bench_simulation.py --device cuda --rounds 3 --cuda-graph
+run bench_simulation_graph_merged 60 python3 benchmarks/bench_simulation.py --device cuda --rounds 3 --cuda-graph --merge-terms
 run bench_simulation_graph_fresh 60 python3 benchmarks/bench_simulation.py --device cuda --rounds 3 --cuda-graph --no-reuse-step
 run bench_simulation_graph_loader 60 python3 benchmarks/bench_simulation.py --device cuda --rounds 3 --cuda-graph --data-loader
 run bench_batches 60 python3 benchmarks/bench_batches.py --device cuda --train --repeats 5
 run bench_simulation_compile_graph 90 python3 benchmarks/bench_simulation.py --device cuda --rounds 3 --cuda-graph --compile
 run bench_receive 60 python3 benchmarks/bench_receive.py --repeats 5
-run bench_client_eager_graph 80 python3 benchmarks/bench_client.py --device cuda --quick --cuda-graph --pad-terms --ratios 0.1 1.0 --steps 20 --repeats 10 --warmup 5 --kernels 12
+run bench_client_eager_graph 80 python3 benchmarks/bench_client.py --device cuda --quick --cuda-graph --pad-terms --merge-terms --ratios 0.1 1.0 --steps 20 --repeats 10 --warmup 5 --kernels 12
 run bench_client_compile 150 python3 benchmarks/bench_client.py --device cuda --quick --compile --cuda-graph --ratios 0.1 --steps 20 --repeats 10 --warmup 5
 if [ -d .gpu/old ] && [ -n "${OLD:-}" ]; then cd .gpu/old
   run bench_client_old 50 python3 benchmarks/bench_client.py --device cuda --ratios 0.1 1.0 --steps 10 --repeats 5

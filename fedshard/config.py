@@ -101,6 +101,7 @@ class RunConfig:
     client_device: str = "auto"
     compile: bool = False
     cuda_graph: bool = False
+    merge_terms: bool = False
     server_device: str = "auto"
     overwrite: bool = False
     max_update_ratio: float = 10.0

@@ -102,6 +102,7 @@ class TrainStep:
         for m in model.modules():
             if isinstance(m, SpectralConv2d):
                 m.pad_terms_to = pad
+                m.merge_terms = cfg.merge_terms
         if cfg.cuda_graph:
             if not all(p.is_cuda for p in self._params):
                 raise ValueError(

@@ -80,7 +80,7 @@ def model_signature(model: nn.Module, cfg: TrainConfig) -> tuple[Any, ...] | Non
         for name, t in named)
     settings = (cfg.lr, cfg.momentum, cfg.frobenius_decay, cfg.clip_tau, cfg.weight_decay,
                 str(torch.device(cfg.device)), cfg.channels_last, cfg.compile, cfg.cuda_graph,
-                cfg.max_grad_norm, cfg.pad_terms)
+                cfg.max_grad_norm, cfg.pad_terms, cfg.merge_terms)
     return (tuple(modules), tensors, repr(model), settings)
 
 

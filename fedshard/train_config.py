@@ -78,6 +78,13 @@ class TrainConfig:
         on with ``cuda_graph``, off otherwise (an eager step has little to reuse). Turn it
         off for a model whose forward depends on state the pool cannot see (it compares
         modules, tensor shapes, plain attributes and ``repr``; hooks disable pooling).
+    merge_terms : bool
+        Train every :class:`~fedshard.spectral.SpectralConv2d` as one dense convolution
+        whose kernel ``U diag(ω) Vᵀ`` is rebuilt each step (``merge_terms`` there), instead
+        of a k×k convolution to ``n`` channels and a 1×1 one. The same function and
+        gradients up to rounding; fewer kernels, the dense model's convolution FLOPs. For
+        steps bound by kernel launches or latency (small sub-models on a GPU); on this
+        project's CPU it is slower (the FLOPs count there).
 
     Raises
     ------
@@ -102,6 +109,7 @@ class TrainConfig:
     target_key: str | None = None
     pad_terms: int | None = None
     reuse_step: bool | None = None
+    merge_terms: bool = False
 
     def __post_init__(self) -> None:
         def bad(field: str, value: object, expected: str) -> ValueError:
@@ -137,6 +145,8 @@ class TrainConfig:
             or self.pad_terms < 1
         ):
             raise bad("pad_terms", self.pad_terms, "an int >= 1 (1: no padding) or None (auto)")
+        if not isinstance(self.merge_terms, bool):
+            raise bad("merge_terms", self.merge_terms, "a bool")
         if self.reuse_step is not None and not isinstance(self.reuse_step, bool):
             raise bad("reuse_step", self.reuse_step, "True, False or None (auto)")
         try:

@@ -118,10 +118,24 @@ class SpectralConv2d(SpectralLayer):
     #: the real ``n`` columns are parameters, so what is trained and sent is unchanged.
     pad_terms_to: int = 1
 
+    #: Run one dense k×k convolution with the kernel ``U diag(ω) Vᵀ`` built each step instead of
+    #: the two thin ones (:class:`~fedshard.training.TrainStep` sets it from
+    #: ``TrainConfig.merge_terms``): the same map and gradients of ``u``, ``v`` (autograd
+    #: through the product), fewer and larger kernels (a step bound by kernel launches or
+    #: latency, as a small sub-model's on a GPU) for the dense FLOPs.
+    merge_terms: bool = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the layer to ``x`` of shape ``(B, in_channels, H, W)``."""
         v: torch.Tensor = self.v
         u = self.u * self.omega  # ω folded into the 1x1 conv's (c_out, n) weight
+        if self.merge_terms:
+            # (c_out, n) @ (n, c_in·k_h·k_w), reshaped as decompose() flattens W
+            weight = (u @ v.mT).reshape(u.shape[0], self.in_channels, *self.kernel_size)
+            if self.padding_mode == "zeros":
+                return F.conv2d(x, weight, self.bias, self.stride, self.padding, self.dilation)
+            padded = F.pad(x, self._pad, mode=self.padding_mode)
+            return F.conv2d(padded, weight, self.bias, self.stride, 0, self.dilation)
         rank = self.rank
         pad = -rank % self.pad_terms_to
         if pad:

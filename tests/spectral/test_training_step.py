@@ -414,3 +414,43 @@ def test_zero_term_padding_trains_the_same_factors() -> None:
     assert got.loss == pytest.approx(want.loss, rel=1e-12)
     with pytest.raises(ValueError, match=r"TrainConfig.pad_terms=0: expected an int >= 1"):
         TrainConfig(pad_terms=0)
+
+
+@pytest.mark.parametrize("padding_mode, stride, dilation", [("zeros", 1, 1), ("reflect", 2, 1),
+                                                            ("zeros", 1, 2)])
+def test_merged_terms_compute_the_dense_layer(padding_mode: str, stride: int,
+                                              dilation: int) -> None:
+    """``merge_terms`` (one convolution with U diag(ω) Vᵀ) against the dense layer it stands
+    for (``to_dense``) and against the two thin convolutions, in float64."""
+    g = _gen(9)
+    d = torch.float64
+    conv = SpectralConv2d(
+        torch.randn(4, 5, generator=g, dtype=d), torch.randn(3 * 9, 5, generator=g, dtype=d),
+        torch.tensor([1.0, 3.0, 8.0, 15.0, 30.0], dtype=d), torch.randn(4, generator=g, dtype=d),
+        in_channels=3, kernel_size=3, padding=1, stride=stride, dilation=dilation,
+        padding_mode=padding_mode,
+    )
+    x = torch.randn(2, 3, 9, 9, generator=g, dtype=d)
+    two = conv(x)
+    conv.merge_terms = True
+    merged = conv(x)
+    torch.testing.assert_close(merged, conv.to_dense()(x), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(merged, two, rtol=1e-12, atol=1e-12)
+
+
+def test_merged_terms_train_the_same_factors() -> None:
+    """TrainConfig.merge_terms for a whole local training (Frobenius decay, ClipLR with ω up
+    to 30, momentum): float64 factors as with the two thin convolutions."""
+    g = _gen(8)
+    data = TensorDataset(torch.randn(20, 3, 6, 6, generator=g, dtype=torch.float64),
+                         torch.randint(0, 3, (20,), generator=g))
+    cfg = TrainConfig(epochs=2, lr=0.01, frobenius_decay=1e-2, log_every_epoch=False)
+    plain, merged = _conv_model(), _conv_model()
+    want = train(plain, DataLoader(data, batch_size=8), cfg)
+    got = train(merged, DataLoader(data, batch_size=8), dataclasses.replace(cfg, merge_terms=True))
+    assert merged[0].merge_terms and not plain[0].merge_terms
+    assert merged[0].u.shape == (4, 5)  # still the n = 5 factors that are trained and sent
+    _assert_same(merged, plain)
+    assert got.loss == pytest.approx(want.loss, rel=1e-12)
+    with pytest.raises(ValueError, match=r"TrainConfig.merge_terms=1: expected a bool"):
+        TrainConfig(merge_terms=1)  # type: ignore[arg-type]
