@@ -31,6 +31,8 @@ def _node(context: Context) -> tuple[RunConfig, int, int]:
 def query(msg: Message, context: Context) -> Message:
     cfg, _, _ = _node(context)
     key = context.node_config.get("partition-id")  # stable across launches (node ids are not)
+    if isinstance(key, float):
+        key = str(key)  # what the reply carries anyway (capabilities_reply: str(node_key))
     return handle_query(msg, declared_keep_ratio(cfg, dict(context.node_config)), key)
 
 
