@@ -132,10 +132,7 @@ class SpectralConv2d(SpectralLayer):
         if self.merge_terms:
             # (c_out, n) @ (n, c_in·k_h·k_w), reshaped as decompose() flattens W
             weight = (u @ v.mT).reshape(u.shape[0], self.in_channels, *self.kernel_size)
-            if self.padding_mode == "zeros":
-                return F.conv2d(x, weight, self.bias, self.stride, self.padding, self.dilation)
-            padded = F.pad(x, self._pad, mode=self.padding_mode)
-            return F.conv2d(padded, weight, self.bias, self.stride, 0, self.dilation)
+            return self._spatial_conv(x, weight, self.bias)
         rank = self.rank
         pad = -rank % self.pad_terms_to
         if pad:
@@ -143,13 +140,17 @@ class SpectralConv2d(SpectralLayer):
             rank += pad
         # (n, c_in, k_h, k_w): row-major reshape matches W.reshape(c_out, -1) in decompose().
         kernel = v.mT.reshape(rank, self.in_channels, *self.kernel_size)
-        if self.padding_mode == "zeros":
-            hidden = F.conv2d(x, kernel, None, self.stride, self.padding, self.dilation)
-        else:
-            padded = F.pad(x, self._pad, mode=self.padding_mode)
-            hidden = F.conv2d(padded, kernel, None, self.stride, 0, self.dilation)
+        hidden = self._spatial_conv(x, kernel, None)
         # hidden: (B, n, H', W'); 1x1 conv with U diag(ω): (c_out, n, 1, 1).
         return F.conv2d(hidden, u[:, :, None, None], self.bias)
+
+    def _spatial_conv(self, x: torch.Tensor, kernel: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+        """The layer's k×k convolution (stride, padding and its mode, dilation) with ``kernel``."""
+        if self.padding_mode == "zeros":
+            return F.conv2d(x, kernel, bias, self.stride, self.padding, self.dilation)
+        padded = F.pad(x, self._pad, mode=self.padding_mode)
+        return F.conv2d(padded, kernel, bias, self.stride, 0, self.dilation)
 
     dense_type = nn.Conv2d
     _other_types_hint = "transposed and 1-D/3-D convolutions are not supported."

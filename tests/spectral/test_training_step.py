@@ -398,22 +398,30 @@ def _conv_model() -> nn.Sequential:
     return nn.Sequential(conv, nn.ReLU(), nn.Flatten(), head)
 
 
-def test_zero_term_padding_trains_the_same_factors() -> None:
-    """TrainConfig.pad_terms=8 pads the 5-term conv to 8 channels for the whole local training
-    (Frobenius decay, ClipLR with ω up to 30, momentum): float64 factors as unpadded."""
+@pytest.mark.parametrize("option, value, error", [
+    ("pad_terms", 8, r"TrainConfig.pad_terms=0: expected an int >= 1"),
+    ("merge_terms", True, r"TrainConfig.merge_terms=0: expected a bool"),
+])
+def test_conv_layout_options_train_the_same_factors(option: str, value: object,
+                                                    error: str) -> None:
+    """TrainConfig.pad_terms=8 (the 5-term conv padded to 8 channels) and merge_terms (one
+    convolution with U diag(ω) Vᵀ) for a whole local training (Frobenius decay, ClipLR with ω
+    up to 30, momentum): float64 factors as the plain two thin convolutions give."""
     g = _gen(8)
     data = TensorDataset(torch.randn(20, 3, 6, 6, generator=g, dtype=torch.float64),
                          torch.randint(0, 3, (20,), generator=g))
     cfg = TrainConfig(epochs=2, lr=0.01, frobenius_decay=1e-2, log_every_epoch=False)
-    plain, padded = _conv_model(), _conv_model()
+    plain, other = _conv_model(), _conv_model()
     want = train(plain, DataLoader(data, batch_size=8), cfg)
-    got = train(padded, DataLoader(data, batch_size=8), dataclasses.replace(cfg, pad_terms=8))
-    assert padded[0].pad_terms_to == 8 and plain[0].pad_terms_to == 1  # CPU default: off
-    assert padded[0].u.shape == (4, 5)  # the parameters keep their n columns
-    _assert_same(padded, plain)
+    got = train(other, DataLoader(data, batch_size=8), dataclasses.replace(cfg, **{option: value}))
+    attribute = {"pad_terms": "pad_terms_to", "merge_terms": "merge_terms"}[option]
+    assert getattr(other[0], attribute) == value
+    assert (plain[0].pad_terms_to, plain[0].merge_terms) == (1, False)  # CPU default: off
+    assert other[0].u.shape == (4, 5)  # the parameters keep their n columns
+    _assert_same(other, plain)
     assert got.loss == pytest.approx(want.loss, rel=1e-12)
-    with pytest.raises(ValueError, match=r"TrainConfig.pad_terms=0: expected an int >= 1"):
-        TrainConfig(pad_terms=0)
+    with pytest.raises(ValueError, match=error):
+        TrainConfig(**{option: 0})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("padding_mode, stride, dilation", [("zeros", 1, 1), ("reflect", 2, 1),
@@ -436,21 +444,3 @@ def test_merged_terms_compute_the_dense_layer(padding_mode: str, stride: int,
     merged = conv(x)
     torch.testing.assert_close(merged, conv.to_dense()(x), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(merged, two, rtol=1e-12, atol=1e-12)
-
-
-def test_merged_terms_train_the_same_factors() -> None:
-    """TrainConfig.merge_terms for a whole local training (Frobenius decay, ClipLR with ω up
-    to 30, momentum): float64 factors as with the two thin convolutions."""
-    g = _gen(8)
-    data = TensorDataset(torch.randn(20, 3, 6, 6, generator=g, dtype=torch.float64),
-                         torch.randint(0, 3, (20,), generator=g))
-    cfg = TrainConfig(epochs=2, lr=0.01, frobenius_decay=1e-2, log_every_epoch=False)
-    plain, merged = _conv_model(), _conv_model()
-    want = train(plain, DataLoader(data, batch_size=8), cfg)
-    got = train(merged, DataLoader(data, batch_size=8), dataclasses.replace(cfg, merge_terms=True))
-    assert merged[0].merge_terms and not plain[0].merge_terms
-    assert merged[0].u.shape == (4, 5)  # still the n = 5 factors that are trained and sent
-    _assert_same(merged, plain)
-    assert got.loss == pytest.approx(want.loss, rel=1e-12)
-    with pytest.raises(ValueError, match=r"TrainConfig.merge_terms=1: expected a bool"):
-        TrainConfig(merge_terms=1)  # type: ignore[arg-type]
