@@ -6,9 +6,9 @@ from dataclasses import replace
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from fedshard.client import handle_evaluate, handle_query, handle_train
-from fedshard.config import RunConfig
-from fedshard.task import (
+from fedshard import handle_evaluate, handle_query, handle_train
+from fedshard.app.config import RunConfig
+from fedshard.app.task import (
     client_dataset,
     declared_keep_ratio,
     node_partition,

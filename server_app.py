@@ -3,8 +3,8 @@
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedshard.config import RunConfig
-from fedshard.experiment import run_server
+from fedshard.app.config import RunConfig
+from fedshard.app.run import run_server
 
 app = ServerApp()
 

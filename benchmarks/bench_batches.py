@@ -1,8 +1,8 @@
 """Batches held on the device (``TensorBatches``) vs a DataLoader, for a client and the server.
 
 fedshard's data sets (``ImageDataset``, ``ShakespeareDataset``) give all their examples at
-once (``example_tensors()``), so ``fedshard.batches.batches_for`` keeps them on the training
-device and takes every batch by indexing, in the order a shuffling DataLoader gives. The
+once (``example_tensors()``), so ``fedshard.client.train.batches_for`` keeps them on the
+training device and takes every batch by indexing, in the order a shuffling DataLoader gives. The
 baseline is that DataLoader: one ``__getitem__`` per example (per-image standardization),
 ``torch.stack`` per batch, one host-to-device copy per batch. Both ways side by side in this
 process, on the same device, median of ``--repeats``:
@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 from bench_simulation import NoTensors, cpu_name, sync  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from fedshard.batches import TensorBatches, batches_for, unpack_batch  # noqa: E402
+from fedshard.client.train.batches import TensorBatches, batches_for, unpack_batch  # noqa: E402
 from fedshard.data.images import ImageArrays, ImageDataset  # noqa: E402
 
 
@@ -78,11 +78,10 @@ def _train_round(args: argparse.Namespace, data: ImageDataset, device: str) -> d
     from flwr.clientapp import ClientApp
     from flwr.common import logger as flwr_logger
 
+    from fedshard import SpectralSharding, handle_query, receive
     from fedshard import protocol as P
-    from fedshard.client import handle_query, receive
+    from fedshard.client.train import train
     from fedshard.models import resnet18
-    from fedshard.strategy import SpectralSharding
-    from fedshard.training import train
 
     flwr_logger.update_console_handler(level=30)
     with torch.random.fork_rng(devices=[]):

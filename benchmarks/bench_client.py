@@ -5,8 +5,9 @@ every sharded layer, ω between 1 and 20 so that ClipLR does real work):
 
 * ``step_time_ratio_r{r}``: median time of one training step (forward + backward + SGD step,
   Frobenius decay and ClipLR included) over the dense model's (which has no factors: only its
-  loss and SGD). The step is :class:`fedshard.training.TrainStep`, the code path
-  :func:`fedshard.training.train` runs, called on batches already on the device; on CUDA each
+  loss and SGD). The step is :class:`fedshard.client.train.fast.TrainStep`, the code path
+  :func:`fedshard.client.train.train` runs, called on batches already on the device; on CUDA
+  each
   timed block of ``--steps`` steps is bracketed by ``torch.cuda.synchronize()``. All
   configurations live in this process, are warmed up, and are timed round-robin, so load from
   other processes hits them alike;
@@ -60,6 +61,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fedshard.client.train import TrainConfig, train
+from fedshard.client.train.fast import TrainStep
 from fedshard.models import resnet18
 from fedshard.spectral import (
     decompose,
@@ -67,13 +70,12 @@ from fedshard.spectral import (
     shard_model,
     sharded_layer_names,
 )
-from fedshard.training import TrainConfig, TrainStep, train
 
 
 def config(device: str, channels_last: bool, compile: bool = False,
            cuda_graph: bool = False) -> TrainConfig:
     return TrainConfig(
-        epochs=1, lr=0.01, log_every_epoch=False, seed=0, device=device,
+        local_epochs=1, lr=0.01, log_every_epoch=False, seed=0, device=device,
         channels_last=channels_last, compile=compile, cuda_graph=cuda_graph,
     )
 

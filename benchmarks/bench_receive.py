@@ -3,7 +3,7 @@
 Before: the ClientApp built the model for every message (random initialization of every
 weight, only to be overwritten by the server's) and ``build_submodel`` deep-copied all of it
 (the dense weights of the sharded layers too, only to replace them). Now: one model per
-process (``fedshard.task.template_model``), and ``build_submodel`` copies only what the
+process (``fedshard.app.task.template_model``), and ``build_submodel`` copies only what the
 sub-model keeps. Both ways side by side in this process on the same train message (ResNet-18
 GroupNorm width 64, CIFAR-shaped, r = 0.1, Collective), median of ``--repeats``.
 
@@ -35,11 +35,14 @@ from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.common import logger as flwr_logger  # noqa: E402
 from torch import nn  # noqa: E402
 
-import fedshard.shard as shard_module  # noqa: E402
-from fedshard.client import handle_query, receive  # noqa: E402
+import fedshard.client.shard as shard_module  # noqa: E402
+from fedshard import (  # noqa: E402
+    SpectralSharding,
+    handle_query,
+    receive,
+)
 from fedshard.models import resnet18  # noqa: E402
 from fedshard.spectral import LayerFactors, SpectralConv2d, SpectralLinear  # noqa: E402
-from fedshard.strategy import SpectralSharding  # noqa: E402
 
 
 def build_submodel_full_copy(model: nn.Module, factors: dict[str, LayerFactors]) -> nn.Module:

@@ -34,10 +34,13 @@ from flwr.app import ArrayRecord, Context, Message  # noqa: E402
 from flwr.common import logger as flwr_logger  # noqa: E402
 from torch.utils.data import TensorDataset  # noqa: E402
 
-from fedshard.client import handle_query, handle_train  # noqa: E402
+from fedshard import (  # noqa: E402
+    SpectralSharding,
+    handle_query,
+    handle_train,
+)
 from fedshard.models import mlp  # noqa: E402
 from fedshard.spectral import sharded_layer_names  # noqa: E402
-from fedshard.strategy import SpectralSharding  # noqa: E402
 
 IN, CLASSES, WIDTH = 32, 4, 64
 

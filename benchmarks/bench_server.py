@@ -36,11 +36,10 @@ from flwr.app import (
     RecordDict,
 )
 
+from fedshard import SpectralSharding, handle_query
 from fedshard import protocol as P
-from fedshard.client import handle_query
 from fedshard.models import resnet18
 from fedshard.spectral import sharded_layer_names
-from fedshard.strategy import SpectralSharding
 
 
 def echo_client(msg: Message, context: Context) -> Message:

@@ -9,10 +9,10 @@ same device:
 * **fedshard**: ``SpectralSharding.start`` on Flower's Message API over an in-process grid of
   real ClientApps (``tests/flower_grid.py``: every message deep-copied as if serialized; no
   Ray, so that this runs where only flwr is installed). Per round: node sampling, SVD, plan,
-  packing, client decoding + training (``fedshard.client.handle_train`` on ``--device``),
+  packing, client decoding + training (``fedshard.client.handlers.handle_train`` on ``--device``),
   reply checks, aggregation, rebuild of W (the server's work on ``--device`` too);
 * **bare loop**: the same 10 sub-models (decoded from the same round's messages) trained with
-  the same settings by ``fedshard.training.train`` in a plain Python loop.
+  the same settings by ``fedshard.client.train.loop.train`` in a plain Python loop.
 
 Prints one JSON object: ``s_per_round`` (median over rounds after the first), the projected
 wall time of a 1,000-round cell, ``bare_s_per_round`` and ``flower_overhead_ratio`` =
@@ -26,7 +26,7 @@ spent in the ClientApps' training handlers per round (the rest of ``round_s`` is
 and Flower). ``--no-reuse-step`` gives every client its own step (and CUDA graphs): the
 baseline of ``TrainConfig.reuse_step``, on by default with ``--cuda-graph``.
 ``--data-loader`` reads the clients' data through a DataLoader (both ways): the baseline of
-``fedshard.batches.TensorBatches``, which holds each client's examples on the device.
+``fedshard.client.train.batches.TensorBatches``, which holds each client's examples on the device.
 """
 
 from __future__ import annotations
@@ -52,13 +52,17 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message  # noqa: E402
 from flwr.common import logger as flwr_logger  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 
+from fedshard import (  # noqa: E402
+    SpectralSharding,
+    handle_query,
+    handle_train,
+)
 from fedshard import protocol as P  # noqa: E402
-from fedshard.batches import batches_for  # noqa: E402
-from fedshard.client import handle_query, handle_train, submodel_from_record  # noqa: E402
+from fedshard.client import submodel_from_record  # noqa: E402
+from fedshard.client.train import TrainConfig, train  # noqa: E402
+from fedshard.client.train.batches import batches_for  # noqa: E402
 from fedshard.data.images import ImageArrays, ImageDataset  # noqa: E402
 from fedshard.models import resnet18  # noqa: E402
-from fedshard.strategy import SpectralSharding  # noqa: E402
-from fedshard.training import TrainConfig, train  # noqa: E402
 
 
 def cpu_name() -> str:
@@ -102,7 +106,7 @@ def main() -> None:
                     help="clients compile forward/backward with torch.compile (both ways)")
     ap.add_argument("--graph-warmup", type=int, default=None,
                     help="eager steps per batch shape before a CUDA graph is captured "
-                         "(fedshard.step._StepGraphs._WARMUP; measurement only)")
+                         "(fedshard.client.train.fast.step._StepGraphs._WARMUP; measurement only)")
     ap.add_argument("--no-reuse-step", action="store_true",
                     help="every client builds (and captures) its own step: TrainConfig."
                          "reuse_step=False, the baseline of the step pool (both ways)")
@@ -114,7 +118,7 @@ def main() -> None:
                          "(TrainConfig.merge_terms; both ways)")
     args = ap.parse_args()
     if args.graph_warmup is not None:
-        import fedshard.step as step_module
+        import fedshard.client.train.fast.step as step_module
         step_module._StepGraphs._WARMUP = args.graph_warmup
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" \
         else args.device
@@ -145,7 +149,7 @@ def main() -> None:
         if msg.metadata.message_type == "query":
             return handle_query(msg, args.keep_ratio, pid)
         t0 = time.perf_counter()
-        # one model per process, as the ClientApp does (fedshard.task.template_model)
+        # one model per process, as the ClientApp does (fedshard.app.task.template_model)
         reply = handle_train(msg, template, data[pid], device=device, train_options=options)
         sync(device)
         key = len(marks)  # rounds started so far
@@ -198,7 +202,7 @@ def main() -> None:
             loader = batches_for(data[pid], s.batch_size, seed=s.train_seed, device=device)
             train(sub, loader, TrainConfig(
                 epochs=s.local_epochs, lr=s.lr, momentum=s.momentum,
-                frobenius_decay=s.frobenius_decay, clip_tau=s.clip_lr_tau,
+                frobenius_decay=s.frobenius_decay, clip_lr_tau=s.clip_lr_tau,
                 weight_decay=s.weight_decay, device=device, seed=s.train_seed,
                 log_every_epoch=False, **options))
         sync(device)

@@ -1,28 +1,22 @@
 """fedshard: spectral model sharding for federated learning.
 
-Layout (data flows one way: sampling → spectral → training → protocol/strategy → apps):
+Packages (data flows one way: sampling → spectral → client / server → app):
 
 - :mod:`fedshard.sampling` - inclusion probabilities, multipliers, sampling designs, the
-  annealed methods (``sampling.anneal``), the round's plan and the random streams (numpy only).
+  annealed methods, the round's plan and the random streams (numpy only).
 - :mod:`fedshard.spectral` - SVD, factorized layers, model surgery, per-term aggregation, rank
-  truncation (``spectral.truncation``: the low-rank start and the Top-n diagnostics).
-- :mod:`fedshard.optim`, :mod:`fedshard.batches` - ClipLR and Frobenius decay; batches.
-- :mod:`fedshard.training` - the client's local training step (eager, compiled, CUDA graph).
-- :mod:`fedshard.protocol` - the wire codec: record keys, train settings, shards, reply checks
+  truncation (torch only).
+- :mod:`fedshard.protocol` - the wire contract: record keys, train settings, shards, reply checks
   and bounds.
-- :mod:`fedshard.nodes` - waiting for nodes, their capabilities, seeded node sampling.
-- :mod:`fedshard.rounds` - one training round on the server (shard, check, aggregate).
-- :mod:`fedshard.reference` - the paper's post-gradient analysis (``fedavg-cosine``).
-- :mod:`fedshard.strategy` - the Flower strategy ``SpectralSharding`` (thin hooks).
-- :mod:`fedshard.client`, :mod:`fedshard.shard`, :mod:`fedshard.clientapp` - the client's
-  handlers, the received shard for your own loop, Flower glue.
-- :mod:`fedshard.privacy` - Flower's DP wrappers refused (they assume dense replies).
-- :mod:`fedshard.checkpoint`, :mod:`fedshard.results`, :mod:`fedshard.rundir` - run state.
-- :mod:`fedshard.schedule`, :mod:`fedshard.telemetry` - lr schedules, per-round metrics.
+- :mod:`fedshard.client` - the client: message handlers, the received shard for your own loop,
+  the ClientApp glue, and :mod:`fedshard.client.train` (the local-training recipe; the fast
+  path fenced in :mod:`fedshard.client.train.fast`).
+- :mod:`fedshard.server` - the Flower strategy :class:`SpectralSharding`, its rounds, nodes,
+  lr schedule, metrics, the FedAvg-cosine analysis and the DP guard.
 - :mod:`fedshard.models`, :mod:`fedshard.data` - the paper's models and data sets.
-- :mod:`fedshard.config` (with :mod:`fedshard.mixture`), :mod:`fedshard.task`,
-  :mod:`fedshard.experiment` - the apps' run config, client side and server side (the library
-  never imports them).
+- :mod:`fedshard.app` - fedshard's own Flower app (run config, task, the ServerApp's run,
+  checkpoints, result files); the library never imports it.
+- :mod:`fedshard.experiments` - suites of runs, their reports and plots (a command line tool).
 
 From the paper to the code:
 
@@ -38,14 +32,48 @@ Conditional Poisson sampling (CPS)      ``sampling.cps.ConditionalPoisson``
 Method → design, per group and layer    ``sampling.plan.draw_layer``, ``plan_round``
 ANME                                    ``sampling.entropy.anme``
 Factorized layer U·diag(ω)·Vᵀ           ``spectral.layers.SpectralLinear``, ``spectral.conv``
-Frobenius decay γ‖UΩVᵀ‖²_F (Sec. 3.3)   ``optim.frobenius_penalty``, ``optim.FrobeniusDecay``
-ClipLR min(1, τ/ω_i) (Sec. 3.3)         ``optim.ClipLR.column_scale``
+Frobenius decay γ‖UΩVᵀ‖²_F (Sec. 3.3)   ``client.train.optim.frobenius_penalty``, ``FrobeniusDecay``
+ClipLR min(1, τ/ω_i) (Sec. 3.3)         ``client.train.optim.ClipLR.column_scale``
 Per-term aggregation (Sec. 3.1 step 3)  ``spectral.aggregate.term_means``, ``rebuild_weight``
-Cosine lr over rounds (Sec. 4.1)        ``schedule.cosine_lr``
-Post-client updates vs FedAvg (4.4)     ``reference.fedavg_cosines``
+Cosine lr over rounds (Sec. 4.1)        ``server.schedule.cosine_lr``
+Post-client updates vs FedAvg (4.4)     ``server.fedavg_cosine.fedavg_cosines``
 (beyond) Theorem 1/2 on λ^γ, annealed   ``sampling.anneal.annealed_probabilities``
 (beyond) low-rank start, truncation     ``spectral.truncation.truncate_``
 ======================================  ==================================================
 """
 
+from fedshard.client import (
+    Shard,
+    ShardingClientApp,
+    TrainConfig,
+    evaluate,
+    handle_evaluate,
+    handle_query,
+    handle_train,
+    keep_ratio_of,
+    receive,
+    sharding_mod,
+    train,
+)
+from fedshard.server import SHARDING_METHODS, SpectralSharding
+from fedshard.spectral import sharded_layer_names
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "SHARDING_METHODS",
+    "Shard",
+    "ShardingClientApp",
+    "SpectralSharding",
+    "TrainConfig",
+    "__version__",
+    "evaluate",
+    "handle_evaluate",
+    "handle_query",
+    "handle_train",
+    "keep_ratio_of",
+    "receive",
+    "sharded_layer_names",
+    "sharding_mod",
+    "train",
+]

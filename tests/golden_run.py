@@ -61,8 +61,8 @@ def run(name: str) -> str:
     from flower_grid import InProcessGrid
 
     import client_app
-    from fedshard.config import RunConfig
-    from fedshard.experiment import run_server
+    from fedshard.app.config import RunConfig
+    from fedshard.app.run import run_server
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flower_grid import InProcessGrid
 
 import client_app
-from fedshard.config import RunConfig
-from fedshard.experiment import run_server
+from fedshard.app.config import RunConfig
+from fedshard.app.run import run_server
 
 
 class SlowGrid(InProcessGrid):

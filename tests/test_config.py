@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from fedshard.config import ConfigError, KeepRatioMixture, RunConfig
-from fedshard.schedule import cosine_lr
+from fedshard.app.config import ConfigError, KeepRatioMixture, RunConfig
+from fedshard.server.schedule import cosine_lr
 
 ROOT = Path(__file__).resolve().parents[1]
 

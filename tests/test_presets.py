@@ -12,7 +12,7 @@ import tomllib
 from flower_grid import InProcessGrid
 from flwr.app import Context, RecordDict
 
-from fedshard.config import RunConfig
+from fedshard.app.config import RunConfig
 from fedshard.data import clear_cache
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -128,7 +128,8 @@ class ImageDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
     def example_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All examples at once: ``(N, C, H, W)`` standardized ``float32`` images and ``(N,)``
-        labels, ``[i]`` equal to ``self[i]`` (for :class:`fedshard.batches.TensorBatches`)."""
+        labels, ``[i]`` equal to ``self[i]`` (for
+        :class:`fedshard.client.train.TensorBatches`)."""
         if len(self) == 0:
             return torch.empty(self._images.shape, dtype=torch.float32), self._labels.clone()
         # one image at a time, as __getitem__ does: a batched reduction may round differently

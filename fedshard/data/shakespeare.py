@@ -184,6 +184,6 @@ class ShakespeareDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
     def example_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All examples at once: ``(N, L)`` inputs and targets, ``int64``, ``[i]`` equal to
-        ``self[i]`` (for :class:`fedshard.batches.TensorBatches`)."""
+        ``self[i]`` (for :class:`fedshard.client.train.TensorBatches`)."""
         rows = self._rows.long()
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()

@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from fedshard.config import ProblemsError
+from fedshard.app.config import ProblemsError
+from fedshard.app.rundir import RunLock, RunLockedError
+from fedshard.experiments.launch import SimulationRun, run_simulation
 from fedshard.experiments.progress import MetricsTail, Progress, format_duration
 from fedshard.experiments.status import (
     RunState,
@@ -40,8 +42,6 @@ from fedshard.experiments.status import (
     suite_status,
 )
 from fedshard.experiments.suite import RunSpec, Suite
-from fedshard.launch import SimulationRun, run_simulation
-from fedshard.rundir import RunLock, RunLockedError
 
 __all__ = [
     "Launcher",
@@ -61,7 +61,8 @@ logger = logging.getLogger(__name__)
 
 
 class Launcher(Protocol):
-    """Runs one simulation for :func:`run_suite` (:func:`fedshard.launch.run_simulation`)."""
+    """Runs one simulation for :func:`run_suite`
+    (:func:`fedshard.experiments.launch.run_simulation`)."""
 
     def __call__(
         self,
@@ -136,7 +137,7 @@ def _interrupts_raise() -> Iterator[None]:
 
 class SuiteLock(RunLock):
     """Exclusive lock on a suite's results folder: two runners would delete each other's
-    runs (:class:`~fedshard.rundir.RunLock`'s flock, on ``.runner.lock``)."""
+    runs (:class:`~fedshard.app.rundir.RunLock`'s flock, on ``.runner.lock``)."""
 
     lock_name = ".runner.lock"
 
@@ -174,8 +175,8 @@ def run_suite(
     suite : Suite
         A validated suite (:func:`fedshard.experiments.load_suite`).
     launch : Launcher
-        Runs one simulation; :func:`fedshard.launch.run_simulation` by default (tests inject
-        a fake).
+        Runs one simulation; :func:`fedshard.experiments.launch.run_simulation` by default
+        (tests inject a fake).
     emit : callable, optional
         Receives one progress line per event (run started/skipped/done/failed, each round);
         default: ``logger.info``.

@@ -1,11 +1,11 @@
 """Where each run of a suite stands on disk: pending, partial, resumable, finished or stale.
 
 A run is *finished* when its folder has ``summary.json`` (written last, atomically, by
-:class:`fedshard.results.RunRecorder`) with ``rounds-completed`` equal to the run's
+:class:`fedshard.app.results.RunRecorder`) with ``rounds-completed`` equal to the run's
 ``num-server-rounds``, and its ``config.json`` shows the settings the suite asks for now; a
 finished run with other settings is *stale*. A run that is not finished is *resumable* when its
-server checkpoint (``fedshard.checkpoint``, the newest readable of the last two) was written
-with the suite's settings (apart from :data:`fedshard.checkpoint.RESUME_MAY_CHANGE`) before
+server checkpoint (``fedshard.app.checkpoint``, the newest readable of the last two) was written
+with the suite's settings (apart from :data:`fedshard.app.checkpoint.RESUME_MAY_CHANGE`) before
 the last round, else *partial*. :func:`fedshard.experiments.run_suite` acts on these states.
 """
 
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedshard.checkpoint import RESUME_MAY_CHANGE, Checkpoint, CheckpointError
-from fedshard.config import RunConfig
+from fedshard.app.checkpoint import RESUME_MAY_CHANGE, Checkpoint, CheckpointError
+from fedshard.app.config import RunConfig
 from fedshard.experiments.suite import RunSpec, Suite
 
 __all__ = ["RunState", "RunStatus", "StaleRunsError", "run_status", "suite_status"]

@@ -1,7 +1,7 @@
 """Experiment suites: a TOML file of runs (row label × column label × seed), validated up front.
 
 A suite is read once into a frozen :class:`Suite`; every run's full configuration is built and
-validated through :class:`fedshard.config.RunConfig` before anything starts, and every problem
+validated through :class:`fedshard.app.config.RunConfig` before anything starts, and every problem
 in the file is reported at once in a :class:`SuiteError`. The file format is described in
 ``experiments/README.md``::
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedshard.config import ConfigError, ProblemsError, RunConfig
+from fedshard.app.config import ConfigError, ProblemsError, RunConfig
 from fedshard.experiments.app import app_defaults, find_app_dir
 from fedshard.experiments.compare import Comparison, parse_comparisons
 from fedshard.experiments.fields import (

@@ -1,4 +1,4 @@
-"""The wire contract between :class:`~fedshard.strategy.SpectralSharding` and its clients.
+"""The wire contract between :class:`~fedshard.server.strategy.SpectralSharding` and its clients.
 
 Every record key is defined here once; the strategy, the client handlers and the tests import
 them. Keys are kebab-case (Flower's convention), array keys follow ``state_dict`` names.

@@ -3,7 +3,7 @@
 Torch only (no Flower). Typical client flow::
 
     sub = build_submodel(model, {name: LayerFactors(u, v, omega), ...})
-    train(sub, loader, cfg)                      # fedshard.training
+    train(sub, loader, cfg)                      # fedshard.client.train.loop
     factors = extract_factors(sub)               # name -> (U, V), sent back to the server
 """
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-import fedshard.client
+import fedshard.client.handlers
 from fedshard.spectral import SpectralConv2d
 
 
@@ -19,11 +19,11 @@ def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **extra: Any
     from flower_grid import InProcessGrid
 
     import client_app
-    from fedshard.config import RunConfig
-    from fedshard.experiment import run_server
+    from fedshard.app.config import RunConfig
+    from fedshard.app.run import run_server
 
     seen: list[tuple[bool, set[bool]]] = []
-    from fedshard.training import train as inner  # not an earlier run's spy
+    from fedshard.client.train import train as inner  # not an earlier run's spy
 
     def spy(model: torch.nn.Module, loader: Any, cfg: Any) -> Any:
         result = inner(model, loader, cfg)
@@ -31,7 +31,7 @@ def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **extra: Any
         seen.append((cfg.merge_terms, flags))
         return result
 
-    monkeypatch.setattr(fedshard.client, "train", spy)
+    monkeypatch.setattr(fedshard.client.handlers, "train", spy)
     data = tmp_path / "data"
     if not data.exists():
         fakedata.write_fashion_mnist(data, 60, 20, np.random.default_rng(0))

@@ -14,9 +14,8 @@ from flwr.clientapp import ClientApp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from fedshard import ShardingClientApp, SpectralSharding, handle_query, handle_train, receive
 from fedshard import protocol as P
-from fedshard.client import ShardingClientApp, handle_query, handle_train, receive
-from fedshard.strategy import SpectralSharding
 
 
 def net() -> nn.Module:
@@ -103,7 +102,7 @@ def test_given_dataloader_is_used_as_is(caplog: pytest.LogCaptureFixture) -> Non
         return torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples])
 
     loader = DataLoader(data(), batch_size=5, collate_fn=collate)  # server says batch 32
-    with caplog.at_level(logging.INFO, logger="fedshard.client"):
+    with caplog.at_level(logging.INFO, logger="fedshard.client.handlers"):
         reply = handle_train(train_message(), net(), loader)
     assert sizes == [5, 5, 5, 5, 4]
     assert "the server's batch-size=32 is ignored" in caplog.text
@@ -161,7 +160,7 @@ def test_sharding_client_app_turns_a_fedavg_handler_into_a_shard_reply() -> None
 
 
 def test_handle_train_only_reads_the_model_so_one_instance_serves_every_message() -> None:
-    """The ClientApp passes one per-process model (fedshard.task.template_model) to every
+    """The ClientApp passes one per-process model (fedshard.app.task.template_model) to every
     train message: handle_train must leave it bit for bit as it was, also when it trains the
     dense FedAvg reference copy, and give what a fresh model gives."""
     template = net()
@@ -184,8 +183,8 @@ def test_handle_train_only_reads_the_model_so_one_instance_serves_every_message(
 def test_template_model_is_built_once_per_model_setting() -> None:
     from dataclasses import replace
 
-    from fedshard.config import RunConfig
-    from fedshard.task import build_model, template_model
+    from fedshard.app.config import RunConfig
+    from fedshard.app.task import build_model, template_model
 
     cfg = RunConfig(model="mlp", model_width=16, dataset="fashion-mnist", seed=5)
     first = template_model(cfg)

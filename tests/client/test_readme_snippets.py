@@ -100,7 +100,7 @@ def test_readme_snippets_train_on_simulated_nodes(client: str, task_module: None
 
 
 def test_keep_ratio_error_names_what_to_set(task_module: None) -> None:
-    from fedshard.client import keep_ratio_of
+    from fedshard import keep_ratio_of
 
     ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 0}, state=RecordDict(),
                   run_config={})

@@ -14,12 +14,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from fedshard.batches import HasTensors, TensorBatches, batches_for
+from fedshard.client.train import TrainConfig, evaluate, train
+from fedshard.client.train.batches import HasTensors, TensorBatches, batches_for
 from fedshard.data.images import ImageArrays, ImageDataset
 from fedshard.data.shakespeare import ShakespeareDataset
 from fedshard.models import resnet18
 from fedshard.spectral import shard_model
-from fedshard.training import TrainConfig, evaluate, train
 
 
 def _pairs(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +83,7 @@ def test_empty_image_dataset_gives_no_batches_and_train_refuses() -> None:
     assert isinstance(batches, TensorBatches) and list(batches) == []
     with pytest.raises(ValueError, match="yielded no batches; nothing was trained"):
         train(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 10)), batches,
-              TrainConfig(epochs=1, log_every_epoch=False))
+              TrainConfig(local_epochs=1, log_every_epoch=False))
 
 
 def test_shakespeare_tensors_equal_getitem() -> None:
@@ -108,7 +108,7 @@ def test_training_on_tensor_batches_gives_the_dataloaders_model_bit_for_bit(
     dtype: torch.dtype,
 ) -> None:
     data = ImageDataset(_images(45, 3, 32, seed=5))
-    cfg = TrainConfig(epochs=2, lr=0.03, seed=4, log_every_epoch=False)
+    cfg = TrainConfig(local_epochs=2, lr=0.03, seed=4, log_every_epoch=False)
     ref_model, got_model = _submodel(dtype), _submodel(dtype)
     inputs, targets = data.example_tensors()
     # float32: the data set itself through a DataLoader (what the ClientApp did before)
@@ -146,7 +146,7 @@ def test_batches_for_holds_only_what_fits_and_has_tensors(
     assert isinstance(batches_for(TensorDataset(x, y, y), 2, seed=0), DataLoader)  # not a pair
     data = ImageDataset(_images(10, 1, 28, seed=1))
     assert isinstance(batches_for(data, 4, seed=0), TensorBatches)
-    with caplog.at_level(logging.INFO, logger="fedshard.batches"):
+    with caplog.at_level(logging.INFO, logger="fedshard.client.train.batches"):
         big = batches_for(data, 4, seed=0, max_bytes=1000)
     assert isinstance(big, DataLoader)
     assert "take 0.00 GiB as tensors (more than 0.00 GiB): read through a DataLoader" in caplog.text
@@ -195,8 +195,8 @@ def test_the_apps_train_and_evaluate_without_a_dataloader(
     from flower_grid import InProcessGrid
 
     import client_app
-    from fedshard.config import RunConfig
-    from fedshard.experiment import run_server
+    from fedshard.app.config import RunConfig
+    from fedshard.app.run import run_server
 
     def refuse(self: DataLoader[Any]) -> None:
         raise AssertionError("a DataLoader was iterated")

@@ -66,9 +66,8 @@ def test_flwr_datasets_partitioner_over_local_files() -> None:
     from torch import nn
     from torch.utils.data import DataLoader
 
+    from fedshard import SpectralSharding, handle_query, handle_train
     from fedshard import protocol as P
-    from fedshard.client import handle_query, handle_train
-    from fedshard.strategy import SpectralSharding
 
     with gzip.open(FMNIST / "t10k-images-idx3-ubyte.gz") as f:
         images = np.frombuffer(f.read(), np.uint8, offset=16).reshape(-1, 28, 28)[:400]

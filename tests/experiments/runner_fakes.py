@@ -10,12 +10,12 @@ from typing import Any
 
 import numpy as np
 
-from fedshard.checkpoint import Checkpoint
-from fedshard.config import RunConfig
+from fedshard.app.checkpoint import Checkpoint
+from fedshard.app.config import RunConfig
+from fedshard.app.rundir import write_private
 from fedshard.experiments import Suite, parse_suite
+from fedshard.experiments.launch import SimulationRun
 from fedshard.experiments.suite import app_defaults
-from fedshard.launch import SimulationRun
-from fedshard.rundir import write_private
 
 ROOT = Path(__file__).resolve().parents[2]
 APP_DEFAULTS = app_defaults(ROOT)
@@ -37,7 +37,7 @@ def make_suite(tmp_path: Path, *, rounds: int = 2, seeds: tuple[int, ...] = (0, 
 
 def write_run(folder: Path, config: Mapping[str, Any], rows: list[dict[str, Any]], *,
               summary: bool = True) -> None:
-    """A run folder as fedshard.results.RunRecorder documents it (written independently)."""
+    """A run folder as fedshard.app.results.RunRecorder documents it (written independently)."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps({"config": dict(config)}))
     with (folder / "metrics.jsonl").open("a") as fh:

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from fedshard.experiments import RunState, load_suite, run_suite, suite_status, write_report
-from fedshard.launch import SimulationRun, processes_with_env, run_simulation
+from fedshard.experiments.launch import SimulationRun, processes_with_env, run_simulation
 
 ROOT = Path(__file__).resolve().parents[2]
 FMNIST = Path("/usr/share/datasets/fashion-mnist")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from runner_fakes import ROOT, FakeLauncher, make_suite, rows_for, save_checkpoint, write_run
 
-from fedshard.checkpoint import CHECKPOINT_NAME, PREVIOUS_CHECKPOINT_NAME
+from fedshard.app.checkpoint import CHECKPOINT_NAME, PREVIOUS_CHECKPOINT_NAME
 from fedshard.experiments import RunState, load_suite, run_suite, suite_status
 from fedshard.experiments.__main__ import main
 

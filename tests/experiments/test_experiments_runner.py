@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from runner_fakes import ROOT, FakeLauncher, finish_directly, make_suite, rows_for, write_run
 
-from fedshard.config import RunConfig
+from fedshard.app.config import RunConfig
 from fedshard.experiments import (
     RunState,
     SelectionError,
@@ -26,7 +26,7 @@ from fedshard.experiments import (
 )
 from fedshard.experiments import runner as runner_module
 from fedshard.experiments.__main__ import main
-from fedshard.launch import SimulationRun
+from fedshard.experiments.launch import SimulationRun
 
 
 def test_finished_runs_are_skipped_and_partial_ones_rerun_from_scratch(tmp_path: Path) -> None:
@@ -218,7 +218,7 @@ def test_a_second_runner_on_the_same_results_is_refused(tmp_path: Path) -> None:
 
 
 def test_real_recorder_output_counts_as_finished(tmp_path: Path) -> None:
-    from fedshard.results import RunRecorder
+    from fedshard.app.results import RunRecorder
 
     suite = make_suite(tmp_path, seeds=(0,))
     spec = suite.runs[0]

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from fedshard.config import RunConfig
+from fedshard.app.config import RunConfig
 from fedshard.experiments import SuiteError, load_suite, parse_suite, run_name
 from fedshard.experiments.suite import RunSpec, app_defaults
 

@@ -14,9 +14,8 @@ from flwr.clientapp import ClientApp
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from fedshard import SpectralSharding, handle_evaluate, handle_query, handle_train
 from fedshard import protocol as P
-from fedshard.client import handle_evaluate, handle_query, handle_train
-from fedshard.strategy import SpectralSharding
 
 LAYERS = ["hidden"]
 
@@ -133,8 +132,8 @@ def run_app(root: Path, extra: dict, *, tamper: dict | None = None, silent: set 
     import fakedata
 
     import client_app
-    from fedshard.config import RunConfig
-    from fedshard.experiment import run_server
+    from fedshard.app.config import RunConfig
+    from fedshard.app.run import run_server
 
     if data is None:
         data = root / "data"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedshard.checkpoint import Checkpoint, CheckpointError
+from fedshard.app.checkpoint import Checkpoint, CheckpointError
 
 CONFIG = {"seed": 0, "lr": 0.05}
 
@@ -104,7 +104,7 @@ def test_fallback_resumes_from_the_previous_checkpoint_with_a_warning(
     _ckpt(2).save(tmp_path)
     path = tmp_path / "checkpoint.pt"
     path.write_bytes(path.read_bytes()[:100])  # torn by a full disk, say
-    with caplog.at_level(logging.WARNING, logger="fedshard.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="fedshard.app.checkpoint"):
         loaded = Checkpoint.load(tmp_path, fallback=True)
     assert loaded is not None and loaded.server_round == 1
     assert f"{path} (100 bytes) is corrupt" in caplog.text

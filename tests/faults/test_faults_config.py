@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fedshard.config import ConfigError, RunConfig
+from fedshard.app.config import ConfigError, RunConfig
 
 
 @pytest.mark.parametrize("results_dir", ["results", "./runs", "../runs", "runs/sub"])
@@ -63,8 +63,8 @@ def test_resume_and_overwrite_together_are_refused() -> None:
 
 
 def test_a_run_config_num_partitions_the_simulation_does_not_use_is_refused() -> None:
-    from fedshard.config import RunConfig
-    from fedshard.task import node_partition
+    from fedshard.app.config import RunConfig
+    from fedshard.app.task import node_partition
 
     cfg = RunConfig.from_mapping({"num-partitions": 10})
     assert node_partition(cfg, {"partition-id": 3, "num-partitions": 10}) == (3, 10)

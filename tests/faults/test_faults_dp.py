@@ -36,7 +36,7 @@ def test_flowers_local_dp_mod_cannot_wrap_a_shard_reply() -> None:
     from flwr.clientapp import ClientApp
     from flwr.clientapp.mod import LocalDpMod
 
-    from fedshard.client import handle_query, handle_train
+    from fedshard import handle_query, handle_train
 
     app = ClientApp()
     dp = LocalDpMod(clipping_norm=1.0, sensitivity=1.0, epsilon=1.0, delta=1e-5)

@@ -10,9 +10,9 @@ import pytest
 from fault_setup import grid, initial, one_round, strategy
 from flwr.app import ConfigRecord
 
-from fedshard.config import RunConfig
-from fedshard.nodes import load_keep_ratio_table
-from fedshard.task import declared_keep_ratio
+from fedshard.app.config import RunConfig
+from fedshard.app.task import declared_keep_ratio
+from fedshard.server.nodes import load_keep_ratio_table
 
 CFG = RunConfig(keep_ratios="0.2:0.5,0.4:0.5")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fedshard.results import RunRecorder
+from fedshard.app.results import RunRecorder
 
 CONFIG = {"seed": 0}
 
@@ -27,7 +27,7 @@ def test_a_torn_last_line_is_dropped_with_a_warning(
     metrics = _crashed_run(tmp_path / "run", 4)
     with metrics.open("a") as fh:
         fh.write('{"round": 4, "test-acc')  # killed while appending round 4
-    with caplog.at_level(logging.WARNING, logger="fedshard.results"):
+    with caplog.at_level(logging.WARNING, logger="fedshard.app.results"):
         recorder = RunRecorder(tmp_path / "run", CONFIG, 5, resume_round=3)
     assert f"{metrics} line 5 is torn" in caplog.text
     assert [r["round"] for r in recorder.rows] == [0, 1, 2, 3]
@@ -80,7 +80,7 @@ def test_an_unreadable_config_json_does_not_stop_a_resume(
 ) -> None:
     _crashed_run(tmp_path / "run", 2)
     (tmp_path / "run" / "config.json").write_text('{"config": ')
-    with caplog.at_level(logging.WARNING, logger="fedshard.results"):
+    with caplog.at_level(logging.WARNING, logger="fedshard.app.results"):
         RunRecorder(tmp_path / "run", CONFIG, 5, resume_round=1).close()
     assert "config.json is unreadable" in caplog.text
     info = json.loads((tmp_path / "run" / "config.json").read_text())

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from fedshard.checkpoint import Checkpoint
-from fedshard.results import ExistingResultsError, RunRecorder
+from fedshard.app.checkpoint import Checkpoint
+from fedshard.app.results import ExistingResultsError, RunRecorder
 
 CONFIG = {"method": "collective", "seed": 0}
 
@@ -88,7 +88,7 @@ def test_overwrite_deletes_the_old_results_and_says_so(
 ) -> None:
     run = tmp_path / "run"
     _finished_run(run)
-    with caplog.at_level(logging.WARNING, logger="fedshard.results"):
+    with caplog.at_level(logging.WARNING, logger="fedshard.app.results"):
         recorder = RunRecorder(run, {"seed": 1}, 2, overwrite=True)
     assert "overwrite=true: deleting the earlier run's metrics.jsonl with 4 row(s), " \
            "checkpoint.pt, checkpoint.prev.pt, model.pt, summary.json" in caplog.text

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from fedshard.results import RunLockedError, RunRecorder
-from fedshard.rundir import RunLock
+from fedshard.app.results import RunLockedError, RunRecorder
+from fedshard.app.rundir import RunLock
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = {"seed": 0}
@@ -26,7 +26,7 @@ HOLDER = textwrap.dedent("""
     import sys
     from pathlib import Path
     sys.path.insert(0, sys.argv[2])
-    from fedshard.results import RunRecorder
+    from fedshard.app.results import RunRecorder
     recorder = RunRecorder(Path(sys.argv[1]), {"seed": 0}, 1)
     recorder.record_round(0, {"test-accuracy": 0.5})
     print("recording", flush=True)

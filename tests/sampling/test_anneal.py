@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from paper_algorithms import algorithm1_unbiased, algorithm2_collective
 
+from fedshard import SpectralSharding
 from fedshard.sampling import (
     anneal_exponent,
     annealed_probabilities,
@@ -18,7 +19,6 @@ from fedshard.sampling import (
     method_problems,
     plan_round,
 )
-from fedshard.strategy import SpectralSharding
 
 
 def test_schedule_starts_at_gamma0_reaches_one_after_t_rounds_and_never_rises():

@@ -12,9 +12,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from fedshard.client.train import STEP_POOL, TrainConfig, train
+from fedshard.client.train.fast import TrainStep
 from fedshard.models import resnet18
 from fedshard.spectral import shard_model
-from fedshard.training import STEP_POOL, TrainConfig, TrainStep, train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -64,7 +65,8 @@ def _assert_close(a: nn.Module, b: nn.Module, rtol: float, atol: float) -> None:
                                    msg=f"{key}: max |diff| {diff:.3g}, max |value| {scale:.3g}")
 
 
-CFG = TrainConfig(epochs=1, lr=0.02, log_every_epoch=False, clip_tau=10.0, max_grad_norm=5.0)
+CFG = TrainConfig(local_epochs=1, lr=0.02, log_every_epoch=False, clip_lr_tau=10.0,
+                  max_grad_norm=5.0)
 
 
 def test_cuda_training_matches_cpu_training() -> None:
@@ -82,7 +84,7 @@ def test_compiled_cuda_training_matches_eager() -> None:
     training. float64 rounding amplified as much stays far below 1e-9, while a compiled step
     that computed another gradient or update would be off by ~lr * grad (1e-3 and more)."""
     eager, compiled = _submodel(torch.float64), _submodel(torch.float64)
-    cfg = dataclasses.replace(CFG, device="cuda", epochs=2)
+    cfg = dataclasses.replace(CFG, device="cuda", local_epochs=2)
     want = train(eager, _loader(torch.float64), cfg)
     got = train(compiled, _loader(torch.float64), dataclasses.replace(cfg, compile=True))
     _assert_close(compiled, eager, rtol=1e-9, atol=1e-11)
@@ -114,8 +116,8 @@ def test_cuda_graph_training_matches_eager(warmup: int, monkeypatch: pytest.Monk
     g = torch.Generator().manual_seed(1)
     x = torch.randn(60, 3, 32, 32, generator=g)  # 7 full batches of 8 and one of 4 per epoch
     data = TensorDataset(x, torch.randint(0, 10, (60,), generator=g))
-    cfg = dataclasses.replace(CFG, device="cuda", epochs=2)
-    monkeypatch.setattr("fedshard.step._StepGraphs._WARMUP", warmup)
+    cfg = dataclasses.replace(CFG, device="cuda", local_epochs=2)
+    monkeypatch.setattr("fedshard.client.train.fast.step._StepGraphs._WARMUP", warmup)
     saved = torch.backends.cudnn.deterministic
     torch.backends.cudnn.deterministic = True
     try:
@@ -147,7 +149,7 @@ def test_compiled_cuda_graph_training_replays_the_compiled_step() -> None:
     g = torch.Generator().manual_seed(2)
     x = torch.randn(60, 3, 32, 32, generator=g, dtype=torch.float64)
     data = TensorDataset(x, torch.randint(0, 10, (60,), generator=g))
-    cfg = dataclasses.replace(CFG, device="cuda", epochs=2, compile=True)
+    cfg = dataclasses.replace(CFG, device="cuda", local_epochs=2, compile=True)
     saved = torch.backends.cudnn.deterministic
     torch.backends.cudnn.deterministic = True
     try:
@@ -192,7 +194,7 @@ def test_pooled_cuda_graphs_train_later_clients_like_their_own_graphs() -> None:
     earlier test's dead graph, see ``test_no_garbage_collection_runs_inside_a_real_capture``.)
     A graph that replayed a stale batch, another client's ω or a missed update would move
     the weights by ~lr * grad, 1e-3 and more."""
-    cfg = dataclasses.replace(CFG, device="cuda", epochs=2, cuda_graph=True)
+    cfg = dataclasses.replace(CFG, device="cuda", local_epochs=2, cuda_graph=True)
     saved = torch.backends.cudnn.deterministic
     torch.backends.cudnn.deterministic = True
     try:

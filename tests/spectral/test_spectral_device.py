@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from fedshard.app.task import resolve_device
 from fedshard.spectral.aggregate import TermUpdate, rebuild_weight, term_means
 from fedshard.spectral.decompose import layer_spectrum
-from fedshard.task import resolve_device
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

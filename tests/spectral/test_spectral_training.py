@@ -10,15 +10,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from fedshard.client.train import TrainConfig, build_optimizer, evaluate, frobenius_penalty, train
 from fedshard.models import resnet18
 from fedshard.spectral import SpectralConv2d, SpectralLayer, SpectralLinear, shard_model
-from fedshard.training import (
-    TrainConfig,
-    build_optimizer,
-    evaluate,
-    frobenius_penalty,
-    train,
-)
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -54,7 +48,7 @@ def _reference_steps(
     """SGD + momentum + Frobenius decay + ClipLR + weight decay on b, written out by hand."""
     u, v, b = u.copy(), v.copy(), b.copy()
     bufs: dict[str, np.ndarray] = {}
-    tau = np.inf if cfg.clip_tau is None else cfg.clip_tau
+    tau = np.inf if cfg.clip_lr_tau is None else cfg.clip_lr_tau
     scale = np.minimum(1.0, tau / omega)  # (n,)
     for _ in range(steps):
         y = x @ v @ np.diag(omega) @ u.T + b  # (B, out)
@@ -74,8 +68,8 @@ def _reference_steps(
     return u, v, b
 
 
-@pytest.mark.parametrize("clip_tau", [10.0, None])
-def test_two_training_steps_match_hand_computation(clip_tau: float | None) -> None:
+@pytest.mark.parametrize("clip_lr_tau", [10.0, None])
+def test_two_training_steps_match_hand_computation(clip_lr_tau: float | None) -> None:
     # ω = 50 > τ = 10 clips column 1 by 0.2; ω = 1 and ω = 4 are left alone.
     omega = [1.0, 50.0, 4.0]
     layer = _spectral_linear(5, 4, omega, seed=0)
@@ -83,11 +77,11 @@ def test_two_training_steps_match_hand_computation(clip_tau: float | None) -> No
     x = torch.randn(6, 5, generator=g, dtype=torch.float64)
     t = torch.randint(0, 4, (6,), generator=g)
     cfg = TrainConfig(
-        epochs=2,
+        local_epochs=2,
         lr=0.1,
         momentum=0.9,
         frobenius_decay=0.05,
-        clip_tau=clip_tau,
+        clip_lr_tau=clip_lr_tau,
         weight_decay=0.3,
         log_every_epoch=False,
     )
@@ -158,7 +152,7 @@ def _data(n: int = 16, seed: int = 7) -> TensorDataset:
 def test_momentum_and_clipping_are_per_term_permutation_equivariant() -> None:
     """Permuting the terms before training permutes the trained factors the same way."""
     omega, perm = [30.0, 1.0, 12.0, 2.0], [2, 0, 3, 1]
-    cfg = TrainConfig(epochs=3, lr=0.05, frobenius_decay=0.01, log_every_epoch=False)
+    cfg = TrainConfig(local_epochs=3, lr=0.05, frobenius_decay=0.01, log_every_epoch=False)
     loader = DataLoader(_data(), batch_size=4, shuffle=False)
     plain, permuted = _two_layer(omega), _two_layer(omega, perm)
     train(plain, loader, cfg)
@@ -174,7 +168,7 @@ def test_a_term_with_zero_gradient_never_moves_and_keeps_zero_momentum() -> None
     with torch.no_grad():  # term 1 contributes nothing, so its gradient is exactly zero
         model[0].u[:, 1] = 0.0
         model[0].v[:, 1] = 0.0
-    cfg = TrainConfig(epochs=2, lr=0.1, frobenius_decay=0.01, log_every_epoch=False)
+    cfg = TrainConfig(local_epochs=2, lr=0.1, frobenius_decay=0.01, log_every_epoch=False)
     opt = build_optimizer(model, cfg)
     for x, t in DataLoader(_data(), batch_size=4):
         opt.zero_grad()
@@ -201,7 +195,7 @@ class _Dropper(nn.Module):
 
 def test_training_is_deterministic_given_seed_and_leaves_global_rng_alone() -> None:
     dataset = _data(24)
-    cfg = TrainConfig(epochs=2, lr=0.05, seed=11, log_every_epoch=False)
+    cfg = TrainConfig(local_epochs=2, lr=0.05, seed=11, log_every_epoch=False)
 
     def run(config: TrainConfig) -> dict[str, torch.Tensor]:
         model = _Dropper()
@@ -244,7 +238,7 @@ def test_train_reports_mean_loss_over_all_examples_and_learns() -> None:
     dataset = TensorDataset(x, t)
     model = _two_layer([1.0, 2.0, 4.0])
     before = evaluate(model, DataLoader(dataset, batch_size=64))
-    cfg = TrainConfig(epochs=20, lr=0.05, log_every_epoch=False)
+    cfg = TrainConfig(local_epochs=20, lr=0.05, log_every_epoch=False)
     result = train(model, DataLoader(dataset, batch_size=8, shuffle=False), cfg)
     after = evaluate(model, DataLoader(dataset, batch_size=64))
     assert result.num_examples == 64
@@ -263,7 +257,8 @@ def test_channels_last_training_matches_default_layout() -> None:
     results = []
     for channels_last in (False, True):
         sub, _ = shard_model(dense, layers, omegas)
-        cfg = TrainConfig(epochs=2, lr=0.05, channels_last=channels_last, log_every_epoch=False)
+        cfg = TrainConfig(local_epochs=2, lr=0.05, channels_last=channels_last,
+                          log_every_epoch=False)
         train(sub, DataLoader(data, batch_size=4), cfg)
         results.append(sub.state_dict())
     for key, value in results[0].items():
@@ -271,19 +266,19 @@ def test_channels_last_training_matches_default_layout() -> None:
 
 
 def test_train_logs_each_epoch(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level("INFO", logger="fedshard.training")
-    train(_two_layer([1.0]), DataLoader(_data(8), batch_size=4), TrainConfig(epochs=2))
+    caplog.set_level("INFO", logger="fedshard.client.train.loop")
+    train(_two_layer([1.0]), DataLoader(_data(8), batch_size=4), TrainConfig(local_epochs=2))
     assert [r.getMessage()[:9] for r in caplog.records] == ["epoch 1/2", "epoch 2/2"]
 
 
 @pytest.mark.parametrize(
     ("field", "value", "pattern"),
     [
-        ("epochs", 0, r"TrainConfig\.epochs=0: expected an int >= 1"),
+        ("local_epochs", 0, r"TrainConfig\.local_epochs=0: expected an int >= 1"),
         ("lr", -0.1, r"TrainConfig\.lr=-0\.1: expected a finite number >= 0"),
         ("momentum", 1.0, r"TrainConfig\.momentum=1\.0: expected a number in \[0, 1\)"),
         ("frobenius_decay", -1.0, r"frobenius_decay=-1\.0: expected a finite number >= 0"),
-        ("clip_tau", 0.0, r"clip_tau=0\.0: expected a finite number > 0 \(or None"),
+        ("clip_lr_tau", 0.0, r"clip_lr_tau=0\.0: expected a finite number > 0 \(or None"),
         ("weight_decay", float("nan"), r"weight_decay=nan"),
         ("device", "warp-drive", r"device='warp-drive': expected a torch device"),
         ("seed", 1.5, r"seed=1\.5: expected an int"),

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from fedshard.step import TrainStep, _StepGraphs
-from fedshard.train_config import TrainConfig
+from fedshard.client.train.config import TrainConfig
+from fedshard.client.train.fast.step import TrainStep, _StepGraphs
 
 
 class _Capture:

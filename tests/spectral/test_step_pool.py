@@ -12,9 +12,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from fedshard.client.train import STEP_POOL, TrainConfig, train
+from fedshard.client.train.fast import TrainStep
+from fedshard.client.train.fast.pool import StepPool, model_signature
 from fedshard.spectral import SpectralConv2d, SpectralLinear
-from fedshard.step_pool import StepPool, model_signature
-from fedshard.training import STEP_POOL, TrainConfig, TrainStep, train
 
 D = torch.float64
 
@@ -63,7 +64,7 @@ def _loader(client: int, n: int = 22) -> DataLoader[tuple[torch.Tensor, ...]]:
 
 
 # ClipLR τ = 10 clips some columns (ω up to 60), weight decay on the dense parameters
-CFG = TrainConfig(epochs=2, lr=0.02, momentum=0.9, frobenius_decay=1e-2, clip_tau=10.0,
+CFG = TrainConfig(local_epochs=2, lr=0.02, momentum=0.9, frobenius_decay=1e-2, clip_lr_tau=10.0,
                   weight_decay=1e-3, log_every_epoch=False)
 
 
@@ -96,7 +97,7 @@ def test_pooled_compiled_step_trains_later_clients_like_eager() -> None:
         import torch._inductor
     except ImportError as err:  # pragma: no cover - inductor ships with torch
         pytest.skip(f"torch.compile's inductor backend cannot be imported here: {err}")
-    cfg = dataclasses.replace(CFG, epochs=1)
+    cfg = dataclasses.replace(CFG, local_epochs=1)
     for client in range(2):
         eager, pooled = _client_model(client).float(), _client_model(client).float()
         loader = DataLoader(TensorDataset(*(t.float() if t.is_floating_point() else t
@@ -132,7 +133,7 @@ def test_anything_that_shapes_the_step_gets_its_own_entry() -> None:
         "stride": model_signature(_client_model(0, stride=2), CFG),
         "lr": model_signature(_client_model(0), dataclasses.replace(CFG, lr=0.01)),
         "momentum": model_signature(_client_model(0), dataclasses.replace(CFG, momentum=0.5)),
-        "tau": model_signature(_client_model(0), dataclasses.replace(CFG, clip_tau=None)),
+        "tau": model_signature(_client_model(0), dataclasses.replace(CFG, clip_lr_tau=None)),
         "dtype": model_signature(_client_model(0).float(), CFG),
         "eval mode": model_signature(_client_model(0).eval(), CFG),
     }
@@ -226,7 +227,7 @@ def test_a_failed_training_drops_its_entry_and_leaves_the_model_as_it_was() -> N
     model = _client_model(0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(FloatingPointError, match=r"training loss became"):
-        train(model, _loader(0), dataclasses.replace(CFG, lr=1e12, clip_tau=None,
+        train(model, _loader(0), dataclasses.replace(CFG, lr=1e12, clip_lr_tau=None,
                                                      reuse_step=True))
     assert len(STEP_POOL) == 0
     for key, value in model.state_dict().items():
@@ -295,5 +296,5 @@ def test_steps_outside_the_pool_release_their_graphs_too(released: list[TrainSte
     with pool.lease(a, CFG) as outer, pool.lease(b, CFG) as inner:
         pass
     assert released == [inner]  # the fresh step of the busy entry's second caller
-    train(_client_model(2), _loader(2), dataclasses.replace(CFG, reuse_step=False, epochs=1))
+    train(_client_model(2), _loader(2), dataclasses.replace(CFG, reuse_step=False, local_epochs=1))
     assert len(released) == 2 and released[1] is not outer  # train's own fresh step

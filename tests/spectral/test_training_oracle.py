@@ -1,7 +1,7 @@
 """The fused training step against the pre-change step (float64, trained factors to 1e-12).
 
 ``_Reference*`` / ``_reference_*`` below are the REFERENCE IMPLEMENTATION: a literal copy of
-the penalty, ClipLR and training-step logic of ``fedshard/training.py`` at commit 20529be
+the penalty, ClipLR and training-step logic of ``fedshard/client/train/loop.py`` at commit 20529be
 (before the fused step of issue 14), with logging and the per-epoch bookkeeping removed. It
 adds ``γ Σ ‖U Ω V^T‖_F^2`` to the loss and differentiates it with autograd, scales the factor
 gradients layer by layer and checks the loss on the host every step. Do not "update" it to
@@ -19,12 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from fedshard.client.train import TrainConfig, train
 from fedshard.models import resnet18
 from fedshard.spectral import SpectralLayer, SpectralLinear, shard_model
-from fedshard.training import TrainConfig, train
 
 # ---------------------------------------------------------------------------------------------
-# REFERENCE IMPLEMENTATION, copied from fedshard/training.py at commit 20529be.
+# REFERENCE IMPLEMENTATION, copied from fedshard/client/train/loop.py at commit 20529be.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -71,7 +71,7 @@ def _reference_build_optimizer(model: nn.Module, cfg: TrainConfig) -> _Reference
     if dense:
         groups.append({"params": dense, "weight_decay": cfg.weight_decay})
     sgd = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
-    return _ReferenceClipLR(sgd, model, cfg.clip_tau)
+    return _ReferenceClipLR(sgd, model, cfg.clip_lr_tau)
 
 
 def _reference_frobenius_penalty(model: nn.Module) -> torch.Tensor:
@@ -103,7 +103,7 @@ def _reference_train(model: nn.Module, loader: DataLoader[Any], cfg: TrainConfig
     gamma = cfg.frobenius_decay
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(cfg.seed)
-        for epoch in range(cfg.epochs):
+        for epoch in range(cfg.local_epochs):
             for inputs, targets in loader:
                 targets = targets.long()
                 optimizer.zero_grad(set_to_none=True)
@@ -114,7 +114,7 @@ def _reference_train(model: nn.Module, loader: DataLoader[Any], cfg: TrainConfig
                 if not bool(torch.isfinite(loss)):
                     raise FloatingPointError(
                         f"training loss became {loss.item()} in epoch {epoch + 1}; training "
-                        "stopped. Lower the learning rate or enable ClipLR (clip_tau)."
+                        "stopped. Lower the learning rate or enable ClipLR (clip_lr_tau)."
                     )
                 loss.backward()
                 optimizer.step()
@@ -188,23 +188,24 @@ def _assert_same_state(got: nn.Module, want: nn.Module) -> None:
     ("build", "data", "batch"), [(_resnet_submodel, _images, 4), (_mlp, _vectors, 6)]
 )
 @pytest.mark.parametrize(
-    ("clip_tau", "gamma", "weight_decay"), [(10.0, 1e-2, 0.0), (None, 1e-4, 0.1), (2.0, 0.0, 0.0)]
+    ("clip_lr_tau", "gamma", "weight_decay"),
+    [(10.0, 1e-2, 0.0), (None, 1e-4, 0.1), (2.0, 0.0, 0.0)],
 )
 def test_fused_step_matches_the_reference_step_in_float64(
     build: Callable[[], nn.Module],
     data: Callable[[], TensorDataset],
     batch: int,
-    clip_tau: float | None,
+    clip_lr_tau: float | None,
     gamma: float,
     weight_decay: float,
 ) -> None:
     torch.set_num_threads(1)
     cfg = TrainConfig(
-        epochs=2,
+        local_epochs=2,
         lr=0.05,
         momentum=0.9,
         frobenius_decay=gamma,
-        clip_tau=clip_tau,
+        clip_lr_tau=clip_lr_tau,
         weight_decay=weight_decay,
         log_every_epoch=False,
         seed=3,

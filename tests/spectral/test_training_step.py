@@ -13,8 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from fedshard.spectral import SpectralConv2d, SpectralLinear
-from fedshard.training import (
+from fedshard.client.train import (
     ClipLR,
     FrobeniusDecay,
     TrainConfig,
@@ -22,6 +21,7 @@ from fedshard.training import (
     evaluate,
     train,
 )
+from fedshard.spectral import SpectralConv2d, SpectralLinear
 
 
 @pytest.fixture(autouse=True)
@@ -171,7 +171,7 @@ def test_max_grad_norm_clips_the_global_norm_before_the_step() -> None:
         lr=0.5,
         momentum=0.0,
         frobenius_decay=0.0,
-        clip_tau=None,
+        clip_lr_tau=None,
         max_grad_norm=0.05,
         log_every_epoch=False,
     )
@@ -213,7 +213,7 @@ class _DictData(Dataset[dict[str, Any]]):
 )
 def test_dict_batches_train_like_pairs(x_key: str, y_key: str, cfg_keys: dict[str, str]) -> None:
     base = _data()
-    cfg = TrainConfig(epochs=2, log_every_epoch=False, **cfg_keys)
+    cfg = TrainConfig(local_epochs=2, log_every_epoch=False, **cfg_keys)
     pairs, dicts = _model(), _model()
     want = train(pairs, DataLoader(base, batch_size=8), cfg)
     extra = {"coarse_label": 0, "id": "a"}  # unrelated keys are ignored
@@ -305,7 +305,7 @@ def _broken() -> nn.Module:
 
 def test_non_finite_loss_raises_with_remedies_that_apply() -> None:
     loader = DataLoader(_data(40), batch_size=1)
-    on = TrainConfig(log_every_epoch=False, clip_tau=10.0)
+    on = TrainConfig(log_every_epoch=False, clip_lr_tau=10.0)
     with pytest.raises(
         FloatingPointError,
         match=r"became nan in epoch 1 \(found after step 32; "
@@ -314,11 +314,11 @@ def test_non_finite_loss_raises_with_remedies_that_apply() -> None:
     ) as info:
         train(_broken(), loader, on)
     assert "ClipLR" not in str(info.value)  # already on: not a remedy
-    off = dataclasses.replace(on, clip_tau=None, max_grad_norm=1.0)
+    off = dataclasses.replace(on, clip_lr_tau=None, max_grad_norm=1.0)
     with pytest.raises(
         FloatingPointError,
         match=r"lower max_grad_norm \(now 1\.0\) or enable "
-        r"ClipLR \(clip_tau\)\.",
+        r"ClipLR \(clip_lr_tau\)\.",
     ):
         train(_broken(), DataLoader(_data(4), batch_size=4), off)
 
@@ -340,7 +340,7 @@ def test_compiled_training_matches_eager_on_cpu() -> None:
     except ImportError as err:  # pragma: no cover - inductor ships with torch
         pytest.skip(f"torch.compile's inductor backend cannot be imported here: {err}")
     cfg = TrainConfig(
-        epochs=2, lr=0.05, frobenius_decay=1e-2, max_grad_norm=5.0, log_every_epoch=False
+        local_epochs=2, lr=0.05, frobenius_decay=1e-2, max_grad_norm=5.0, log_every_epoch=False
     )
     eager, compiled = _model(torch.float32), _model(torch.float32)
     loader = DataLoader(_data(32, torch.float32), batch_size=8)
@@ -366,7 +366,7 @@ def test_compiled_training_of_several_models_in_one_process_matches_eager() -> N
             for a, b in zip(eager.parameters(), compiled.parameters(), strict=True):
                 a.add_(0.1 * round_)
                 b.add_(0.1 * round_)
-        cfg = TrainConfig(epochs=2, lr=lr, frobenius_decay=1e-2, log_every_epoch=False)
+        cfg = TrainConfig(local_epochs=2, lr=lr, frobenius_decay=1e-2, log_every_epoch=False)
         want = train(eager, loader, cfg)
         got = train(compiled, loader, dataclasses.replace(cfg, compile=True))
         _assert_same(compiled, eager, rtol=1e-5, atol=1e-6)
@@ -374,8 +374,8 @@ def test_compiled_training_of_several_models_in_one_process_matches_eager() -> N
 
 
 def test_cuda_graph_needs_a_cuda_device() -> None:
-    from fedshard.training import TrainConfig as _Cfg
-    from fedshard.training import TrainStep as _Step
+    from fedshard.client.train import TrainConfig as _Cfg
+    from fedshard.client.train.fast import TrainStep as _Step
 
     model = torch.nn.Linear(3, 2)
     with pytest.raises(ValueError, match=r"cuda_graph=True needs the model on a CUDA device"):
@@ -410,7 +410,7 @@ def test_conv_layout_options_train_the_same_factors(option: str, value: object,
     g = _gen(8)
     data = TensorDataset(torch.randn(20, 3, 6, 6, generator=g, dtype=torch.float64),
                          torch.randint(0, 3, (20,), generator=g))
-    cfg = TrainConfig(epochs=2, lr=0.01, frobenius_decay=1e-2, log_every_epoch=False)
+    cfg = TrainConfig(local_epochs=2, lr=0.01, frobenius_decay=1e-2, log_every_epoch=False)
     plain, other = _conv_model(), _conv_model()
     want = train(plain, DataLoader(data, batch_size=8), cfg)
     got = train(other, DataLoader(data, batch_size=8), dataclasses.replace(cfg, **{option: value}))

@@ -12,11 +12,11 @@ from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 from test_strategy import grid_with, initial, strategy
 
+from fedshard import SpectralSharding
 from fedshard import protocol as P
-from fedshard.config import RunConfig
-from fedshard.schedule import schedule_length
-from fedshard.strategy import SpectralSharding
-from fedshard.telemetry import TensorBoardLog
+from fedshard.app.config import RunConfig
+from fedshard.server.metrics import TensorBoardLog
+from fedshard.server.schedule import schedule_length
 
 
 def test_num_rounds_given_twice_and_differently_is_refused() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedshard.reference import fedavg_cosines
+from fedshard.server.fedavg_cosine import fedavg_cosines
 
 
 def test_cosine_matches_the_concatenated_vector_formula():

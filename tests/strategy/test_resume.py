@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedshard.checkpoint import Checkpoint
+from fedshard.app.checkpoint import Checkpoint
 
 TESTS = Path(__file__).resolve().parents[1]
 TIMING = {"wall-s", "round-s", "svd-s", "sampling-s", "pack-s", "aggregate-s"}

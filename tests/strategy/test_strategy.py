@@ -23,10 +23,9 @@ from flwr.clientapp import ClientApp
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from fedshard import SpectralSharding, handle_evaluate, handle_query, handle_train
 from fedshard import protocol as P
-from fedshard.client import handle_evaluate, handle_query, handle_train
 from fedshard.spectral import num_terms, sharded_layer_names
-from fedshard.strategy import SpectralSharding
 
 
 # --------------------------------------------------------------------------- a user's project
@@ -395,7 +394,7 @@ def test_round_trip_with_zero_learning_rate_is_identity(method: str, design: str
                                                         monkeypatch) -> None:
     """lr = 0: SVD → shards → real client training → aggregation → rebuild returns W."""
     s = strategy(method=method, design=design)
-    monkeypatch.setattr("fedshard.strategy.round_lr", lambda schedule, lr, r, n: 0.0)
+    monkeypatch.setattr("fedshard.server.strategy.round_lr", lambda schedule, lr, r, n: 0.0)
     grid = grid_with([0.25, 0.25, 0.5, 1.0])
     arrays = initial()
     msgs = list(s.configure_train(1, arrays, ConfigRecord(), grid))

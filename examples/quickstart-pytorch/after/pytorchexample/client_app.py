@@ -2,7 +2,7 @@
 
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
-from fedshard.client import ShardingClientApp as ClientApp, receive
+from fedshard import ShardingClientApp as ClientApp, receive
 
 from pytorchexample.task import Net, load_data
 from pytorchexample.task import test as test_fn

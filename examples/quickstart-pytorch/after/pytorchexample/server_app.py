@@ -3,7 +3,7 @@
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
-from fedshard.strategy import SpectralSharding
+from fedshard import SpectralSharding
 
 from pytorchexample.task import Net
 

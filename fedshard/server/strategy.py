@@ -1,5 +1,5 @@
-"""``SpectralSharding``, the Flower strategy: thin hooks over :mod:`fedshard.nodes`,
-:mod:`fedshard.rounds` (plan, protocol, aggregate) and :mod:`fedshard.schedule`."""
+"""``SpectralSharding``, the Flower strategy: thin hooks over :mod:`fedshard.server.nodes`,
+:mod:`fedshard.server.rounds` (plan, protocol, aggregate) and :mod:`fedshard.server.schedule`."""
 
 from __future__ import annotations
 
@@ -16,9 +16,6 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
 from fedshard import protocol as P
-from fedshard import rounds
-from fedshard.nodes import KeepRatioRules, NodeDirectory
-from fedshard.privacy import refuse_wrappers
 from fedshard.sampling import (
     ANNEALED_METHODS,
     SHARDING_METHODS,
@@ -27,9 +24,12 @@ from fedshard.sampling import (
     method_problems,
     stream_rng,
 )
-from fedshard.schedule import DEFAULT_LR, LR_SCHEDULES, base_lr, round_lr, schedule_length
+from fedshard.server import rounds
+from fedshard.server.metrics import mean_client_metrics
+from fedshard.server.nodes import KeepRatioRules, NodeDirectory
+from fedshard.server.privacy import refuse_wrappers
+from fedshard.server.schedule import DEFAULT_LR, LR_SCHEDULES, base_lr, round_lr, schedule_length
 from fedshard.spectral import multipliers_can_compound, sharded_layer_names
-from fedshard.telemetry import mean_client_metrics
 
 __all__ = ["SHARDING_METHODS", "SpectralSharding"]
 
@@ -81,12 +81,12 @@ class SpectralSharding(FedAvg):
         Reply bounds (:class:`fedshard.protocol.ReplyLimits`) and the per-term rule (``"mean"``,
         ``"median"``, ``"trimmed-mean"``); see README's "Faults and attacks".
     max_keep_ratio, keep_ratio_table : optional
-        Node rules (:class:`fedshard.nodes.KeepRatioRules`).
+        Node rules (:class:`fedshard.server.nodes.KeepRatioRules`).
     device : str or None
         Where the SVD and the rebuild of W run (e.g. ``"cuda"``); ``None``: the CPU.
     fedavg_cosine : bool
-        The paper's post-gradient analysis (:mod:`fedshard.reference`): nodes also train a
-        dense copy and each round's metrics get ``fedavg-cosine``. Doubles the nodes' work.
+        The paper's post-gradient analysis (:mod:`fedshard.server.fedavg_cosine`): nodes also
+        train a dense copy and each round's metrics get ``fedavg-cosine``. Doubles the nodes' work.
     lr_schedule : str
         ``"cosine"`` (the paper's, over ``num_rounds``) or ``"constant"``.
     train_metrics_aggr_fn, evaluate_metrics_aggr_fn : callable, optional
@@ -186,7 +186,7 @@ class SpectralSharding(FedAvg):
 
     @property
     def capabilities(self) -> dict[int, P.Capabilities]:
-        """node id -> what it declared (:class:`~fedshard.nodes.NodeDirectory`'s cache)."""
+        """node id -> what it declared (:class:`~fedshard.server.nodes.NodeDirectory`'s cache)."""
         return self.nodes.capabilities
 
     @classmethod
@@ -208,7 +208,7 @@ class SpectralSharding(FedAvg):
 
     def resume(self, completed_rounds: int, capabilities: dict[int, tuple[float, str]],
                history: dict[int, dict[str, float]]) -> None:
-        """Continue a run after ``completed_rounds`` rounds (see :mod:`fedshard.checkpoint`).
+        """Continue a run after ``completed_rounds`` rounds (see :mod:`fedshard.app.checkpoint`).
 
         Call ``start(initial_arrays=<checkpoint arrays>, num_rounds=num_rounds -
         completed_rounds)`` afterwards; every random stream continues as if uninterrupted.

@@ -9,8 +9,8 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from fedshard import protocol as P
-from fedshard.client import handle_query, keep_ratio_of
-from fedshard.shard import shard_reply
+from fedshard.client.handlers import handle_query, keep_ratio_of
+from fedshard.client.shard import shard_reply
 
 __all__ = ["ShardingClientApp", "sharding_mod"]
 

@@ -6,8 +6,8 @@ Layout of ``<results-dir>/<run-name>/``::
     metrics.jsonl   one JSON object per round (round 0 = the initial model's evaluation)
     model.pt        final global model (torch state_dict)
     summary.json    final accuracy, best accuracy, wall time, rounds completed
-    checkpoint.pt, checkpoint.prev.pt   the last two rounds' checkpoints (fedshard.checkpoint)
-    run.lock        held by the run writing the directory (fedshard.rundir)
+    checkpoint.pt, checkpoint.prev.pt   the last two rounds' checkpoints (fedshard.app.checkpoint)
+    run.lock        held by the run writing the directory (fedshard.app.rundir)
 
 A new run refuses a directory that already holds results unless it resumes or overwrites;
 a second run on the same directory at the same time fails at once (see :class:`RunRecorder`).
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from flwr.common.logger import log as flwr_log
 
-from fedshard.rundir import (
+from fedshard.app.rundir import (
     RESULT_FILES,
     ExistingResultsError,
     RunLock,
@@ -111,7 +111,7 @@ def _describe(directory: Path, present: list[str]) -> str:
 
 
 def _results_present(directory: Path) -> list[str]:
-    """The names in :data:`~fedshard.rundir.RESULT_FILES` that hold results in ``directory``."""
+    """The names in :data:`~fedshard.app.rundir.RESULT_FILES` that hold results in ``directory``."""
     present = []
     for name in RESULT_FILES:
         path = directory / name
@@ -148,7 +148,7 @@ class RunRecorder:
         ``directory`` is relative, ``resume_round`` is given together with ``overwrite``, or
         the resumed ``metrics.jsonl`` is damaged before its last line.
     RunLockedError
-        Another run holds ``directory`` (see :class:`~fedshard.rundir.RunLock`).
+        Another run holds ``directory`` (see :class:`~fedshard.app.rundir.RunLock`).
     ExistingResultsError
         A new run (``resume_round=None``) without ``overwrite`` in a directory that holds
         results (rows in ``metrics.jsonl``, a checkpoint, ``model.pt`` or ``summary.json``).

@@ -1,7 +1,7 @@
 """One local-training step: the optimizer (SGD-m in ClipLR), Frobenius decay, the loss, and
 the step replayed from a CUDA graph (Sec. 3.3).
 
-:class:`TrainStep` is what :func:`fedshard.training.train` runs per batch and what
+:class:`TrainStep` is what :func:`fedshard.client.train.loop.train` runs per batch and what
 ``benchmarks/bench_client.py`` times; nothing here reads data or waits for the device.
 """
 
@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedshard.optim import ClipLR, FrobeniusDecay
+from fedshard.client.train.config import TrainConfig
+from fedshard.client.train.optim import ClipLR, FrobeniusDecay
 from fedshard.spectral.conv import SpectralConv2d
 from fedshard.spectral.layers import SpectralLayer
-from fedshard.train_config import TrainConfig
 
 __all__ = ["TrainStep", "build_optimizer", "cross_entropy_sums"]
 
@@ -33,7 +33,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> ClipLR:
     model : nn.Module
         The (sub-)model to train.
     cfg : TrainConfig
-        Provides ``lr``, ``momentum``, ``weight_decay`` and ``clip_tau``.
+        Provides ``lr``, ``momentum``, ``weight_decay`` and ``clip_lr_tau``.
 
     Returns
     -------
@@ -61,7 +61,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> ClipLR:
     if not groups:
         raise ValueError("the model has no trainable parameters; there is nothing to train.")
     sgd = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
-    return ClipLR(sgd, model, cfg.clip_tau)
+    return ClipLR(sgd, model, cfg.clip_lr_tau)
 
 
 class TrainStep:
@@ -188,7 +188,7 @@ class _StepGraphs:
 
     At most ``_MAX_GRAPHS`` graphs are kept, the least recently replayed dropped first: each
     holds a step's activations in its own memory pool, and a pooled step
-    (:mod:`fedshard.step_pool`) sees every client's last, short batch."""
+    (:mod:`fedshard.client.train.fast.pool`) sees every client's last, short batch."""
 
     _WARMUP = 1  # H100, CIFAR-10 round of 10 clients: 4.8 s with 1, 5.7 s with 3
     _MAX_GRAPHS = 3  # the full batch and the two most recent short ones

@@ -1,8 +1,8 @@
 """The client side of fedshard's app: the run's model, this node's data, its keep ratio.
 
-What the ClientApp needs from a validated :class:`~fedshard.config.RunConfig` (and what the
+What the ClientApp needs from a validated :class:`~fedshard.app.config.RunConfig` (and what the
 ServerApp shares with it: the model builder). The server's orchestration is in
-:mod:`fedshard.experiment`.
+:mod:`fedshard.app.run`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from fedshard.config import RunConfig
+from fedshard.app.config import RunConfig
 from fedshard.data import dataset_info, load_partition
 from fedshard.protocol import KEEP_RATIO
 from fedshard.sampling import as_keep_ratio
@@ -29,11 +29,11 @@ __all__ = [
 def template_model(cfg: RunConfig) -> nn.Module:
     """:func:`build_model`'s model, built once per process and shared by every call with the
     same model settings: **never modify it** (pass it where the model is only read, e.g.
-    :func:`fedshard.client.handle_train`, or ``copy.deepcopy`` it first).
+    :func:`fedshard.client.handlers.handle_train`, or ``copy.deepcopy`` it first).
 
     A ClientApp builds the model for every message, only to overwrite its weights with the
     server's: the random initialization of ResNet-18 width 64 takes 0.24 s on this project's
-    CPU, a deep copy 0.06 s, and :func:`~fedshard.client.handle_train` copies only what the
+    CPU, a deep copy 0.06 s, and :func:`~fedshard.client.handlers.handle_train` copies only what the
     sub-model keeps (``benchmarks/bench_receive.py``).
     """
     key = (cfg.model, cfg.model_width, cfg.dataset, cfg.seed)  # all that build_model reads

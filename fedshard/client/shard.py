@@ -18,8 +18,8 @@ from flwr.app import ArrayRecord, Message
 from torch import nn
 
 from fedshard import protocol as P
+from fedshard.client.train.loop import ClipLR, TrainConfig, build_optimizer, frobenius_penalty
 from fedshard.spectral import LayerFactors, build_submodel
-from fedshard.training import ClipLR, TrainConfig, build_optimizer, frobenius_penalty
 
 __all__ = ["Shard", "receive", "shard_reply", "submodel_from_record"]
 
@@ -83,11 +83,11 @@ class Shard:
         return cls(sub.to(dev), settings, tuple(layers), msg, dev)
 
     def train_config(self, **overrides: Any) -> TrainConfig:
-        """fedshard's :class:`~fedshard.training.TrainConfig` for these settings
-        (``overrides`` replace fields, e.g. ``epochs=2``)."""
+        """fedshard's :class:`~fedshard.client.train.loop.TrainConfig` for these settings
+        (``overrides`` replace fields, e.g. ``local_epochs=2``)."""
         s = self.settings
-        cfg = TrainConfig(epochs=s.local_epochs, lr=s.lr, momentum=s.momentum,
-                          frobenius_decay=s.frobenius_decay, clip_tau=s.clip_lr_tau,
+        cfg = TrainConfig(local_epochs=s.local_epochs, lr=s.lr, momentum=s.momentum,
+                          frobenius_decay=s.frobenius_decay, clip_lr_tau=s.clip_lr_tau,
                           weight_decay=s.weight_decay, device=self.device, seed=s.train_seed)
         return replace(cfg, **overrides) if overrides else cfg
 
@@ -155,7 +155,7 @@ def receive(msg: Message, model: nn.Module, *, device: str | torch.device = "cpu
     Parameters
     ----------
     msg : flwr.app.Message
-        The ``train`` message from :class:`~fedshard.strategy.SpectralSharding`.
+        The ``train`` message from :class:`~fedshard.server.strategy.SpectralSharding`.
     model : nn.Module
         A fresh instance of the model the server was started with.
     device : str or torch.device

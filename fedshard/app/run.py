@@ -1,8 +1,8 @@
-"""The server side of fedshard's app: from a validated :class:`~fedshard.config.RunConfig`
+"""The server side of fedshard's app: from a validated :class:`~fedshard.app.config.RunConfig`
 to strategy, rounds, central evaluation, results and checkpoints.
 
 The ServerApp is thin: it reads ``context.run_config`` once into a ``RunConfig`` and calls
-:func:`run_server`. The client side (model, data, keep ratio) is :mod:`fedshard.task`.
+:func:`run_server`. The client side (model, data, keep ratio) is :mod:`fedshard.app.task`.
 """
 
 from __future__ import annotations
@@ -16,18 +16,18 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 from torch import nn
 
-from fedshard.batches import batches_for
-from fedshard.checkpoint import RESUME_MAY_CHANGE, Checkpoint
-from fedshard.config import RunConfig
+from fedshard.app.checkpoint import RESUME_MAY_CHANGE, Checkpoint
+from fedshard.app.config import RunConfig
+from fedshard.app.results import RunRecorder
+from fedshard.app.task import build_model, example_input, resolve_device
+from fedshard.client.train.batches import batches_for
+from fedshard.client.train.loop import evaluate
 from fedshard.data import load_test_set
-from fedshard.nodes import load_keep_ratio_table
-from fedshard.results import RunRecorder
+from fedshard.server.metrics import TensorBoardLog
+from fedshard.server.nodes import load_keep_ratio_table
+from fedshard.server.strategy import SpectralSharding
 from fedshard.spectral import sharded_layer_names
 from fedshard.spectral.truncation import truncate_, truncate_state
-from fedshard.strategy import SpectralSharding
-from fedshard.task import build_model, example_input, resolve_device
-from fedshard.telemetry import TensorBoardLog
-from fedshard.training import evaluate
 
 __all__ = ["build_strategy", "central_evaluate_fn", "run_server"]
 

@@ -3,8 +3,7 @@
 Torch only. The spectral layers are found by ``isinstance(m, SpectralLayer)``; their ``u`` and
 ``v`` are trained with Frobenius decay only, every other parameter with ordinary weight decay.
 The loop lives here (:func:`train`, :func:`evaluate`); the settings in
-:mod:`fedshard.train_config`, the step in :mod:`fedshard.step`. Their public names are
-re-exported here, where users import them.
+:mod:`fedshard.client.train.config`, the step in :mod:`fedshard.client.train.fast.step`.
 """
 
 from __future__ import annotations
@@ -18,11 +17,17 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from fedshard.batches import INPUT_KEYS, TARGET_KEYS, TensorBatches, dataset_size, unpack_batch
-from fedshard.optim import ClipLR, FrobeniusDecay, frobenius_penalty
-from fedshard.step import TrainStep, build_optimizer, cross_entropy_sums
-from fedshard.step_pool import StepPool
-from fedshard.train_config import EvalResult, TrainConfig, TrainResult
+from fedshard.client.train.batches import (
+    INPUT_KEYS,
+    TARGET_KEYS,
+    TensorBatches,
+    dataset_size,
+    unpack_batch,
+)
+from fedshard.client.train.config import EvalResult, TrainConfig, TrainResult
+from fedshard.client.train.fast.pool import StepPool
+from fedshard.client.train.fast.step import TrainStep, build_optimizer, cross_entropy_sums
+from fedshard.client.train.optim import ClipLR, FrobeniusDecay, frobenius_penalty
 
 __all__ = [
     "INPUT_KEYS",
@@ -45,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 def train(model: nn.Module, loader: DataLoader[Any] | TensorBatches,
           cfg: TrainConfig) -> TrainResult:
-    """Train ``model`` in place for ``cfg.epochs`` epochs with cross-entropy.
+    """Train ``model`` in place for ``cfg.local_epochs`` epochs with cross-entropy.
 
     Parameters
     ----------
@@ -105,7 +110,7 @@ def _train_loop(
     total_targets = torch.zeros((), dtype=torch.int64, device=device)
     examples_per_epoch = 0
     with _forked_rng(cfg.seed, device):
-        for epoch in range(cfg.epochs):
+        for epoch in range(cfg.local_epochs):
             epoch_loss = torch.zeros((), dtype=torch.float64, device=device)
             epoch_correct = torch.zeros((), dtype=torch.int64, device=device)
             epoch_targets = torch.zeros((), dtype=torch.int64, device=device)
@@ -134,7 +139,7 @@ def _train_loop(
                 logger.info(
                     "epoch %d/%d: loss %.4f, accuracy %.4f over %d targets",
                     epoch + 1,
-                    cfg.epochs,
+                    cfg.local_epochs,
                     epoch_loss.item() / seen,
                     epoch_correct.item() / seen,
                     int(epoch_targets.item()),
@@ -159,8 +164,8 @@ def _check_finite(loss_sum: torch.Tensor, epoch: int, steps: int, cfg: TrainConf
         remedies.append("set TrainConfig.max_grad_norm to clip the gradient norm")
     else:
         remedies.append(f"lower max_grad_norm (now {cfg.max_grad_norm})")
-    if cfg.clip_tau is None:
-        remedies.append("enable ClipLR (clip_tau)")
+    if cfg.clip_lr_tau is None:
+        remedies.append("enable ClipLR (clip_lr_tau)")
     raise FloatingPointError(
         f"training loss became {loss_sum.item()} in epoch {epoch + 1} (found after step "
         f"{steps}; checked every {_CHECK_EVERY} steps); training stopped and the model's "

@@ -1,7 +1,7 @@
 """One training step reused by every later model of the same shape in a process (Sec. 3.3).
 
-A CUDA-graphed :class:`~fedshard.step.TrainStep` pays an eager warm-up step and a capture for
-each batch shape before it replays; built afresh for each client (each ``train`` call), that is
+A CUDA-graphed :class:`~fedshard.client.train.fast.TrainStep` pays an eager warm-up step and a
+capture for each batch shape before it replays; built afresh for each client (each ``train`` call), that is
 most of a small sub-model's client time on a GPU (H100, CIFAR-10-shaped round: the 10 clients
 spent 3.7-4.8 s for ~1.6 s of replayed steps). Clients of one keep ratio get sub-models of the
 same shapes, so :class:`StepPool` keeps one private copy of such a model with its step (and its
@@ -36,8 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedshard.step import TrainStep
-from fedshard.train_config import TrainConfig
+from fedshard.client.train.config import TrainConfig
+from fedshard.client.train.fast.step import TrainStep
 
 __all__ = ["StepPool", "model_signature"]
 
@@ -61,7 +61,7 @@ def model_signature(model: nn.Module, cfg: TrainConfig) -> tuple[Any, ...] | Non
     model : nn.Module
         On its training device.
     cfg : TrainConfig
-        The step's settings; only ``seed``, ``epochs`` and ``log_every_epoch`` are left out
+        The step's settings; only ``seed``, ``local_epochs`` and ``log_every_epoch`` are left out
         (they do not enter the step).
     """
     modules = []
@@ -78,7 +78,7 @@ def model_signature(model: nn.Module, cfg: TrainConfig) -> tuple[Any, ...] | Non
          t.requires_grad)
         for kind, named in (("param", model.named_parameters()), ("buffer", model.named_buffers()))
         for name, t in named)
-    settings = (cfg.lr, cfg.momentum, cfg.frobenius_decay, cfg.clip_tau, cfg.weight_decay,
+    settings = (cfg.lr, cfg.momentum, cfg.frobenius_decay, cfg.clip_lr_tau, cfg.weight_decay,
                 str(torch.device(cfg.device)), cfg.channels_last, cfg.compile, cfg.cuda_graph,
                 cfg.max_grad_norm, cfg.pad_terms, cfg.merge_terms)
     return (tuple(modules), tensors, repr(model), settings)

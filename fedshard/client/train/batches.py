@@ -141,7 +141,7 @@ class TensorBatches:
     ValueError
         If ``batch_size < 1`` or the tensors' first dimensions differ. No examples is not an
         error here (no batches, as a DataLoader of an empty data set):
-        :func:`~fedshard.training.train` refuses to train on them.
+        :func:`~fedshard.client.train.loop.train` refuses to train on them.
 
     Notes
     -----

@@ -17,7 +17,7 @@ class TrainConfig:
 
     Attributes
     ----------
-    epochs : int
+    local_epochs : int
         Passes over the loader, ``>= 1``.
     lr : float
         SGD learning rate, ``>= 0`` (0: nothing changes, a pipeline diagnostic).
@@ -25,7 +25,7 @@ class TrainConfig:
         SGD momentum in ``[0, 1)``; the paper uses 0.9.
     frobenius_decay : float
         ``γ >= 0``; adds ``γ ‖U Ω V^T‖_F^2`` per spectral layer to the loss (paper: 1e-4).
-    clip_tau : float or None
+    clip_lr_tau : float or None
         ClipLR threshold ``τ > 0`` (paper: 10, and ``τ >= 1`` is advised); ``None`` disables.
     weight_decay : float
         Ordinary (L2) weight decay ``>= 0`` of the non-spectral parameters (dense weights,
@@ -69,7 +69,7 @@ class TrainConfig:
         other channel counts are slow), else 1. Eager CUDA steps are bound by launches, not
         kernels, and the padding's extra launches made them slower (22.0 against 19.4 ms).
     reuse_step : bool or None
-        Train on a pooled step (:class:`~fedshard.step_pool.StepPool`, one per process): a
+        Train on a pooled step (:class:`~fedshard.client.train.fast.StepPool`, one per process): a
         later model of the same shapes and settings (the next client of the same keep ratio
         in a Ray worker or on the in-process grid) is copied into a kept model copy whose
         step, optimizer and CUDA graphs already exist, so it skips the warm-up and capture;
@@ -92,11 +92,11 @@ class TrainConfig:
         On any out-of-range value.
     """
 
-    epochs: int = 1
+    local_epochs: int = 1
     lr: float = 0.05
     momentum: float = 0.9
     frobenius_decay: float = 1e-4
-    clip_tau: float | None = 10.0
+    clip_lr_tau: float | None = 10.0
     weight_decay: float = 0.0
     device: str | torch.device = "cpu"
     seed: int = 0
@@ -117,8 +117,9 @@ class TrainConfig:
                 f"TrainConfig.{field}={value!r}: expected {expected}; no training was started."
             )
 
-        if isinstance(self.epochs, bool) or not isinstance(self.epochs, int) or self.epochs < 1:
-            raise bad("epochs", self.epochs, "an int >= 1")
+        if (isinstance(self.local_epochs, bool) or not isinstance(self.local_epochs, int)
+                or self.local_epochs < 1):
+            raise bad("local_epochs", self.local_epochs, "an int >= 1")
         if not finite_real(self.lr) or self.lr < 0:
             # lr = 0 is allowed: a round that changes nothing (a diagnostic of the pipeline)
             raise bad("lr", self.lr, "a finite number >= 0")
@@ -126,8 +127,9 @@ class TrainConfig:
             raise bad("momentum", self.momentum, "a number in [0, 1)")
         if not finite_real(self.frobenius_decay) or self.frobenius_decay < 0:
             raise bad("frobenius_decay", self.frobenius_decay, "a finite number >= 0")
-        if self.clip_tau is not None and (not finite_real(self.clip_tau) or self.clip_tau <= 0):
-            raise bad("clip_tau", self.clip_tau, "a finite number > 0 (or None to disable ClipLR)")
+        tau = self.clip_lr_tau
+        if tau is not None and (not finite_real(tau) or tau <= 0):
+            raise bad("clip_lr_tau", tau, "a finite number > 0 (or None to disable ClipLR)")
         if not finite_real(self.weight_decay) or self.weight_decay < 0:
             raise bad("weight_decay", self.weight_decay, "a finite number >= 0")
         if self.max_grad_norm is not None and (

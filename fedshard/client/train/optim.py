@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fedshard.client.train.config import finite_real
 from fedshard.spectral.layers import SpectralLayer
-from fedshard.train_config import finite_real
 
 __all__ = ["ClipLR", "FrobeniusDecay", "frobenius_penalty"]
 
@@ -110,7 +110,7 @@ class ClipLR(torch.optim.Optimizer):
         """Recompute the cached scales in place from the layers' current ω.
 
         For a step that reuses this optimizer for another model of the same shapes, whose ω
-        was copied into the same tensors (:class:`fedshard.step_pool.StepPool`): a replayed
+        was copied into the same tensors (:class:`fedshard.client.train.fast.StepPool`): a replayed
         CUDA graph reads the cached scale tensors, so they are refilled, not replaced.
         """
         if self.tau is None:

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedshard.rundir import CHECKPOINT_NAME, PREVIOUS_CHECKPOINT_NAME
+from fedshard.app.rundir import CHECKPOINT_NAME, PREVIOUS_CHECKPOINT_NAME
 
 __all__ = [
     "CHECKPOINT_NAME",

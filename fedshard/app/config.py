@@ -14,10 +14,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from fedshard.mixture import KeepRatioMixture  # re-exported: run-config `keep-ratios`
+from fedshard.app.mixture import KeepRatioMixture  # re-exported: run-config `keep-ratios`
 from fedshard.protocol.bounds import UPDATE_POLICIES
 from fedshard.sampling import SAMPLING_DESIGNS, SCALABLE_METHODS, SHARDING_METHODS
-from fedshard.schedule import LR_SCHEDULES
+from fedshard.server.schedule import LR_SCHEDULES
 from fedshard.spectral.aggregate import AGGREGATIONS
 
 __all__ = [

@@ -12,7 +12,7 @@ Two ways to train, one implementation:
       return shard.reply(num_examples=len(my_loader.dataset), metrics={"my-loss": ...})
 
 - **Batteries included**: :func:`handle_train` does exactly that with fedshard's loop
-  (:func:`fedshard.training.train`) on a ``Dataset`` or a ``DataLoader`` you built.
+  (:func:`fedshard.client.train.loop.train`) on a ``Dataset`` or a ``DataLoader`` you built.
 
 Frobenius decay: :meth:`Shard.penalty` is ``γ Σ_L ‖U Ω Vᵀ‖²_F`` over the sharded layers (paper
 Sec. 3.3); add it to the loss, it replaces weight decay on the factors. ClipLR: the optimizer of
@@ -37,13 +37,13 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from fedshard import protocol as P
-from fedshard.batches import TensorBatches, batches_for
-from fedshard.sampling import as_keep_ratio
-from fedshard.shard import Shard, receive, submodel_from_record  # re-exported
-from fedshard.training import (
+from fedshard.client.shard import Shard, receive, submodel_from_record  # re-exported
+from fedshard.client.train.batches import TensorBatches, batches_for
+from fedshard.client.train.loop import (
     evaluate,
     train,
 )
+from fedshard.sampling import as_keep_ratio
 
 __all__ = [
     "Shard",
@@ -114,9 +114,9 @@ Loader = DataLoader[Any] | TensorBatches
 def _loader(data: Dataset[Any] | Loader, batch_size: int, seed: int | None,
             device: str | torch.device) -> Loader:
     """``data`` as batches: a given DataLoader or :class:`TensorBatches` as is; a Dataset
-    through :func:`~fedshard.batches.batches_for` (fedshard's own data sets held on
+    through :func:`~fedshard.client.train.batches.batches_for` (fedshard's own data sets held on
     ``device``, others in a DataLoader; for training shuffled with the round's seed). Dict
-    samples stay dicts: the training loop reads them (:mod:`fedshard.batches`)."""
+    samples stay dicts: the training loop reads them (:mod:`fedshard.client.train.batches`)."""
     if isinstance(data, (DataLoader, TensorBatches)):
         if seed is not None:
             logger.info("handle_train: using the given %s as is (batch size %s); the "
@@ -156,19 +156,19 @@ def handle_train(
     data : Dataset, DataLoader or TensorBatches
         A ``Dataset`` is batched with the server's ``batch-size`` and shuffled with the
         round's seed. One that gives all its examples as tensors
-        (:class:`~fedshard.batches.HasTensors`, as fedshard's data sets do), or a
+        (:class:`~fedshard.client.train.batches.HasTensors`, as fedshard's data sets do), or a
         ``TensorDataset`` of ``(inputs, targets)``, is held on the device as
-        :class:`~fedshard.batches.TensorBatches`, in the order a DataLoader would give (same
+        :class:`~fedshard.client.train.TensorBatches`, in the order a DataLoader would give (same
         model, less host work per batch). A ``DataLoader`` or ``TensorBatches`` is used as
         is. Samples may be ``(x, y)`` pairs or dicts (``input_key``/``target_key``;
         ``None``: flwr-datasets' names, e.g. ``"img"``
-        and ``"label"``, see :data:`fedshard.batches.INPUT_KEYS`).
+        and ``"label"``, see :data:`fedshard.client.train.batches.INPUT_KEYS`).
     device : str
         Where to train.
     input_key, target_key : str, optional
         Keys of dict samples.
     train_options : mapping, optional
-        This node's own :class:`~fedshard.training.TrainConfig` fields, e.g. ``compile``,
+        This node's own :class:`~fedshard.client.train.loop.TrainConfig` fields, e.g. ``compile``,
         ``cuda_graph``, ``channels_last`` (speed only); they replace the fields they name.
 
     Returns
@@ -218,13 +218,3 @@ def handle_evaluate(
         P.EVAL_ACCURACY: float(result.accuracy),
     })
     return Message(RecordDict({P.METRICS: metrics}), reply_to=msg)
-
-
-def __getattr__(name: str) -> Any:
-    """``ShardingClientApp`` and ``sharding_mod`` live in :mod:`fedshard.clientapp` (which
-    imports this module); ``from fedshard.client import ShardingClientApp`` still works."""
-    if name in ("ShardingClientApp", "sharding_mod"):
-        from fedshard import clientapp
-
-        return getattr(clientapp, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

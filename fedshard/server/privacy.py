@@ -1,4 +1,4 @@
-"""Differential privacy and :class:`~fedshard.strategy.SpectralSharding`: what does not work.
+"""Differential privacy and :class:`~fedshard.server.strategy.SpectralSharding`: what does not work.
 
 Flower's DP wrappers (``DifferentialPrivacyServerSideFixedClipping``,
 ``DifferentialPrivacyClientSideFixedClipping`` and their adaptive variants) take a strategy and

@@ -19,11 +19,11 @@ from flwr.common import MessageType
 from flwr.common.logger import log
 
 from fedshard import protocol as P
-from fedshard.reference import check_reference, fedavg_cosines
 from fedshard.sampling import plan_round
+from fedshard.server.fedavg_cosine import check_reference, fedavg_cosines
+from fedshard.server.metrics import one_line, reply_metrics, send_metrics
 from fedshard.spectral.aggregate import aggregate_state, check_aggregation
 from fedshard.spectral.decompose import LayerSpectrum, layer_spectrum
-from fedshard.telemetry import one_line, reply_metrics, send_metrics
 
 __all__ = [
     "NO_ROUND_TRAINED", "Aggregation", "MetricsAggrFn", "RoundState", "evaluate_messages",
@@ -145,8 +145,8 @@ class RoundState:
 
     def cosines(self, accepted: Sequence[P.TrainReply],
                 new_arrays: ArrayRecord) -> dict[str, float]:
-        """``fedavg-cosine`` (:mod:`fedshard.reference`) over the accepted replies that came
-        with a usable dense reference, and ``fedavg-references``: how many did."""
+        """``fedavg-cosine`` (:mod:`fedshard.server.fedavg_cosine`) over the accepted replies
+        that came with a usable dense reference, and ``fedavg-references``: how many did."""
         used = [r for r in accepted if r.node in self.references]
         out = {"fedavg-references": float(len(used))}
         if used:

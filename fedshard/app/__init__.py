@@ -1,0 +1,13 @@
+"""fedshard's own Flower app (``flwr run .``): the run config, the task (model and data of a
+node), the ServerApp's run with its checkpoints and result files.
+
+The library (:mod:`fedshard.client`, :mod:`fedshard.server` and below) never imports this
+package; the root ``client_app.py`` and ``server_app.py`` are thin wrappers around it.
+
+- :mod:`~fedshard.app.config` - :class:`RunConfig`: every run-config key, validated once.
+- :mod:`~fedshard.app.mixture` - the simulated nodes' keep-ratio mix (``keep-ratios``).
+- :mod:`~fedshard.app.task` - a node's model, data partition, device and keep ratio.
+- :mod:`~fedshard.app.run` - :func:`run_server`, the ServerApp's whole job.
+- :mod:`~fedshard.app.checkpoint`, :mod:`~fedshard.app.results`, :mod:`~fedshard.app.rundir` -
+  resumable checkpoints, result files, the run directory and its lock.
+"""

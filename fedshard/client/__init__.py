@@ -1,0 +1,48 @@
+"""The client side: declare a keep ratio, receive a shard, train it (with your loop or
+fedshard's), reply.
+
+- :mod:`~fedshard.client.handlers` - :func:`handle_query`, :func:`handle_train`,
+  :func:`handle_evaluate`, :func:`keep_ratio_of` (fedshard's own ClientApp uses them).
+- :mod:`~fedshard.client.shard` - :class:`Shard` / :func:`receive`: the received sub-model for
+  your own training loop, and its reply.
+- :mod:`~fedshard.client.app` - :class:`ShardingClientApp` and :func:`sharding_mod`: Flower
+  glue for an existing project.
+- :mod:`~fedshard.client.train` - the local-training recipe (SGD-m, Frobenius decay, ClipLR).
+"""
+
+from fedshard.client.app import ShardingClientApp, sharding_mod
+from fedshard.client.handlers import handle_evaluate, handle_query, handle_train, keep_ratio_of
+from fedshard.client.shard import Shard, receive, shard_reply, submodel_from_record
+from fedshard.client.train import (
+    ClipLR,
+    EvalResult,
+    FrobeniusDecay,
+    TensorBatches,
+    TrainConfig,
+    TrainResult,
+    evaluate,
+    frobenius_penalty,
+    train,
+)
+
+__all__ = [
+    "ClipLR",
+    "EvalResult",
+    "FrobeniusDecay",
+    "Shard",
+    "ShardingClientApp",
+    "TensorBatches",
+    "TrainConfig",
+    "TrainResult",
+    "evaluate",
+    "frobenius_penalty",
+    "handle_evaluate",
+    "handle_query",
+    "handle_train",
+    "keep_ratio_of",
+    "receive",
+    "shard_reply",
+    "sharding_mod",
+    "submodel_from_record",
+    "train",
+]

@@ -1,0 +1,27 @@
+"""The server side: the Flower strategy and what it is made of.
+
+- :mod:`~fedshard.server.strategy` - :class:`SpectralSharding`, the Flower strategy.
+- :mod:`~fedshard.server.rounds` - one training round: shard per keep-ratio group, check the
+  replies, aggregate every term over its holders, rebuild W.
+- :mod:`~fedshard.server.nodes` - waiting for nodes, their declared keep ratios, the rules
+  that bound them, seeded node sampling.
+- :mod:`~fedshard.server.schedule` - the learning-rate schedule over rounds (cosine).
+- :mod:`~fedshard.server.metrics` - per-round metrics, client-metric aggregation, TensorBoard.
+- :mod:`~fedshard.server.fedavg_cosine` - the paper's post-gradient analysis (Sec. 4.4).
+- :mod:`~fedshard.server.privacy` - Flower's DP wrappers refused (they assume dense replies).
+"""
+
+from fedshard.server.metrics import mean_client_metrics
+from fedshard.server.nodes import KeepRatioRules, load_keep_ratio_table
+from fedshard.server.schedule import LR_SCHEDULES, cosine_lr
+from fedshard.server.strategy import SHARDING_METHODS, SpectralSharding
+
+__all__ = [
+    "LR_SCHEDULES",
+    "SHARDING_METHODS",
+    "KeepRatioRules",
+    "SpectralSharding",
+    "cosine_lr",
+    "load_keep_ratio_table",
+    "mean_client_metrics",
+]
