@@ -41,9 +41,8 @@ def train(msg: Message, context: Context) -> Message:
     cfg, pid, num = _node(context)
     # the process's shared model: handle_train only reads it (it copies what it trains)
     return handle_train(msg, template_model(cfg), client_dataset(cfg, pid, num),
-                        device=resolve_device(cfg.client_device),
-                        train_options={"compile": cfg.compile, "cuda_graph": cfg.cuda_graph,
-                                       "merge_terms": cfg.merge_terms})
+                        device=resolve_device(cfg.client_device), compile=cfg.compile,
+                        cuda_graph=cfg.cuda_graph, merge_terms=cfg.merge_terms)
 
 
 @app.evaluate()

@@ -5,12 +5,12 @@ every sharded layer, ω between 1 and 20 so that ClipLR does real work):
 
 * ``step_time_ratio_r{r}``: median time of one training step (forward + backward + SGD step,
   Frobenius decay and ClipLR included) over the dense model's (which has no factors: only its
-  loss and SGD). The step is :class:`fedshard.client.train.fast.TrainStep`, the code path
-  :func:`fedshard.client.train.train` runs, called on batches already on the device; on CUDA
-  each
-  timed block of ``--steps`` steps is bracketed by ``torch.cuda.synchronize()``. All
-  configurations live in this process, are warmed up, and are timed round-robin, so load from
-  other processes hits them alike;
+  loss and SGD). The step is the one :func:`fedshard.client.train.train` runs:
+  :class:`fedshard.client.train.EagerStep`, or with a fast option
+  :class:`fedshard.client.train.fast.TrainStep` (after ``configure_convolutions``), called on
+  batches already on the device; on CUDA each timed block of ``--steps`` steps is bracketed
+  by ``torch.cuda.synchronize()``. All configurations live in this process, are warmed up,
+  and are timed round-robin, so load from other processes hits them alike;
 * ``compiled_step_time_ratio_r{r}`` (with ``--compile``): the same with
   ``TrainConfig(compile=True)`` (CUDA graphs on CUDA), sub-model and dense model both compiled;
 * ``plain_step_time_ratio_r{r}``: a plain loop (cross-entropy, backward, ``torch.optim.SGD``
@@ -51,6 +51,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -61,8 +62,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fedshard.client.train import TrainConfig, train
-from fedshard.client.train.fast import TrainStep
+from fedshard.client.train import EagerStep, TrainConfig, train
+from fedshard.client.train.fast import TrainStep, configure_convolutions
 from fedshard.models import resnet18
 from fedshard.spectral import (
     decompose,
@@ -91,6 +92,12 @@ class PlainStep:
         self.opt.zero_grad(set_to_none=True)
         nn.functional.cross_entropy(self.model(x), y).backward()
         self.opt.step()
+
+
+def fast_step(model: nn.Module, cfg: TrainConfig) -> TrainStep:
+    """The fast step ``train`` builds for ``cfg`` (unpooled): convolutions set, then TrainStep."""
+    configure_convolutions(model, cfg)
+    return TrainStep(model, cfg)
 
 
 def prepare(model: nn.Module, cfg: TrainConfig) -> nn.Module:
@@ -233,7 +240,7 @@ def kernel_table(model: nn.Module, cfg: TrainConfig,
                  batches: list[tuple[torch.Tensor, torch.Tensor]], top: int) -> dict[str, object]:
     """One eager step under torch.profiler (after two unprofiled ones): kernels launched,
     their summed time (device time on CUDA, CPU time otherwise) and the ``top`` costliest."""
-    step = TrainStep(model, cfg)
+    step = EagerStep(model, cfg)
     for x, y in batches[:2]:
         step(x, y)
     cuda = torch.device(cfg.device).type == "cuda"
@@ -325,24 +332,25 @@ def main() -> None:
         if args.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         batches.append((x, y.to(device)))
-    modes: dict[str, tuple[type, TrainConfig]] = {"fedshard": (TrainStep, cfg)}
+    modes: dict[str, tuple[Callable[[nn.Module, TrainConfig], object], TrainConfig]] = {
+        "fedshard": (EagerStep, cfg)}
     if args.compile:
-        modes["compiled"] = (TrainStep, cfg_compiled)
+        modes["compiled"] = (fast_step, cfg_compiled)
     if args.cuda_graph:
-        modes["graph"] = (TrainStep, config(args.device, args.channels_last, cuda_graph=True))
+        modes["graph"] = (fast_step, config(args.device, args.channels_last, cuda_graph=True))
     if args.compile and args.cuda_graph:  # Inductor's kernels inside the whole-step graph
-        modes["compiled_graph"] = (TrainStep, config(args.device, args.channels_last,
+        modes["compiled_graph"] = (fast_step, config(args.device, args.channels_last,
                                                      compile=True, cuda_graph=True))
     modes["plain"] = (PlainStep, cfg)
     if args.pad_terms:  # the other side of TrainConfig.pad_terms' automatic choice
-        modes["padded"] = (TrainStep, dataclasses.replace(cfg, pad_terms=8))
+        modes["padded"] = (fast_step, dataclasses.replace(cfg, pad_terms=8))
         if args.cuda_graph:
-            modes["graph_unpadded"] = (TrainStep, dataclasses.replace(modes["graph"][1],
+            modes["graph_unpadded"] = (fast_step, dataclasses.replace(modes["graph"][1],
                                                                       pad_terms=1))
     if args.merge_terms:
-        modes["merged"] = (TrainStep, dataclasses.replace(cfg, merge_terms=True))
+        modes["merged"] = (fast_step, dataclasses.replace(cfg, merge_terms=True))
         if args.cuda_graph:
-            modes["graph_merged"] = (TrainStep, dataclasses.replace(modes["graph"][1],
+            modes["graph_merged"] = (fast_step, dataclasses.replace(modes["graph"][1],
                                                                     merge_terms=True))
     steps = {
         f"{mode}/{key}": make(prepare(m, c), c)

@@ -36,7 +36,7 @@ from flwr.app import (
     RecordDict,
 )
 
-from fedshard import SpectralSharding, handle_query
+from fedshard import Sharding, SpectralSharding, handle_query
 from fedshard import protocol as P
 from fedshard.models import resnet18
 from fedshard.spectral import sharded_layer_names
@@ -65,7 +65,7 @@ def main() -> None:
     ratios = [0.1] * 5 + [0.2] * 5
     grid = InProcessGrid(echo_client, [{"keep-ratio": r} for r in ratios])
     strategy = SpectralSharding(sharded_layers=layers, num_rounds=args.repeats + 1,
-                                method=args.method, seed=0)
+                                sharding=Sharding(method=args.method), seed=0)
     rows = []
     for r in range(1, args.repeats + 1):
         msgs = list(strategy.configure_train(r, arrays, ConfigRecord(), grid))

@@ -40,8 +40,8 @@ PY
 # (the CPU-only compiled pool test is deselected: Inductor's CPU build checks took over 50 s there;
 # CI runs it)
 run cuda_tests 200 python3 -m pytest -q -rf --tb=short -o log_level=WARNING -p no:cacheprovider \
-  --deselect tests/spectral/test_step_pool.py::test_pooled_compiled_step_trains_later_clients_like_eager \
-  tests/spectral/test_cuda.py tests/spectral/test_spectral_device.py tests/spectral/test_step_pool.py tests/client/test_tensor_batches.py
+  --deselect tests/client/train/fast/test_step_pool.py::test_pooled_compiled_step_trains_later_clients_like_eager \
+  tests/client/train/fast/test_cuda.py tests/spectral/test_spectral_device.py tests/client/train/fast/test_step_pool.py tests/client/train/test_tensor_batches.py
 run bench_simulation_graph 60 python3 benchmarks/bench_simulation.py --device cuda --rounds 3 --cuda-graph
 run bench_simulation_graph_merged 60 python3 benchmarks/bench_simulation.py --device cuda --rounds 3 --cuda-graph --merge-terms
 run bench_simulation_graph_fresh 60 python3 benchmarks/bench_simulation.py --device cuda --rounds 3 --cuda-graph --no-reuse-step

@@ -2,6 +2,9 @@
 
 Packages (data flows one way: sampling → spectral → client / server → app):
 
+- :mod:`fedshard.settings` - the settings, one frozen, validated dataclass per concern
+  (:class:`Sharding`, :class:`LocalTraining`, :class:`ReplyPolicy`, :class:`NodePolicy`),
+  shared by the run config, the strategy, the wire codec and the node's trainer.
 - :mod:`fedshard.sampling` - inclusion probabilities, multipliers, sampling designs, the
   annealed methods, the round's plan and the random streams (numpy only).
 - :mod:`fedshard.spectral` - SVD, factorized layers, model surgery, per-term aggregation, rank
@@ -14,8 +17,8 @@ Packages (data flows one way: sampling → spectral → client / server → app)
 - :mod:`fedshard.server` - the Flower strategy :class:`SpectralSharding`, its rounds, nodes,
   lr schedule, metrics, the FedAvg-cosine analysis and the DP guard.
 - :mod:`fedshard.models`, :mod:`fedshard.data` - the paper's models and data sets.
-- :mod:`fedshard.app` - fedshard's own Flower app (run config, task, the ServerApp's run,
-  checkpoints, result files); the library never imports it.
+- :mod:`fedshard.app` - fedshard's own Flower app (run config, task, the ServerApp's run and
+  its callbacks, checkpoints, result files); the library never imports it.
 - :mod:`fedshard.experiments` - suites of runs, their reports and plots (a command line tool).
 
 From the paper to the code:
@@ -46,23 +49,28 @@ from fedshard.client import (
     Shard,
     ShardingClientApp,
     TrainConfig,
-    evaluate,
     handle_evaluate,
     handle_query,
     handle_train,
     keep_ratio_of,
     receive,
     sharding_mod,
-    train,
 )
+from fedshard.client.train import evaluate, train
 from fedshard.server import SHARDING_METHODS, SpectralSharding
+from fedshard.settings import LocalTraining, NodePolicy, ReplyPolicy, SettingsError, Sharding
 from fedshard.spectral import sharded_layer_names
 
 __version__ = "0.1.0"
 
 __all__ = [
     "SHARDING_METHODS",
+    "LocalTraining",
+    "NodePolicy",
+    "ReplyPolicy",
+    "SettingsError",
     "Shard",
+    "Sharding",
     "ShardingClientApp",
     "SpectralSharding",
     "TrainConfig",

@@ -27,7 +27,6 @@ os.environ["ATEN_CPU_CAPABILITY"] = "avx2"
 os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX2"
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np

@@ -8,6 +8,13 @@ package; the root ``client_app.py`` and ``server_app.py`` are thin wrappers arou
 - :mod:`~fedshard.app.mixture` - the simulated nodes' keep-ratio mix (``keep-ratios``).
 - :mod:`~fedshard.app.task` - a node's model, data partition, device and keep ratio.
 - :mod:`~fedshard.app.run` - :func:`run_server`, the ServerApp's whole job.
+- :mod:`~fedshard.app.callbacks` - the run's side jobs after every round (central
+  evaluation, metrics file, TensorBoard, checkpoint), composed by :func:`run_server`.
 - :mod:`~fedshard.app.checkpoint`, :mod:`~fedshard.app.results`, :mod:`~fedshard.app.rundir` -
   resumable checkpoints, result files, the run directory and its lock.
 """
+
+from fedshard.app.config import ConfigError, RunConfig
+from fedshard.app.run import run_server
+
+__all__ = ["ConfigError", "RunConfig", "run_server"]

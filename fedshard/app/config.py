@@ -10,15 +10,21 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 from fedshard.app.mixture import KeepRatioMixture  # re-exported: run-config `keep-ratios`
-from fedshard.protocol.bounds import UPDATE_POLICIES
-from fedshard.sampling import SAMPLING_DESIGNS, SCALABLE_METHODS, SHARDING_METHODS
-from fedshard.server.schedule import LR_SCHEDULES
-from fedshard.spectral.aggregate import AGGREGATIONS
+from fedshard.sampling import SAMPLING_DESIGNS, SHARDING_METHODS
+from fedshard.server.nodes import load_keep_ratio_table
+from fedshard.settings import (  # ProblemsError: re-exported
+    LocalTraining,
+    NodePolicy,
+    ProblemsError,
+    ReplyPolicy,
+    SettingsError,
+    Sharding,
+)
 
 __all__ = [
     "DESIGNS",
@@ -34,20 +40,6 @@ METHODS = SHARDING_METHODS  # the run-config names are the library's (fedshard.s
 DESIGNS = SAMPLING_DESIGNS
 MODELS = ("resnet18", "cct", "chargpt", "mlp")
 DATASETS = ("fashion-mnist", "cifar10", "cifar100", "tinyimagenet", "shakespeare")
-
-
-class ProblemsError(ValueError):
-    """A validation error that lists every problem found, not just the first.
-
-    The message reads ``Invalid <subject> (<k> problem(s)); <consequence>:`` followed by one
-    ``  - <problem>`` line each; ``problems`` keeps the list.
-    """
-
-    def __init__(self, subject: str, problems: Sequence[str], consequence: str) -> None:
-        self.problems = list(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(
-            f"Invalid {subject} ({len(self.problems)} problem(s)); {consequence}:\n{lines}")
 
 
 class ConfigError(ProblemsError):
@@ -159,9 +151,43 @@ class RunConfig:
         return KeepRatioMixture.parse(self.keep_ratios)
 
     @property
-    def tau(self) -> float | None:
-        """ClipLR threshold τ, or ``None`` when ClipLR is off."""
-        return self.clip_lr_tau if self.clip_lr else None
+    def sharding(self) -> Sharding:
+        """What is sharded and how (``prism-exponent = 0``: the paper's default, ``None``)."""
+        return Sharding(method=self.method, design=self.design, scaled=self.scaled,
+                        prism_exponent=self.prism_exponent or None,
+                        anneal_exponent=self.anneal_exponent, anneal_rounds=self.anneal_rounds,
+                        fedavg_cosine=self.fedavg_cosine)
+
+    @property
+    def training(self) -> LocalTraining:
+        """The local-training recipe (``clip-lr = false``: ``clip_lr_tau=None``)."""
+        recipe = self._recipe()
+        return recipe if self.clip_lr else replace(recipe, clip_lr_tau=None)
+
+    @property
+    def replies(self) -> ReplyPolicy:
+        """Reply bounds and the averaging rule (``max-num-examples = 0``: no cap, ``None``)."""
+        return ReplyPolicy(max_update_ratio=self.max_update_ratio,
+                           update_policy=self.update_policy,
+                           max_num_examples=self.max_num_examples or None,
+                           aggregation=self.aggregation, trim_fraction=self.trim_fraction)
+
+    @property
+    def nodes(self) -> NodePolicy:
+        """The keep-ratio rules (the table read from ``keep-ratio-table``; a file that is no
+        table raises ``ValueError``) and ``round-timeout`` for both waits."""
+        table = load_keep_ratio_table(self.keep_ratio_table) if self.keep_ratio_table else None
+        return self._node_policy(table)
+
+    def _recipe(self) -> LocalTraining:
+        return LocalTraining(lr=self.lr, lr_schedule=self.lr_schedule,
+                             local_epochs=self.local_epochs, batch_size=self.batch_size,
+                             momentum=self.momentum, frobenius_decay=self.frobenius_decay,
+                             clip_lr_tau=self.clip_lr_tau, weight_decay=self.weight_decay)
+
+    def _node_policy(self, table: Mapping[str, float] | None) -> NodePolicy:
+        return NodePolicy(max_keep_ratio=self.max_keep_ratio, keep_ratio_table=table,
+                          query_timeout=self.round_timeout, node_wait_timeout=self.round_timeout)
 
     @property
     def results_path(self) -> Path:
@@ -187,39 +213,11 @@ class RunConfig:
             if not ok:
                 p.append(msg)
 
-        need(self.method in METHODS, f"method={self.method!r}: expected one of {METHODS}")
-        need(self.design in DESIGNS, f"design={self.design!r}: expected one of {DESIGNS}")
+        p.extend(self._settings_problems())
         try:
             KeepRatioMixture.parse(self.keep_ratios)
         except ValueError as err:
             p.append(str(err))
-        if self.scaled and self.method not in (*SCALABLE_METHODS, "none"):
-            p.append(
-                f"scaled=true with method={self.method!r}: +Scaled replaces the method's own "
-                "multipliers ω; use it with 'top-n' or 'prism'"
-            )
-        if self.scaled and self.method == "none":
-            p.append("scaled=true with method='none': there are no terms to scale")
-        need(
-            math.isfinite(self.clip_lr_tau) and self.clip_lr_tau >= 1.0,
-            f"clip-lr-tau={self.clip_lr_tau}: expected τ ≥ 1 (the paper uses 10; set clip-lr=false "
-            "to disable ClipLR)",
-        )
-        need(
-            self.prism_exponent == 0.0
-            or (math.isfinite(self.prism_exponent) and self.prism_exponent > 0),
-            f"prism-exponent={self.prism_exponent}: expected > 0, or 0 for the paper's default "
-            "(4 if r ≤ 0.2 else 2.5)",
-        )
-        for name in ("frobenius_decay", "weight_decay"):
-            v = getattr(self, name)
-            need(math.isfinite(v) and v >= 0, f"{name.replace('_', '-')}={v}: expected ≥ 0")
-        need(math.isfinite(self.lr) and self.lr > 0, f"lr={self.lr}: expected > 0")
-        need(self.lr_schedule in LR_SCHEDULES,
-             f"lr-schedule={self.lr_schedule!r}: expected one of {LR_SCHEDULES}")
-        need(0 <= self.momentum < 1, f"momentum={self.momentum}: expected in [0, 1)")
-        need(self.batch_size >= 1, f"batch-size={self.batch_size}: expected ≥ 1")
-        need(self.local_epochs >= 1, f"local-epochs={self.local_epochs}: expected ≥ 1")
         need(self.num_server_rounds >= 1,
              f"num-server-rounds={self.num_server_rounds}: expected ≥ 1")
         need(
@@ -234,7 +232,6 @@ class RunConfig:
             self.min_available_nodes >= 1,
             f"min-available-nodes={self.min_available_nodes}: expected ≥ 1",
         )
-        need(self.round_timeout > 0, f"round-timeout={self.round_timeout}: expected > 0 seconds")
         need(self.num_partitions >= 1, f"num-partitions={self.num_partitions}: expected ≥ 1")
         need(
             math.isfinite(self.dirichlet_alpha) and self.dirichlet_alpha >= 0,
@@ -260,27 +257,28 @@ class RunConfig:
             need(_is_device(value), f"{key.replace('_', '-')}={value!r}: expected 'auto', 'cpu', "
                  "'cuda' or 'cuda:<index>' ('auto': the GPU when torch sees one, else the CPU)")
         p.extend(self._location_problems())
-        need(math.isfinite(self.max_update_ratio) and self.max_update_ratio >= 0,
-             f"max-update-ratio={self.max_update_ratio}: expected ≥ 0 (0 = no bound)")
-        need(self.update_policy in UPDATE_POLICIES,
-             f"update-policy={self.update_policy!r}: expected one of {UPDATE_POLICIES}")
-        need(0 <= self.max_num_examples <= 2**53,
-             f"max-num-examples={self.max_num_examples}: expected in [1, 2**53], or 0 = no cap")
-        need(self.aggregation in AGGREGATIONS,
-             f"aggregation={self.aggregation!r}: expected one of {AGGREGATIONS}")
-        need(0 <= self.trim_fraction < 0.5,
-             f"trim-fraction={self.trim_fraction}: expected in [0, 0.5)")
-        need(math.isfinite(self.anneal_exponent) and self.anneal_exponent >= 1,
-             f"anneal-exponent={self.anneal_exponent}: expected γ₀ ≥ 1 (1: no annealing)")
-        need(self.anneal_rounds >= 1, f"anneal-rounds={self.anneal_rounds}: expected ≥ 1")
         need(0 < self.init_keep_ratio <= 1,
              f"init-keep-ratio={self.init_keep_ratio}: expected in (0, 1] (1: full-rank start)")
-        need(0 < self.max_keep_ratio <= 1,
-             f"max-keep-ratio={self.max_keep_ratio}: expected in (0, 1]")
         need(not self.keep_ratio_table or Path(self.keep_ratio_table).expanduser().is_file(),
              f"keep-ratio-table={self.keep_ratio_table!r}: no such file (expected a TOML file "
              "of '\"<node key>\" = <ratio>' lines, or empty for no table)")
         return p
+
+    def _settings_problems(self) -> list[str]:
+        """The problems of the settings objects, named by their run-config keys (each
+        object checks its own fields: one rule per setting, in :mod:`fedshard.settings`)."""
+        keys = {"query_timeout": "round_timeout", "node_wait_timeout": "round_timeout"}
+        found: dict[str, str] = {}  # one problem per run-config key
+        for build in (lambda: self.sharding, self._recipe, lambda: self.replies,
+                      lambda: self._node_policy(None)):
+            try:
+                build()
+            except SettingsError as err:
+                for problem in err.found:
+                    about = tuple((keys.get(k, k), v) for k, v in problem.about)
+                    found.setdefault(" ".join(k for k, _ in about),
+                                     replace(problem, about=about).render("run-config"))
+        return list(found.values())
 
     def _location_problems(self) -> list[str]:
         """Problems of ``results-dir``, ``run-name``, ``resume`` and ``overwrite``."""

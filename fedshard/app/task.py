@@ -31,10 +31,10 @@ def template_model(cfg: RunConfig) -> nn.Module:
     same model settings: **never modify it** (pass it where the model is only read, e.g.
     :func:`fedshard.client.handlers.handle_train`, or ``copy.deepcopy`` it first).
 
-    A ClientApp builds the model for every message, only to overwrite its weights with the
-    server's: the random initialization of ResNet-18 width 64 takes 0.24 s on this project's
-    CPU, a deep copy 0.06 s, and :func:`~fedshard.client.handlers.handle_train` copies only what the
-    sub-model keeps (``benchmarks/bench_receive.py``).
+    A ClientApp would otherwise build the model for every message only to overwrite its weights
+    with the server's; a random initialization costs several times a deep copy, and
+    :func:`~fedshard.client.handle_train` copies only what the sub-model keeps (measured by
+    ``benchmarks/bench_receive.py``).
     """
     key = (cfg.model, cfg.model_width, cfg.dataset, cfg.seed)  # all that build_model reads
     model = _TEMPLATES.get(key)

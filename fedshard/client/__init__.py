@@ -11,7 +11,13 @@ fedshard's), reply.
 """
 
 from fedshard.client.app import ShardingClientApp, sharding_mod
-from fedshard.client.handlers import handle_evaluate, handle_query, handle_train, keep_ratio_of
+from fedshard.client.handlers import (
+    NodeOptions,
+    handle_evaluate,
+    handle_query,
+    handle_train,
+    keep_ratio_of,
+)
 from fedshard.client.shard import Shard, receive, shard_reply, submodel_from_record
 from fedshard.client.train import (
     ClipLR,
@@ -20,21 +26,19 @@ from fedshard.client.train import (
     TensorBatches,
     TrainConfig,
     TrainResult,
-    evaluate,
     frobenius_penalty,
-    train,
 )
 
 __all__ = [
     "ClipLR",
     "EvalResult",
     "FrobeniusDecay",
+    "NodeOptions",
     "Shard",
     "ShardingClientApp",
     "TensorBatches",
     "TrainConfig",
     "TrainResult",
-    "evaluate",
     "frobenius_penalty",
     "handle_evaluate",
     "handle_query",
@@ -44,5 +48,4 @@ __all__ = [
     "shard_reply",
     "sharding_mod",
     "submodel_from_record",
-    "train",
 ]

@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import numpy as np
 import torch
@@ -46,6 +45,7 @@ from fedshard.client.train.loop import (
 from fedshard.sampling import as_keep_ratio
 
 __all__ = [
+    "NodeOptions",
     "Shard",
     "handle_evaluate",
     "handle_query",
@@ -107,6 +107,22 @@ def handle_query(msg: Message, keep_ratio: float, node_key: str | int | None = N
     return P.capabilities_reply(msg, keep_ratio, node_key)
 
 
+# ---------------------------------------------------------------------------- training
+class NodeOptions(TypedDict, total=False):
+    """A node's own :class:`~fedshard.client.train.TrainConfig` fields for :func:`handle_train`:
+    how it trains (speed, logging), not what (the recipe is the server's). See ``TrainConfig``
+    for each field."""
+
+    log_every_epoch: bool
+    channels_last: bool
+    compile: bool
+    cuda_graph: bool
+    max_grad_norm: float | None
+    pad_terms: int | None
+    reuse_step: bool | None
+    merge_terms: bool
+
+
 # ---------------------------------------------------------------------------- data
 Loader = DataLoader[Any] | TensorBatches
 
@@ -143,7 +159,7 @@ def handle_train(
     device: str = "cpu",
     input_key: str | None = None,
     target_key: str | None = None,
-    train_options: Mapping[str, Any] | None = None,
+    **options: Unpack[NodeOptions],
 ) -> Message:
     """Train the received shard of ``model`` with fedshard's loop; reply with the factors.
 
@@ -167,9 +183,10 @@ def handle_train(
         Where to train.
     input_key, target_key : str, optional
         Keys of dict samples.
-    train_options : mapping, optional
-        This node's own :class:`~fedshard.client.train.loop.TrainConfig` fields, e.g. ``compile``,
-        ``cuda_graph``, ``channels_last`` (speed only); they replace the fields they name.
+    **options
+        This node's own :class:`~fedshard.client.train.TrainConfig` fields (:class:`NodeOptions`:
+        speed and logging, e.g. ``compile=True``, ``cuda_graph=True``, ``merge_terms=True``);
+        the recipe is the server's.
 
     Returns
     -------
@@ -182,9 +199,9 @@ def handle_train(
     dense = copy.deepcopy(model) if P.REFERENCE in msg.content.array_records else None
     shard = receive(msg, model, device=device)
     s = shard.settings
-    options = {"input_key": input_key, "target_key": target_key, **dict(train_options or {})}
+    cfg = shard.train_config(input_key=input_key, target_key=target_key, **options)
     loader = _loader(data, s.batch_size, s.train_seed, shard.device)
-    result = train(shard.model, loader, shard.train_config(**options))
+    result = train(shard.model, loader, cfg)
     metrics = {P.TRAIN_LOSS: result.loss, P.TRAIN_ACCURACY: result.accuracy}
     if dense is None:
         return shard.reply(result.num_examples, metrics)
@@ -192,8 +209,7 @@ def handle_train(
     dense.load_state_dict({k: torch.as_tensor(np.array(a.numpy())) for k, a in record.items()},
                           strict=True)
     ref = train(dense.to(shard.device),
-                _again(loader, data, s.batch_size, s.train_seed, shard.device),
-                shard.train_config(**options))
+                _again(loader, data, s.batch_size, s.train_seed, shard.device), cfg)
     reply = shard.reply(result.num_examples, {**metrics, "fedavg-train-loss": ref.loss})
     reply.content[P.REFERENCE] = ArrayRecord(
         {k: Array(v.detach().cpu().numpy()) for k, v in dense.state_dict().items()})

@@ -18,7 +18,8 @@ from flwr.app import ArrayRecord, Message
 from torch import nn
 
 from fedshard import protocol as P
-from fedshard.client.train.loop import ClipLR, TrainConfig, build_optimizer, frobenius_penalty
+from fedshard.client.train.config import TrainConfig
+from fedshard.client.train.optim import build_optimizer, frobenius_penalty
 from fedshard.spectral import LayerFactors, build_submodel
 
 __all__ = ["Shard", "receive", "shard_reply", "submodel_from_record"]
@@ -57,8 +58,10 @@ class Shard:
         A copy of your model with each sharded layer replaced by its ``U·diag(ω)·Vᵀ`` layer
         (trainable ``u``, ``v``; frozen buffer ``omega``), on ``device``.
     settings : fedshard.protocol.TrainSettings
-        The server's settings for this round: ``lr`` (already scheduled), ``local_epochs``,
-        ``batch_size``, ``momentum``, ``frobenius_decay`` γ, ``clip_lr_tau`` τ, ...
+        The server's settings for this round: the recipe
+        (:class:`~fedshard.settings.LocalTraining`: ``lr`` already scheduled, ``local_epochs``,
+        ``batch_size``, ``momentum``, ``frobenius_decay`` γ, ``clip_lr_tau`` τ, ...) and the
+        round, keep ratio, training seed and method.
     layers : tuple of str
         Names of the sharded layers.
     message : flwr.app.Message
@@ -83,19 +86,25 @@ class Shard:
         return cls(sub.to(dev), settings, tuple(layers), msg, dev)
 
     def train_config(self, **overrides: Any) -> TrainConfig:
-        """fedshard's :class:`~fedshard.client.train.loop.TrainConfig` for these settings
-        (``overrides`` replace fields, e.g. ``local_epochs=2``)."""
+        """fedshard's :class:`~fedshard.client.train.TrainConfig` for the received recipe,
+        this shard's device and the round's seed; ``overrides`` replace fields (e.g.
+        ``compile=True``, ``local_epochs=2``)."""
         s = self.settings
         cfg = TrainConfig(local_epochs=s.local_epochs, lr=s.lr, momentum=s.momentum,
                           frobenius_decay=s.frobenius_decay, clip_lr_tau=s.clip_lr_tau,
                           weight_decay=s.weight_decay, device=self.device, seed=s.train_seed)
         return replace(cfg, **overrides) if overrides else cfg
 
-    def optimizer(self, **overrides: Any) -> ClipLR:
-        """SGD with the server's lr, momentum and weight decay, wrapped in ClipLR (τ from the
-        settings); ``overrides`` replace :class:`TrainConfig` fields (e.g. ``lr=0.01``).
+    def optimizer(self, **overrides: Any) -> torch.optim.SGD:
+        """SGD with the server's lr, momentum and weight decay (none on the factors), with
+        :class:`~fedshard.client.train.ClipLR` attached (τ from the settings; off when the
+        server sent none); ``overrides`` replace :class:`TrainConfig` fields (e.g.
+        ``lr=0.01``).
 
-        Call ``zero_grad()``, ``loss.backward()``, ``step()`` on it as on any optimizer.
+        A plain ``torch.optim.SGD``: call ``zero_grad()``, ``loss.backward()``, ``step()`` on
+        it as on any optimizer (each ``step()`` scales the factor gradients by
+        ``min(1, τ/ω_i)`` first), and use it with learning-rate schedulers and
+        ``state_dict()``.
         """
         return build_optimizer(self.model, self.train_config(**overrides))
 

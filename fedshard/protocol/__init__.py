@@ -34,7 +34,7 @@ Messages
     ``"metrics"``: ``num-examples``, ``eval-loss``, ``eval-accuracy``.
 """
 
-from fedshard.protocol.bounds import UPDATE_POLICIES, ReplyLimits, read_count, scalar_metrics
+from fedshard.protocol.bounds import UPDATE_POLICIES, read_count, scalar_metrics
 from fedshard.protocol.capabilities import (
     Capabilities,
     capabilities_reply,
@@ -89,7 +89,6 @@ __all__ = [
     "TRAIN_LOSS",
     "UPDATE_POLICIES",
     "Capabilities",
-    "ReplyLimits",
     "SentShard",
     "TrainReply",
     "TrainSettings",

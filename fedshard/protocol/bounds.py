@@ -2,66 +2,28 @@
 
 Every value a node sends is untrusted. The checks here turn a malformed or hostile value into
 either a reason to drop the reply (a string ``"category: details"``) or a bounded value, never
-into an exception in the ServerApp nor into a non-finite global model.
+into an exception in the ServerApp nor into a non-finite global model. The operator's bounds
+are :class:`fedshard.settings.ReplyPolicy`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from fedshard.settings import MAX_EXACT_COUNT, UPDATE_POLICIES  # the operator's bounds: ReplyPolicy
+
 __all__ = [
-    "MAX_EXACT_COUNT", "UPDATE_POLICIES", "ReplyLimits", "bound_dense", "bound_terms",
-    "read_count", "scalar_metrics",
+    "MAX_EXACT_COUNT", "UPDATE_POLICIES", "bound_dense", "bound_terms", "read_count",
+    "scalar_metrics",
 ]
 
-UPDATE_POLICIES = ("clip", "drop")
-# Largest count a float64 holds exactly: weights up to it (times any float32) cannot overflow.
-MAX_EXACT_COUNT = 2**53
 # RMS per entry below which a dense array counts as "near zero" for the update bound (a
 # zero-initialised bias or norm shift must still be allowed to move).
 DENSE_RMS_FLOOR = 0.1
-
-
-@dataclass(frozen=True)
-class ReplyLimits:
-    """The operator's bounds on a ``train`` reply.
-
-    Attributes
-    ----------
-    max_update_ratio : float
-        A returned term may differ from the one sent by at most this factor times the sent
-        norm, per factor column ``‖u'_i − u_i‖ ≤ ρ·max(‖u_i‖, ‖U‖_F/√n)`` (and the same for v);
-        a dense array by ``‖x' − x‖ ≤ ρ·max(‖x‖, 0.1·√size)``. 0 disables the bound. A
-        term ``u'v'ᵀ`` can still grow by up to ``(1+ρ)²``; honest replies stay below ρ = 1
-        (the golden-run configs: ≤ 0.65), so the default 10 never touches them.
-    update_policy : str
-        ``"clip"``: scale the excess change down to the bound; ``"drop"``: drop the reply.
-    max_num_examples : int or None
-        Largest ``num-examples`` accepted (``None``: up to 2**53, the exact float64 range).
-    """
-
-    max_update_ratio: float = 10.0
-    update_policy: str = "clip"
-    max_num_examples: int | None = None
-
-    def __post_init__(self) -> None:
-        problems = []
-        if not (math.isfinite(self.max_update_ratio) and self.max_update_ratio >= 0):
-            problems.append(f"max_update_ratio={self.max_update_ratio}: expected a finite "
-                            "number ≥ 0 (0 = no bound)")
-        if self.update_policy not in UPDATE_POLICIES:
-            problems.append(f"update_policy={self.update_policy!r}: expected one of "
-                            f"{UPDATE_POLICIES}")
-        if self.max_num_examples is not None and not 1 <= self.max_num_examples <= MAX_EXACT_COUNT:
-            problems.append(f"max_num_examples={self.max_num_examples}: expected an integer in "
-                            f"[1, 2**53] or None")
-        if problems:
-            raise ValueError("ReplyLimits: " + "; ".join(problems) + "; no round was started")
 
 
 def read_count(value: Any, cap: int | None = None) -> float | str:

@@ -1,94 +1,114 @@
-"""The ``train`` message's config: a node's local-training settings for one round."""
+"""The ``train`` message's config: the round's :class:`~fedshard.settings.LocalTraining`
+recipe plus the node's per-round fields (:class:`TrainSettings`)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, ClassVar
 
 from flwr.app import ConfigRecord
 
 from fedshard.sampling import as_keep_ratio
+from fedshard.settings import LocalTraining, Problem, SettingsError
 
 __all__ = ["TRAIN_CONFIG_KEYS", "TrainSettings"]
 
+#: The ``train`` config's keys, in the order they are written.
+TRAIN_CONFIG_KEYS = (
+    "server-round", "lr", "local-epochs", "batch-size", "momentum", "frobenius-decay",
+    "clip-lr-tau", "weight-decay", "keep-ratio", "train-seed", "method",
+)
 
-@dataclass(frozen=True)
-class TrainSettings:
-    """A node's local-training settings for one round: the ``train`` message's ``config``.
+# key -> its type on the wire (lr_schedule stays on the server: a node gets its round's lr)
+_WIRE_TYPES = {"server-round": int, "lr": float, "local-epochs": int, "batch-size": int,
+               "momentum": float, "frobenius-decay": float, "clip-lr-tau": float,
+               "weight-decay": float, "keep-ratio": float, "train-seed": int, "method": str}
 
-    Field ``f`` travels as key ``f`` in kebab case (:data:`TRAIN_CONFIG_KEYS`). ClipLR off is
-    ``clip_lr_tau=None`` here and ``0.0`` on the wire.
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSettings(LocalTraining):
+    """A node's settings for one round, the ``train`` message's ``config``: the run's
+    :class:`~fedshard.settings.LocalTraining` recipe for this round plus the per-round fields.
+
+    Attributes
+    ----------
+    lr : float
+        This round's rate, the schedule's value (≥ 0: a schedule may reach 0, a round that
+        changes nothing); ``lr_schedule`` is ``"constant"`` (within the round).
+    server_round : int
+        The run's round (resumed rounds included).
+    keep_ratio : float
+        The keep ratio the node trains at, in ``(0, 1]``.
+    train_seed : int
+        Seeds the node's data order and its torch RNG for this round.
+    method : str
+        The sharding method (``"none"``: the node trains the dense model).
+
+    Notes
+    -----
+    Every field but ``lr_schedule`` travels as its name in kebab case
+    (:data:`TRAIN_CONFIG_KEYS`); ClipLR off is ``clip_lr_tau=None`` here and ``0.0`` on the wire.
     """
 
+    _RULE_OF: ClassVar[dict[str, str]] = {"lr": "round_lr"}
+
+    lr: float = 0.0  # keeps LocalTraining's field order; always given (of, from_record)
     server_round: int
-    lr: float
-    local_epochs: int
-    batch_size: int
-    momentum: float
-    frobenius_decay: float
-    clip_lr_tau: float | None
-    weight_decay: float
     keep_ratio: float
     train_seed: int
     method: str
 
     def __post_init__(self) -> None:
-        checks = [
-            ("lr", math.isfinite(self.lr) and self.lr >= 0, "a finite number >= 0"),
-            ("local-epochs", self.local_epochs >= 1, "an integer >= 1"),
-            ("batch-size", self.batch_size >= 1, "an integer >= 1"),
-            ("momentum", 0 <= self.momentum < 1, "a number in [0, 1)"),
-            ("frobenius-decay", math.isfinite(self.frobenius_decay)
-             and self.frobenius_decay >= 0, "a finite number >= 0"),
-            ("clip-lr-tau", self.clip_lr_tau is None or (
-                math.isfinite(self.clip_lr_tau) and self.clip_lr_tau >= 1),
-             "τ >= 1, or off"),
-            ("weight-decay", math.isfinite(self.weight_decay) and self.weight_decay >= 0,
-             "a finite number >= 0"),
-        ]
-        bad = [f"{k}={getattr(self, k.replace('-', '_'))!r}: expected {want}"
-               for k, ok, want in checks if not ok]
-        if bad:
-            raise ValueError("invalid local-training settings: " + "; ".join(bad))
+        super().__post_init__()
         as_keep_ratio(self.keep_ratio, "keep-ratio")
+
+    def problems(self) -> list[Problem]:
+        found = super().problems()
+        if self.lr is None:  # a recipe may leave it to start(); a round may not
+            found.append(Problem((("lr", None),), "expected the round's lr (≥ 0)"))
+        return found
+
+    @classmethod
+    def of(cls, training: LocalTraining, *, lr: float, server_round: int, keep_ratio: float,
+           train_seed: int, method: str) -> TrainSettings:
+        """``training`` at round ``server_round`` (its scheduled rate ``lr``) for one node."""
+        recipe = {f.name: getattr(training, f.name) for f in fields(LocalTraining)}
+        recipe.update(lr=lr, lr_schedule="constant")
+        return cls(**recipe, server_round=server_round, keep_ratio=keep_ratio,
+                   train_seed=train_seed, method=method)
 
     def to_record(self, base: ConfigRecord | None = None) -> ConfigRecord:
         """A fresh ConfigRecord: ``base``'s entries (never modified), then these settings."""
         cfg = ConfigRecord(dict(base) if base is not None else {})
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "clip_lr_tau":
+        for key in TRAIN_CONFIG_KEYS:
+            value = getattr(self, key.replace("-", "_"))
+            if key == "clip-lr-tau":
                 value = float(value) if value is not None else 0.0
-            cfg[f.name.replace("_", "-")] = value
+            cfg[key] = value
         return cfg
 
     @classmethod
     def from_record(cls, cfg: ConfigRecord) -> TrainSettings:
-        """Read a ``train`` message's config; a missing or mistyped entry raises ``ValueError``
-        (the node's reply becomes an error and this round is not trained)."""
+        """Read a ``train`` message's config; a missing, mistyped or invalid entry raises
+        ``ValueError`` (the node's reply becomes an error and this round is not trained)."""
         values: dict[str, Any] = {}
-        for f in fields(cls):
-            key = f.name.replace("_", "-")
+        for key, kind in _WIRE_TYPES.items():
             value: Any = cfg.get(key)
-            if f.name == "method":
+            if kind is str:
                 ok = isinstance(value, str)
             else:
                 ok = not isinstance(value, bool) and isinstance(value, (int, float))
             if not ok:
                 raise ValueError(
                     f"train config {key}={value!r}: expected a "
-                    f"{'string' if f.name == 'method' else 'number'}; the server and this node "
+                    f"{'string' if kind is str else 'number'}; the server and this node "
                     "speak different versions of the fedshard protocol, so this round is not "
                     "trained")
-            if f.type in ("int", int):
-                value = int(value)
-            elif f.name != "method":
-                value = float(value)
-            values[f.name] = value
+            values[key.replace("-", "_")] = kind(value)
         if values["clip_lr_tau"] <= 0:
             values["clip_lr_tau"] = None
-        return cls(**values)
-
-
-TRAIN_CONFIG_KEYS = tuple(f.name.replace("_", "-") for f in fields(TrainSettings))
+        try:
+            return cls(lr_schedule="constant", **values)
+        except SettingsError as err:
+            raise ValueError(f"{err}\nThe server sent settings this node cannot train with, "
+                             "so this round is not trained.") from err

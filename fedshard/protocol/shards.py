@@ -10,13 +10,13 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
 from fedshard.protocol.bounds import (
-    ReplyLimits,
     bound_dense,
     bound_terms,
     read_count,
     scalar_metrics,
 )
 from fedshard.protocol.keys import ARRAYS, METRICS, NUM_EXAMPLES, factor_key, layer_of
+from fedshard.settings import ReplyPolicy
 from fedshard.spectral.aggregate import TermUpdate
 from fedshard.spectral.decompose import LayerSpectrum
 
@@ -146,15 +146,15 @@ def check_eval_reply(msg: Message) -> tuple[float, dict[str, float]] | str:
 
 
 def check_train_reply(msg: Message, sent: SentShard | None, seen: set[int],
-                      limits: ReplyLimits | None = None,
+                      limits: ReplyPolicy | None = None,
                       node: int | None = None) -> TrainReply | str:
     """The checked reply, or the reason (``"category: details"``) it must be dropped.
 
     ``node`` is the node the answered message was sent to (default: the reply's sender);
     ``limits`` bound ``num-examples`` and the change from what was sent
-    (:class:`~fedshard.protocol.bounds.ReplyLimits`; default: its defaults).
+    (:class:`~fedshard.settings.ReplyPolicy`; default: its defaults).
     """
-    limits = limits if limits is not None else ReplyLimits()
+    limits = limits if limits is not None else ReplyPolicy()
     node = msg.metadata.src_node_id if node is None else node
     if msg.has_error():
         return f"error-reply: code {msg.error.code}, {msg.error.reason}"

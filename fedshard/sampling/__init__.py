@@ -34,7 +34,6 @@ from fedshard.sampling.plan import (
     SHARDING_METHODS,
     RoundPlan,
     draw_layer,
-    method_problems,
     num_terms,
     plan_round,
 )
@@ -69,7 +68,6 @@ __all__ = [
     "draw_layer",
     "draw_subsets",
     "inclusion_probabilities",
-    "method_problems",
     "normalized_marginal_entropy",
     "num_terms",
     "plan_round",

@@ -31,7 +31,6 @@ __all__ = [
     "SHARDING_METHODS",
     "RoundPlan",
     "draw_layer",
-    "method_problems",
     "num_terms",
     "plan_round",
 ]
@@ -46,23 +45,6 @@ SAMPLING_DESIGNS = ("cps", "brewer", "min-support")
 SCALABLE_METHODS = ("top-n", "prism")
 
 Terms = tuple[np.ndarray, np.ndarray]  # (n,) sorted term indices, (n,) their ω
-
-
-def method_problems(method: str, design: str, scaled: bool = False,
-                    prism_exponent: float | None = None) -> list[str]:
-    """Every problem with a method/design/+Scaled/PriSM-exponent combination (empty: fine)."""
-    problems = []
-    if method not in SHARDING_METHODS:
-        problems.append(f"method={method!r}: expected one of {SHARDING_METHODS}")
-    if design not in SAMPLING_DESIGNS:
-        problems.append(f"design={design!r}: expected one of {SAMPLING_DESIGNS}")
-    if scaled and method not in SCALABLE_METHODS:
-        problems.append(f"scaled=True with method={method!r}: +Scaled replaces the method's "
-                        "own multipliers ω; use it with 'top-n' or 'prism'")
-    if prism_exponent is not None and not prism_exponent > 0:
-        problems.append(f"prism_exponent={prism_exponent}: expected > 0 or None (the paper's "
-                        "default: 4 if n/N ≤ 0.2 else 2.5)")
-    return problems
 
 
 def num_terms(total: int, keep_ratio: float) -> int:

@@ -12,14 +12,13 @@
 """
 
 from fedshard.server.metrics import mean_client_metrics
-from fedshard.server.nodes import KeepRatioRules, load_keep_ratio_table
+from fedshard.server.nodes import load_keep_ratio_table
 from fedshard.server.schedule import LR_SCHEDULES, cosine_lr
 from fedshard.server.strategy import SHARDING_METHODS, SpectralSharding
 
 __all__ = [
     "LR_SCHEDULES",
     "SHARDING_METHODS",
-    "KeepRatioRules",
     "SpectralSharding",
     "cosine_lr",
     "load_keep_ratio_table",

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -18,8 +17,8 @@ from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from fedshard import protocol as P
 
 __all__ = [
-    "TensorBoardLog", "mean_client_metrics", "metric_record", "one_line", "reply_metrics",
-    "send_metrics", "weighted_means",
+    "mean_client_metrics", "metric_record", "one_line", "reply_metrics", "send_metrics",
+    "weighted_means",
 ]
 
 
@@ -124,40 +123,3 @@ def one_line(reason: str, limit: int = 300) -> str:
     else:
         line = lines[0]
     return line if len(line) <= limit else line[: limit - 1] + "…"
-
-
-class TensorBoardLog:
-    """Per-round metrics as TensorBoard scalars (``torch.utils.tensorboard.SummaryWriter``).
-
-    Parameters
-    ----------
-    directory : str or Path
-        Where the event files are written (local files only).
-
-    Raises
-    ------
-    ImportError
-        If the ``tensorboard`` package is not installed (``pip install tensorboard``).
-    """
-
-    def __init__(self, directory: str | Path) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as err:
-            raise ImportError(
-                "TensorBoard logging was asked for (tensorboard=true) but the 'tensorboard' "
-                "package is not installed; install it (pip install tensorboard) or set "
-                "tensorboard=false. No round was started.") from err
-        self.directory = Path(directory)
-        self.writer = SummaryWriter(log_dir=str(self.directory))
-
-    def write(self, server_round: int, metrics: Mapping[str, float]) -> None:
-        """Add every finite scalar of ``metrics`` at step ``server_round`` and flush."""
-        for key, value in metrics.items():
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                self.writer.add_scalar(key, float(value), global_step=server_round)
-        self.writer.flush()
-
-    def close(self) -> None:
-        """Close the event file."""
-        self.writer.close()

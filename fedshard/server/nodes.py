@@ -6,9 +6,10 @@ is pruned to the connected nodes every round, so a node that restarts (new node 
 again. Sampling is seeded and ordered by the stable keys, so a run is reproducible although
 Flower draws new node ids at every launch.
 
-The operator's rules on declared keep ratios (:class:`KeepRatioRules`) are applied to every
-answer: a ratio above ``max_keep_ratio`` is clipped to it (with a warning), and a node bound by
-the keep-ratio table that declares another ratio is refused (logged; asked again next round).
+The operator's rules on declared keep ratios (:class:`~fedshard.settings.NodePolicy`) are
+applied to every answer (:func:`admit`): a ratio above ``max_keep_ratio`` is clipped to it (with
+a warning), and a node bound by the keep-ratio table that declares another ratio is refused
+(logged; asked again next round).
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from logging import INFO, WARNING
 from pathlib import Path
 
@@ -25,14 +25,15 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from fedshard import protocol as P
-from fedshard.sampling import Stream, as_keep_ratio, stream_rng
+from fedshard.sampling import Stream, stream_rng
+from fedshard.settings import NodePolicy
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10; tomli comes with flwr
     import tomli as tomllib
 
-__all__ = ["KeepRatioRules", "NodeDirectory", "load_keep_ratio_table"]
+__all__ = ["NodeDirectory", "admit", "load_keep_ratio_table"]
 
 
 def load_keep_ratio_table(path: str | Path) -> dict[str, float]:
@@ -52,43 +53,24 @@ def load_keep_ratio_table(path: str | Path) -> dict[str, float]:
     return {str(k): float(v) for k, v in table.items()}
 
 
-@dataclass(frozen=True)
-class KeepRatioRules:
-    """What keep ratios the operator allows.
-
-    Attributes
-    ----------
-    max_keep_ratio : float
-        Largest keep ratio in ``(0, 1]``; a node declaring more is clipped to it (warned).
-    table : mapping of str to float or None
-        Node key (``node-key``) or public key (hex of ``NodeInfo.public_key``) -> the only
-        keep ratio that node may declare. With a table, a node in neither column is refused.
-    """
-
-    max_keep_ratio: float = 1.0
-    table: Mapping[str, float] | None = field(default=None)
-
-    def __post_init__(self) -> None:
-        as_keep_ratio(self.max_keep_ratio, "max_keep_ratio", "no round was started")
-        for key, ratio in (self.table or {}).items():
-            as_keep_ratio(ratio, f"keep-ratio table entry {key!r}", "no round was started")
-
-    def apply(self, caps: P.Capabilities, public_key: str = "") -> tuple[P.Capabilities | None,
-                                                                          str]:
-        """The capabilities to use (``None``: refused) and what was changed or why refused."""
-        if self.table is not None:
-            bound = self.table.get(caps.key, self.table.get(public_key) if public_key else None)
-            if bound is None:
-                return None, (f"node key {caps.key!r} is not in the keep-ratio table (nor its "
-                              "public key); only listed nodes may train")
-            if not math.isclose(caps.keep_ratio, bound, rel_tol=1e-9):
-                return None, (f"declared keep ratio {caps.keep_ratio:g}, but the keep-ratio "
-                              f"table binds node {caps.key!r} to {bound:g}")
-        if caps.keep_ratio > self.max_keep_ratio:
-            return replace(caps, keep_ratio=self.max_keep_ratio), (
-                f"declared keep ratio {caps.keep_ratio:g} is above max_keep_ratio="
-                f"{self.max_keep_ratio:g}; it trains at {self.max_keep_ratio:g}")
-        return caps, ""
+def admit(policy: NodePolicy, caps: P.Capabilities,
+          public_key: str = "") -> tuple[P.Capabilities | None, str]:
+    """The capabilities to use under ``policy`` (``None``: refused) and what was changed or
+    why the node was refused (empty: used as declared)."""
+    table = policy.keep_ratio_table
+    if table is not None:
+        bound = table.get(caps.key, table.get(public_key) if public_key else None)
+        if bound is None:
+            return None, (f"node key {caps.key!r} is not in the keep-ratio table (nor its "
+                          "public key); only listed nodes may train")
+        if not math.isclose(caps.keep_ratio, bound, rel_tol=1e-9):
+            return None, (f"declared keep ratio {caps.keep_ratio:g}, but the keep-ratio "
+                          f"table binds node {caps.key!r} to {bound:g}")
+    if caps.keep_ratio > policy.max_keep_ratio:
+        return replace(caps, keep_ratio=policy.max_keep_ratio), (
+            f"declared keep ratio {caps.keep_ratio:g} is above max_keep_ratio="
+            f"{policy.max_keep_ratio:g}; it trains at {policy.max_keep_ratio:g}")
+    return caps, ""
 
 
 class NodeDirectory:
@@ -100,21 +82,15 @@ class NodeDirectory:
         Root of the sampling stream ``default_rng([seed, round, 0])``.
     min_available_nodes : int
         Nodes that must be connected before a round starts.
-    query_timeout : float
-        Seconds to wait for capability answers.
-    node_wait_timeout : float or None
-        Seconds to wait for enough nodes (``None``: forever, as FedAvg does).
-    rules : KeepRatioRules or None
-        The operator's keep-ratio cap and table (default: cap 1, no table).
+    policy : fedshard.settings.NodePolicy or None
+        The operator's keep-ratio cap and table and the timeouts (default: its defaults).
     """
 
-    def __init__(self, *, seed: int, min_available_nodes: int, query_timeout: float,
-                 node_wait_timeout: float | None, rules: KeepRatioRules | None = None) -> None:
+    def __init__(self, *, seed: int, min_available_nodes: int,
+                 policy: NodePolicy | None = None) -> None:
         self.seed = seed
         self.min_available_nodes = min_available_nodes
-        self.query_timeout = query_timeout
-        self.node_wait_timeout = node_wait_timeout
-        self.rules = rules if rules is not None else KeepRatioRules()
+        self.policy = policy if policy is not None else NodePolicy()
         self.capabilities: dict[int, P.Capabilities] = {}
 
     def wait(self, grid: Grid, need: int) -> list[int]:
@@ -122,7 +98,8 @@ class NodeDirectory:
         start = time.monotonic()
         while len(node_ids := sorted(grid.get_node_ids())) < need:
             waited = time.monotonic() - start
-            if self.node_wait_timeout is not None and waited > self.node_wait_timeout:
+            limit = self.policy.node_wait_timeout
+            if limit is not None and waited > limit:
                 raise TimeoutError(
                     f"Only {len(node_ids)} node(s) connected after {waited:.0f} s, but "
                     f"{need} are required (min_available_nodes/min nodes per round); stopping "
@@ -161,12 +138,12 @@ class NodeDirectory:
         messages = [P.query_message(node) for node in unknown]
         answered: set[int] = set()
         to_node = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
-        for reply in grid.send_and_receive(messages, timeout=self.query_timeout):
+        for reply in grid.send_and_receive(messages, timeout=self.policy.query_timeout):
             node = to_node.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
             answered.add(node)
             caps, reason = P.read_capabilities(reply)
             if caps is not None:
-                caps, reason = self.rules.apply(caps, self._public_key(grid, node))
+                caps, reason = admit(self.policy, caps, self._public_key(grid, node))
             if caps is None:
                 log(WARNING, "Node %d gave no usable keep ratio (%s); it is skipped this "
                     "round and asked again next round.", node, reason)
@@ -179,11 +156,12 @@ class NodeDirectory:
                     "sharded layer (the paper's r = 1 reference), not a shard.", node)
         for node in set(unknown) - answered:
             log(WARNING, "Node %d did not answer the capability query within %.0f s; it is "
-                "skipped this round and asked again next round.", node, self.query_timeout)
+                "skipped this round and asked again next round.", node,
+                self.policy.query_timeout)
 
     def _public_key(self, grid: Grid, node: int) -> str:
         """``node``'s public key as hex (only looked up when a keep-ratio table is set)."""
-        if not self.rules.table:
+        if not self.policy.keep_ratio_table:
             return ""
         try:
             keys = {n.node_id: bytes(n.public_key).hex() for n in grid.get_nodes()}

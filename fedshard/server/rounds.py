@@ -19,15 +19,16 @@ from flwr.common import MessageType
 from flwr.common.logger import log
 
 from fedshard import protocol as P
-from fedshard.sampling import plan_round
+from fedshard.sampling import ANNEALED_METHODS, Stream, anneal_exponent, plan_round, stream_rng
 from fedshard.server.fedavg_cosine import check_reference, fedavg_cosines
 from fedshard.server.metrics import one_line, reply_metrics, send_metrics
-from fedshard.spectral.aggregate import aggregate_state, check_aggregation
+from fedshard.settings import LocalTraining, ReplyPolicy, Sharding
+from fedshard.spectral.aggregate import aggregate_state
 from fedshard.spectral.decompose import LayerSpectrum, layer_spectrum
 
 __all__ = [
-    "NO_ROUND_TRAINED", "Aggregation", "MetricsAggrFn", "RoundState", "evaluate_messages",
-    "evaluate_round", "shard_round",
+    "NO_ROUND_TRAINED", "MetricsAggrFn", "RoundState", "evaluate_messages", "evaluate_round",
+    "shard_round",
 ]
 
 #: The ERROR a run logs when no round changed the model.
@@ -38,25 +39,6 @@ NO_ROUND_TRAINED = (
 
 #: Flower's ``train_metrics_aggr_fn`` / ``evaluate_metrics_aggr_fn`` signature.
 MetricsAggrFn = Callable[[list[RecordDict], str], MetricRecord]
-
-
-@dataclass(frozen=True)
-class Aggregation:
-    """How replies become the new model: the reply bounds and the averaging rule.
-
-    ``limits`` (:class:`fedshard.protocol.ReplyLimits`) bound each reply; ``rule`` is
-    ``"mean"`` (the paper's weighted mean), ``"median"`` or ``"trimmed-mean"`` (dropping
-    ``trim_fraction`` of the holders at each end), see :mod:`fedshard.spectral.aggregate`.
-    """
-
-    limits: P.ReplyLimits = field(default_factory=P.ReplyLimits)
-    rule: str = "mean"
-    trim_fraction: float = 0.1
-
-    def __post_init__(self) -> None:
-        problems = check_aggregation(self.rule, self.trim_fraction)
-        if problems:
-            raise ValueError("Aggregation: " + "; ".join(problems) + "; no round was started")
 
 
 @dataclass
@@ -70,7 +52,7 @@ class RoundState:
     metrics: dict[str, float] = field(default_factory=dict)
     current: dict[str, np.ndarray] = field(default_factory=dict)  # ``arrays`` decoded
     messages: list[Message] = field(default_factory=list)  # ids are set when pushed
-    how: Aggregation = field(default_factory=Aggregation)
+    replies: ReplyPolicy = field(default_factory=ReplyPolicy)
     device: str | None = None  # where the SVD and the rebuild run (None: numpy on the host)
     reference: bool = False  # fedavg-cosine: nodes were sent the dense model to train too
     references: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)  # node -> state
@@ -87,7 +69,7 @@ class RoundState:
         accepted, dropped, seen = [], Counter[str](), set[int]()
         for msg in replies:
             node = to_node.get(msg.metadata.reply_to_message_id, msg.metadata.src_node_id)
-            reply = P.check_train_reply(msg, self.sent.get(node), seen, self.how.limits, node)
+            reply = P.check_train_reply(msg, self.sent.get(node), seen, self.replies, node)
             seen.add(node)
             if isinstance(reply, str):
                 dropped[reply.split(":", 1)[0]] += 1
@@ -100,7 +82,7 @@ class RoundState:
                 log(WARNING, "Round %d: node %d changed %d factor column(s)/array(s) by more "
                     "than max_update_ratio=%g times what it was sent (largest ratio %.3g); "
                     "the change is clipped to the bound.", self.server_round, node,
-                    reply.clipped, self.how.limits.max_update_ratio, reply.update_ratio)
+                    reply.clipped, self.replies.max_update_ratio, reply.update_ratio)
             if self.reference:
                 self._keep_reference(msg, node)
             if reply.ignored_metrics:
@@ -164,7 +146,7 @@ class RoundState:
         current = self.current or {k: a.numpy() for k, a in self.arrays.items()}
         new = aggregate_state(current, self.spectra, [r.weight for r in accepted],
                               [r.values for r in accepted], [r.terms() for r in accepted],
-                              self.how.rule, self.how.trim_fraction, self.device)
+                              self.replies.aggregation, self.replies.trim_fraction, self.device)
         bad = [k for k, v in new.items()
                if np.issubdtype(v.dtype, np.floating) and not np.isfinite(v).all()]
         if bad:
@@ -181,46 +163,50 @@ def shard_round(
     arrays: ArrayRecord,
     sharded_layers: Sequence[str],
     nodes: dict[int, P.Capabilities],
-    settings: Callable[[P.Capabilities], P.TrainSettings],
     config: ConfigRecord,
     *,
+    sharding: Sharding,
+    training: LocalTraining,
     lr: float,
-    method: str,
-    design: str,
+    replies: ReplyPolicy,
     seed: int,
-    scaled: bool = False,
-    prism_exponent: float | None = None,
-    how: Aggregation | None = None,
     device: str | None = None,
-    gamma: float | None = None,
-    reference: bool = False,
 ) -> tuple[list[Message], RoundState]:
     """One ``train`` message per node (``nodes`` in canonical order) and the round's state.
 
-    Takes the SVD of every sharded layer, plans the terms (:func:`plan_round`), encodes each
-    node's shard and its settings (``settings(node)`` on top of the caller's ``config``);
-    ``lr`` is the round's learning rate, for the metrics; ``how`` bounds the replies and
-    sets the averaging rule (default: :class:`Aggregation`'s defaults); ``device`` is where the
-    SVD and the rebuild run; ``gamma`` is the annealed methods' spectrum exponent
-    (:func:`~fedshard.sampling.plan_round`; ``None``: not an annealed method); with
-    ``reference`` every node also gets the dense model to train (``fedavg-cosine``).
+    Takes the SVD of every sharded layer, plans the terms with ``sharding``
+    (:func:`plan_round`; the annealed methods at this round's γ), encodes each node's shard and
+    its :class:`~fedshard.protocol.TrainSettings` (the ``training`` recipe at the round's
+    scheduled rate ``lr``, a per-node training seed from ``seed``) on top of the caller's
+    ``config``;
+    with ``sharding.fedavg_cosine`` every node also gets the dense model to train. ``replies``
+    bounds the replies and sets the averaging rule; ``device`` is where the SVD and the rebuild
+    run (``None``: numpy on the host).
     """
     t0 = time.perf_counter()
     spectra = {layer: layer_spectrum(_weight(arrays, layer), device)
                for layer in sharded_layers}
     t1 = time.perf_counter()
+    gamma = (anneal_exponent(server_round, float(sharding.anneal_exponent),
+                             int(sharding.anneal_rounds))
+             if sharding.method in ANNEALED_METHODS else None)
     plan = plan_round({k: s.lam for k, s in spectra.items()},
-                      [(n, c.keep_ratio) for n, c in nodes.items()], method, design, seed=seed,
-                      server_round=server_round, scaled=scaled, prism_exponent=prism_exponent,
+                      [(n, c.keep_ratio) for n, c in nodes.items()], sharding.method,
+                      sharding.design, seed=seed, server_round=server_round,
+                      scaled=sharding.scaled, prism_exponent=sharding.prism_exponent,
                       gamma=1.0 if gamma is None else gamma)
     t2 = time.perf_counter()
+    reference = sharding.fedavg_cosine
     messages, sent = [], {}
     current = {k: a.numpy() for k, a in arrays.items()}  # decoded once, shared by all nodes
     for node, terms in plan.terms.items():
-        record, sent[node] = P.encode_shard(arrays, spectra, terms, nodes[node].keep_ratio,
-                                            current)
-        cfg = settings(nodes[node]).to_record(config)
-        content = RecordDict({P.ARRAYS: record, P.CONFIG: cfg})
+        caps = nodes[node]
+        record, sent[node] = P.encode_shard(arrays, spectra, terms, caps.keep_ratio, current)
+        seed_rng = stream_rng(seed, server_round, Stream.TRAIN, caps.stream)
+        settings = P.TrainSettings.of(training, lr=lr, server_round=server_round,
+                                      keep_ratio=caps.keep_ratio, method=sharding.method,
+                                      train_seed=int(seed_rng.integers(2**31 - 1)))
+        content = RecordDict({P.ARRAYS: record, P.CONFIG: settings.to_record(config)})
         if reference:  # read-only on the wire: one shared record
             content[P.REFERENCE] = arrays
         messages.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN,
@@ -229,7 +215,7 @@ def shard_round(
     if gamma is not None:
         metrics["anneal-exponent"] = gamma
     state = RoundState(server_round, arrays, spectra, sent, {**metrics, **plan.anme}, current,
-                       messages, how if how is not None else Aggregation(), device, reference)
+                       messages, replies, device, reference)
     log(INFO, "configure_train: round %d, %d nodes (keep ratios %s), lr=%.4g, svd %.2fs, "
         "sampling %.2fs, packing %.2fs", server_round, len(messages),
         dict(Counter(c.keep_ratio for c in nodes.values())), lr, metrics["svd-s"],

@@ -8,6 +8,8 @@ from typing import Any
 
 from flwr.common.logger import log
 
+from fedshard.settings import LR_SCHEDULES
+
 __all__ = [
     "DEFAULT_LR", "FLOWER_DEFAULT_ROUNDS", "LR_SCHEDULES", "base_lr", "cosine_lr", "round_lr",
     "schedule_length",
@@ -18,9 +20,6 @@ DEFAULT_LR = 0.05
 
 #: ``Strategy.start``'s default number of rounds in Flower.
 FLOWER_DEFAULT_ROUNDS = 3
-
-#: ``cosine`` (the paper's, Sec. 4.1) or ``constant``.
-LR_SCHEDULES = ("cosine", "constant")
 
 
 def cosine_lr(lr: float, server_round: int, num_rounds: int) -> float:

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import replace
+import inspect
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import fields
 from logging import ERROR, INFO, WARNING
 from typing import Any
 
@@ -16,19 +16,22 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
 from fedshard import protocol as P
-from fedshard.sampling import (
-    ANNEALED_METHODS,
-    SHARDING_METHODS,
-    Stream,
-    anneal_exponent,
-    method_problems,
-    stream_rng,
-)
+from fedshard.sampling import SHARDING_METHODS
 from fedshard.server import rounds
 from fedshard.server.metrics import mean_client_metrics
-from fedshard.server.nodes import KeepRatioRules, NodeDirectory
+from fedshard.server.nodes import NodeDirectory
 from fedshard.server.privacy import refuse_wrappers
-from fedshard.server.schedule import DEFAULT_LR, LR_SCHEDULES, base_lr, round_lr, schedule_length
+from fedshard.server.schedule import DEFAULT_LR, base_lr, round_lr, schedule_length
+from fedshard.settings import (
+    CONCERNS,
+    LocalTraining,
+    NodePolicy,
+    Problem,
+    ReplyPolicy,
+    SettingsError,
+    Sharding,
+    group_settings,
+)
 from fedshard.spectral import multipliers_can_compound, sharded_layer_names
 
 __all__ = ["SHARDING_METHODS", "SpectralSharding"]
@@ -52,52 +55,54 @@ class SpectralSharding(FedAvg):
     num_rounds : int, optional
         Number of server rounds (the length of the lr schedule); give it here or to
         :meth:`start` (once: both and different raise ``ValueError`` at ``start``).
-    method : str
-        ``"unbiased"`` (Theorem 1, ω = 1/π), ``"collective"`` (Theorem 2, C = group size),
-        ``"top-n"`` (FedHM), ``"prism"`` (successive sampling ∝ λᵏ, ω = 1),
-        ``"prism-wallenius"`` (ω = 1/π, π the Wallenius mean), ``"anneal-unbiased"`` /
-        ``"anneal-collective"`` (Theorem 1 / 2 on ``λ^γ_t``, γ annealed from ``anneal_exponent``
-        to 1 over ``anneal_rounds`` rounds: :mod:`fedshard.sampling.anneal`) or ``"none"``
-        (FedAvg).
-    design : str
-        ``"cps"`` (conditional Poisson), ``"brewer"`` or ``"min-support"``, for unbiased and
-        collective (PriSM samples successively, Top-n is deterministic).
-    scaled : bool
-        +Scaled (ω_i = sqrt(Σλ²/Σ_sampled λ²)); only with ``top-n`` or ``prism``.
-    prism_exponent : float or None
-        PriSM's k; ``None`` = 4 if n/N ≤ 0.2 else 2.5.
-    anneal_exponent, anneal_rounds : float, int
-        γ₀ ≥ 1 and T ≥ 1 of the annealed methods (ignored by the others).
-    lr, local_epochs, batch_size, momentum, frobenius_decay, clip_lr_tau, weight_decay :
-        Local training (:class:`fedshard.protocol.TrainSettings`; ``clip_lr_tau=None``: off);
-        ``lr=None``: the ``train_config["lr"]`` given to :meth:`start`, else 0.05.
+    sharding : fedshard.settings.Sharding, optional
+        What is sharded and how: method, sampling design, +Scaled, PriSM's exponent, the
+        annealed methods' γ₀ and T, the FedAvg-cosine analysis (default: Collective, CPS).
+    training : fedshard.settings.LocalTraining, optional
+        The local-training recipe every node gets: lr and its schedule over the rounds,
+        epochs, batch size, momentum, Frobenius decay, ClipLR's τ, weight decay. Its
+        ``lr=None`` (the default): the ``train_config["lr"]`` given to :meth:`start`, else 0.05.
+    replies : fedshard.settings.ReplyPolicy, optional
+        Bounds on each reply and the per-term averaging rule (``"mean"``, ``"median"``,
+        ``"trimmed-mean"``); see README's "Faults and attacks".
+    nodes : fedshard.settings.NodePolicy, optional
+        The keep-ratio cap and table, and how long to wait for capability answers and for
+        nodes to connect.
     seed : int
         Root of every random stream (:mod:`fedshard.sampling.streams`).
-    query_timeout, node_wait_timeout : float
-        Seconds to wait for capability answers, for nodes to connect (``None``: forever).
-    fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes :
-        As in :class:`flwr.serverapp.strategy.FedAvg`, with its defaults.
-    max_update_ratio, update_policy, max_num_examples, aggregation, trim_fraction : optional
-        Reply bounds (:class:`fedshard.protocol.ReplyLimits`) and the per-term rule (``"mean"``,
-        ``"median"``, ``"trimmed-mean"``); see README's "Faults and attacks".
-    max_keep_ratio, keep_ratio_table : optional
-        Node rules (:class:`fedshard.server.nodes.KeepRatioRules`).
     device : str or None
         Where the SVD and the rebuild of W run (e.g. ``"cuda"``); ``None``: the CPU.
-    fedavg_cosine : bool
-        The paper's post-gradient analysis (:mod:`fedshard.server.fedavg_cosine`): nodes also
-        train a dense copy and each round's metrics get ``fedavg-cosine``. Doubles the nodes' work.
-    lr_schedule : str
-        ``"cosine"`` (the paper's, over ``num_rounds``) or ``"constant"``.
+    fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes :
+        As in :class:`flwr.serverapp.strategy.FedAvg`, with its defaults.
     train_metrics_aggr_fn, evaluate_metrics_aggr_fn : callable, optional
         As in ``FedAvg``; default: every numeric client metric's weighted mean. Only these go
         to Flower; the server's statistics are logged and kept with them in :attr:`history`.
+
+    Raises
+    ------
+    fedshard.settings.SettingsError
+        (a ``ValueError``) listing every problem of the arguments; a settings object checks
+        its own fields when it is built.
+
+    See Also
+    --------
+    from_model : the paper's default layers of a model, and flat settings
+        (``method="top-n"``, ``lr=0.01``, ...) routed to these objects.
 
     Notes
     -----
     The client contract (record keys, shapes, ω, what must come back) is the docstring of
     :mod:`fedshard.protocol`. Every reply is checked (:func:`fedshard.protocol.check_train_reply`);
     a bad one is dropped or clipped with a logged reason, counted in the round's metrics.
+    Flower's differential-privacy wrappers cannot drive this strategy
+    (:mod:`fedshard.server.privacy`); they are refused before round 1.
+
+    Examples
+    --------
+    >>> from fedshard import LocalTraining, Sharding, SpectralSharding
+    >>> strategy = SpectralSharding(sharded_layers=["layer1.0.conv1"], num_rounds=3,
+    ...                             sharding=Sharding(method="unbiased"),
+    ...                             training=LocalTraining(lr=0.05, local_epochs=2))
     """
 
     def __init__(
@@ -105,37 +110,17 @@ class SpectralSharding(FedAvg):
         *,
         sharded_layers: Sequence[str],
         num_rounds: int | None = None,
-        method: str = "collective",
-        design: str = "cps",
-        scaled: bool = False,
-        prism_exponent: float | None = None,
-        anneal_exponent: float = 8.0,
-        anneal_rounds: int = 30,
-        lr: float | None = None,
-        local_epochs: int = 1,
-        batch_size: int = 32,
-        momentum: float = 0.9,
-        frobenius_decay: float = 1e-4,
-        clip_lr_tau: float | None = 10.0,
-        weight_decay: float = 0.0,
+        sharding: Sharding | None = None,
+        training: LocalTraining | None = None,
+        replies: ReplyPolicy | None = None,
+        nodes: NodePolicy | None = None,
         seed: int = 0,
-        query_timeout: float = 600.0,
-        node_wait_timeout: float | None = 600.0,
+        device: str | None = None,
         fraction_train: float = 1.0,
         fraction_evaluate: float = 1.0,
         min_train_nodes: int = 2,
         min_evaluate_nodes: int = 2,
         min_available_nodes: int = 2,
-        max_update_ratio: float = 10.0,
-        update_policy: str = "clip",
-        max_num_examples: int | None = None,
-        aggregation: str = "mean",
-        trim_fraction: float = 0.1,
-        max_keep_ratio: float = 1.0,
-        keep_ratio_table: Mapping[str, float] | None = None,
-        device: str | None = None,
-        lr_schedule: str = "cosine",
-        fedavg_cosine: bool = False,
         train_metrics_aggr_fn: rounds.MetricsAggrFn | None = None,
         evaluate_metrics_aggr_fn: rounds.MetricsAggrFn | None = None,
     ) -> None:
@@ -147,35 +132,29 @@ class SpectralSharding(FedAvg):
             train_metrics_aggr_fn=train_metrics_aggr_fn or mean_client_metrics,
             evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn or mean_client_metrics,
         )
-        problems = method_problems(method, design, scaled, prism_exponent) + [msg for bad, msg in (
-            (clip_lr_tau is not None and not clip_lr_tau >= 1,
-             f"clip_lr_tau={clip_lr_tau}: expected τ ≥ 1 or None (off)"),
-            (num_rounds is not None and num_rounds < 1, f"num_rounds={num_rounds}: expected ≥ 1"),
-            (lr_schedule not in LR_SCHEDULES, f"lr_schedule={lr_schedule!r}: expected one of "
-             f"{LR_SCHEDULES}"), (lr is not None and not lr > 0, f"lr={lr}: expected > 0"),
-            (not anneal_exponent >= 1, f"anneal_exponent={anneal_exponent}: expected γ₀ ≥ 1"),
-            (anneal_rounds < 1, f"anneal_rounds={anneal_rounds}: expected T ≥ 1"),
-            (len(set(sharded_layers)) != len(sharded_layers),
-             f"sharded_layers={list(sharded_layers)}: names repeat")) if bad]
+        self.sharding = sharding if sharding is not None else Sharding()
+        self.training = training if training is not None else LocalTraining()
+        self.replies = replies if replies is not None else ReplyPolicy()
+        node_policy = nodes if nodes is not None else NodePolicy()
+        given = {"sharding": (self.sharding, Sharding), "training": (self.training, LocalTraining),
+                 "replies": (self.replies, ReplyPolicy), "nodes": (node_policy, NodePolicy)}
+        problems = [Problem(((name, value),), f"expected a {kind.__name__} (fedshard.settings)")
+                    for name, (value, kind) in given.items() if not isinstance(value, kind)]
+        if num_rounds is not None and not (isinstance(num_rounds, int) and num_rounds >= 1):
+            problems.append(Problem((("num_rounds", num_rounds),), "expected ≥ 1, or None"))
+        if len(set(sharded_layers)) != len(sharded_layers):
+            problems.append(Problem((("sharded_layers", list(sharded_layers)),),
+                                    "expected distinct names"))
         if problems:
-            raise ValueError("SpectralSharding: " + "; ".join(problems))
-        self.sharded_layers = tuple(sharded_layers) if method != "none" else ()
+            raise SettingsError("SpectralSharding arguments", problems)
+        self.sharded_layers = tuple(sharded_layers) if self.sharding.method != "none" else ()
         # num_rounds: the schedule's length, set by start() from the one given (see start).
-        self.num_rounds, self.lr_schedule, self._given_rounds = num_rounds, lr_schedule, num_rounds
-        self.method, self.design, self.scaled, self._given_lr = method, design, scaled, lr
-        self.prism_exponent, self.seed, self.device = prism_exponent, seed, device
-        self.anneal = (float(anneal_exponent), int(anneal_rounds))
-        self.fedavg_cosine = bool(fedavg_cosine)
-        # The settings every node gets; round, lr, keep ratio and seed are set per node.
-        self.training = P.TrainSettings(
-            server_round=0, lr=lr or DEFAULT_LR, local_epochs=local_epochs, batch_size=batch_size,
-            momentum=momentum, frobenius_decay=frobenius_decay, clip_lr_tau=clip_lr_tau,
-            weight_decay=weight_decay, keep_ratio=1.0, train_seed=0, method=method)
+        self.num_rounds, self._given_rounds = num_rounds, num_rounds
+        # The schedule's base lr; start() may take it from its train_config (see base_lr).
+        self.base_lr = self.training.lr if self.training.lr is not None else DEFAULT_LR
+        self.seed, self.device = seed, device
         self.nodes = NodeDirectory(seed=seed, min_available_nodes=min_available_nodes,
-                                   query_timeout=query_timeout, node_wait_timeout=node_wait_timeout,
-                                   rules=KeepRatioRules(max_keep_ratio, keep_ratio_table))
-        limits = P.ReplyLimits(max_update_ratio, update_policy, max_num_examples)
-        self.how = rounds.Aggregation(limits, aggregation, trim_fraction)
+                                   policy=node_policy)
         self.rounds_trained = 0  # rounds whose aggregate replaced the global model
         # server_round -> the round's metrics (server statistics and client aggregates).
         self.history: dict[int, dict[str, float]] = {}
@@ -183,6 +162,7 @@ class SpectralSharding(FedAvg):
         # this run's round r + round_offset, for the schedule, the random streams and history.
         self.round_offset = 0
         self._round: rounds.RoundState | None = None
+        self._starting = False  # inside this strategy's own start() (see configure_train)
 
     @property
     def capabilities(self) -> dict[int, P.Capabilities]:
@@ -191,16 +171,33 @@ class SpectralSharding(FedAvg):
 
     @classmethod
     def from_model(
-        cls, model: torch.nn.Module, *, example_input: torch.Tensor | None = None, **kwargs: Any
+        cls, model: torch.nn.Module, *, example_input: torch.Tensor | None = None,
+        **options: Any,
     ) -> SpectralSharding:
         """The strategy for ``model``, sharding the paper's default layers (every Linear and
         Conv2d but the first and the last; forward order from ``example_input`` if given).
 
+        ``options`` are the constructor's arguments and, as shortcuts, any field of
+        :class:`~fedshard.settings.Sharding`, :class:`~fedshard.settings.LocalTraining`,
+        :class:`~fedshard.settings.ReplyPolicy` or :class:`~fedshard.settings.NodePolicy`
+        (``method="top-n"``, ``lr=0.01``, ...), routed to its object (on top of one given as
+        ``sharding=...`` etc.). An unknown name raises ``TypeError``.
+
         Warns when the multipliers can compound: with ω > 1 (Unbiased, Collective, PriSM +
         Wallenius) and no normalization layer, activations grow by up to ω per sharded layer.
         """
+        known = set(inspect.signature(cls).parameters) - {"sharded_layers"}
+        kwargs = group_settings(options)
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            settings = sorted({f.name for kind in CONCERNS.values()
+                               for f in fields(kind)})  # type: ignore[arg-type]
+            raise TypeError(f"SpectralSharding.from_model: unknown argument(s) {unknown}; "
+                            f"expected the strategy's {sorted(known)} or a setting of "
+                            f"fedshard.settings: {settings}; no strategy was built")
         layers = sharded_layer_names(model, example_input=example_input)
-        if multipliers_can_compound(model, method := kwargs.get("method", "collective"), layers):
+        method = getattr(kwargs.get("sharding"), "method", Sharding.method)
+        if multipliers_can_compound(model, method, layers):
             log(WARNING, "The model has no normalization layer: with method=%r the multipliers "
                 "ω ≥ 1 scale every sharded layer's output and can compound from layer to layer "
                 "(the paper's models all normalize).", method)
@@ -226,13 +223,13 @@ class SpectralSharding(FedAvg):
 
     def summary(self) -> None:
         """Log the configuration."""
-        t = self.training
-        log(INFO, "\t├──> SpectralSharding: method=%s design=%s scaled=%s", self.method,
-            self.design, self.scaled)
+        t, sh = self.training, self.sharding
+        log(INFO, "\t├──> SpectralSharding: method=%s design=%s scaled=%s", sh.method,
+            sh.design, sh.scaled)
         log(INFO, "\t│\t├── sharded layers (%d): %s", len(self.sharded_layers),
             ", ".join(self.sharded_layers))
         log(INFO, "\t│\t└── lr=%g (%s over %s rounds), local epochs=%d, batch=%d, "
-            "momentum=%g, FD=%g, ClipLR τ=%s", t.lr, self.lr_schedule, self.num_rounds,
+            "momentum=%g, FD=%g, ClipLR τ=%s", self.base_lr, t.lr_schedule, self.num_rounds,
             t.local_epochs, t.batch_size, t.momentum, t.frobenius_decay, t.clip_lr_tau)
         super().summary()
 
@@ -245,10 +242,13 @@ class SpectralSharding(FedAvg):
         Ends with an ERROR in the log if no round changed the model."""
         self.num_rounds = schedule_length(self._given_rounds, num_rounds, self.round_offset)
         caller_lr = train_config.get(P.LR) if train_config else None
-        self.training = replace(self.training, lr=base_lr(self._given_lr, caller_lr,
-                                                          self.lr_schedule))
-        result = super().start(grid, initial_arrays, self.num_rounds - self.round_offset,
-                               timeout, train_config, evaluate_config, evaluate_fn)
+        self.base_lr = base_lr(self.training.lr, caller_lr, self.training.lr_schedule)
+        self._starting = True
+        try:
+            result = super().start(grid, initial_arrays, self.num_rounds - self.round_offset,
+                                   timeout, train_config, evaluate_config, evaluate_fn)
+        finally:
+            self._starting = False
         if self.rounds_trained == 0:
             log(ERROR, rounds.NO_ROUND_TRAINED)
         return result
@@ -256,8 +256,13 @@ class SpectralSharding(FedAvg):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Sample nodes, shard every sharded layer per keep-ratio group, one message per node."""
-        refuse_wrappers(self, sys._getframe(1))
+        """Sample nodes, shard every sharded layer per keep-ratio group, one message per node.
+
+        Called from outside this strategy's own :meth:`start` (a test, a user's loop, a
+        meta-strategy), it first refuses to be driven by a strategy that holds it, as
+        Flower's DP wrappers do (:func:`fedshard.server.privacy.refuse_wrappers`)."""
+        if not self._starting:  # driven from outside: a plain call, or another strategy
+            refuse_wrappers(self)
         server_round += self.round_offset
         self._round = None
         if self.fraction_train == 0.0:
@@ -267,21 +272,13 @@ class SpectralSharding(FedAvg):
             log(WARNING, "Round %d: no connected node declared a keep ratio; no training.",
                 server_round)
             return []
-        lr = round_lr(self.lr_schedule, self.training.lr, server_round,
+        lr = round_lr(self.training.lr_schedule, self.base_lr, server_round,
                       self.num_rounds or server_round)
         messages, self._round = rounds.shard_round(
-            server_round, arrays, self.sharded_layers, nodes,
-            lambda node: self._settings(server_round, node, lr), config, lr=lr,
-            method=self.method, design=self.design, seed=self.seed, scaled=self.scaled,
-            prism_exponent=self.prism_exponent, how=self.how, device=self.device,
-            gamma=anneal_exponent(server_round, *self.anneal)
-            if self.method in ANNEALED_METHODS else None, reference=self.fedavg_cosine)
+            server_round, arrays, self.sharded_layers, nodes, config, sharding=self.sharding,
+            training=self.training, lr=lr, replies=self.replies, seed=self.seed,
+            device=self.device)
         return messages
-
-    def _settings(self, server_round: int, node: P.Capabilities, lr: float) -> P.TrainSettings:
-        seed_rng = stream_rng(self.seed, server_round, Stream.TRAIN, node.stream)
-        return replace(self.training, server_round=server_round, lr=lr,
-                       keep_ratio=node.keep_ratio, train_seed=int(seed_rng.integers(2**31 - 1)))
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

@@ -23,21 +23,11 @@ import numpy as np
 from fedshard.spectral.decompose import LayerSpectrum
 
 __all__ = [
-    "AGGREGATIONS", "TermUpdate", "aggregate_state", "check_aggregation", "dense_mean",
+    "AGGREGATIONS", "TermUpdate", "aggregate_state", "dense_mean",
     "rebuild_weight", "robust_reduce", "term_means",
 ]
 
 AGGREGATIONS = ("mean", "median", "trimmed-mean")
-
-
-def check_aggregation(aggregation: str, trim_fraction: float) -> list[str]:
-    """The problems of an aggregation setting (empty if fine)."""
-    problems = []
-    if aggregation not in AGGREGATIONS:
-        problems.append(f"aggregation={aggregation!r}: expected one of {AGGREGATIONS}")
-    if not 0 <= trim_fraction < 0.5:
-        problems.append(f"trim_fraction={trim_fraction}: expected in [0, 0.5)")
-    return problems
 
 
 def robust_reduce(stack: np.ndarray, aggregation: str, trim_fraction: float) -> np.ndarray:

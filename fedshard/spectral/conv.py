@@ -111,15 +111,15 @@ class SpectralConv2d(SpectralLayer):
             self._pad = (self.padding[1], self.padding[1], self.padding[0], self.padding[0])
 
     #: Pad the ``n`` intermediate channels with zero terms to a multiple of this (1: off;
-    #: :class:`~fedshard.client.train.loop.TrainStep` sets it from ``TrainConfig.pad_terms``): cuDNN
-    #: runs a thin convolution whose channel count is not a multiple of 8 on slow fallback
-    #: kernels (H100, r = 0.1 ResNet-18 in a CUDA graph: 4.84 against 5.47 ms per step). A
-    #: zero term adds exactly nothing to the output and gets exactly zero gradient; only
-    #: the real ``n`` columns are parameters, so what is trained and sent is unchanged.
+    #: set by :func:`fedshard.client.train.fast.configure_convolutions` from
+    #: ``TrainConfig.pad_terms``): cuDNN runs thin convolutions whose channel count is not a
+    #: multiple of 8 on slower kernels (figures in ``benchmarks/README.md``). A zero term adds
+    #: exactly nothing to the output and gets exactly zero gradient; only the real ``n``
+    #: columns are parameters, so what is trained and sent is unchanged.
     pad_terms_to: int = 1
 
     #: Run one dense k×k convolution with the kernel ``U diag(ω) Vᵀ`` built each step instead of
-    #: the two thin ones (:class:`~fedshard.client.train.loop.TrainStep` sets it from
+    #: the two thin ones (set by :func:`fedshard.client.train.fast.configure_convolutions` from
     #: ``TrainConfig.merge_terms``): the same map and gradients of ``u``, ``v`` (autograd
     #: through the product), fewer and larger kernels (a step bound by kernel launches or
     #: latency, as a small sub-model's on a GPU) for the dense FLOPs.

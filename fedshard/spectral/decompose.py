@@ -55,8 +55,9 @@ class LayerSpectrum:
 def layer_spectrum(weight: np.ndarray, device: str | torch.device | None = None) -> LayerSpectrum:
     """The :class:`LayerSpectrum` of a ``Linear``/``Conv2d`` weight (via :func:`decompose`).
 
-    ``device``: where the float64 SVD runs (e.g. ``"cuda"``: ~8x faster than 2 CPU cores for
-    ResNet-18's layers); ``None`` is the CPU. The result is always numpy on the host.
+    ``device``: where the float64 SVD runs (e.g. ``"cuda"``, much faster than a few CPU cores
+    for ResNet-18's layers: ``benchmarks/bench_server.py``); ``None`` is the CPU. The result
+    is always numpy on the host.
     """
     w = torch.from_numpy(np.ascontiguousarray(weight))
     u, v, lam = decompose(w if device is None else w.to(device))

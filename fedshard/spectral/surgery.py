@@ -97,10 +97,10 @@ def build_submodel(model: nn.Module, factors: Mapping[str, LayerFactors]) -> nn.
         raise ValueError(
             "factors do not fit their layers: " + "; ".join(bad_shapes) + ". No sub-model built."
         )
-    # The dense weights of the replaced layers are most of the model (ResNet-18 width 64: a
-    # full copy takes 0.06 s here); they are not copied: the deepcopy memo maps each replaced
-    # module to a placeholder, replaced below. (check_shardable has refused modules that are
-    # shared or share their weight, so no other name reaches a placeholder.)
+    # The dense weights of the replaced layers are most of the model; they are not copied:
+    # the deepcopy memo maps each replaced module to a placeholder, replaced below.
+    # (check_shardable has refused modules that are shared or share their weight, so no
+    # other name reaches a placeholder.)
     originals = {name: model.get_submodule(name) for name in factors}
     memo: dict[int, Any] = {id(m): nn.Identity() for m in originals.values()}
     sub = copy.deepcopy(model, memo)

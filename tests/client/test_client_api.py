@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,7 +15,16 @@ from flwr.clientapp import ClientApp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from fedshard import ShardingClientApp, SpectralSharding, handle_query, handle_train, receive
+from fedshard import (
+    LocalTraining,
+    NodePolicy,
+    Sharding,
+    ShardingClientApp,
+    SpectralSharding,
+    handle_query,
+    handle_train,
+    receive,
+)
 from fedshard import protocol as P
 
 
@@ -30,16 +40,17 @@ def data(n: int = 24) -> TensorDataset:
     return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
 
 
-def train_message(keep: float = 0.5, **kw: object) -> Message:
+def train_message(keep: float = 0.5, **kw: Any) -> Message:
     app = ClientApp()
 
     @app.query()
     def _q(msg: Message, context: object) -> Message:
         return handle_query(msg, keep)
 
-    s = SpectralSharding(sharded_layers=["2"], method="unbiased", lr=0.05, seed=3,
-                         min_train_nodes=1, min_available_nodes=1, query_timeout=5,
-                         node_wait_timeout=5, **kw)  # type: ignore[arg-type]
+    s = SpectralSharding(sharded_layers=["2"], sharding=Sharding(method="unbiased", **kw),
+                         training=LocalTraining(lr=0.05), seed=3, min_train_nodes=1,
+                         min_available_nodes=1,
+                         nodes=NodePolicy(query_timeout=5, node_wait_timeout=5))
     s.num_rounds = 2
     return next(iter(s.configure_train(1, ArrayRecord(net().state_dict()), ConfigRecord(),
                                   InProcessGrid(app, [{}]))))

@@ -1,6 +1,6 @@
 """The suite runner resumes an unfinished run from its server checkpoint when the checkpoint
 was written with the suite's settings, and starts it from scratch otherwise (fake launcher,
-real checkpoint files; the app's own resume is tested in tests/strategy/test_resume.py)."""
+real checkpoint files; the app's own resume is tested in tests/app/test_resume.py)."""
 
 from __future__ import annotations
 

@@ -101,7 +101,7 @@ def test_bad_values_and_types_are_all_reported_at_once() -> None:
     with pytest.raises(SuiteError, match=r"\(3 problem\(s\)\); no run was started") as info:
         parse(data)
     found = info.value.problems
-    assert re.search(r"^\[defaults\] local-epochs=0: expected ≥ 1", found[0])
+    assert re.search(r"^\[defaults\] local-epochs=0: expected an integer ≥ 1", found[0])
     # the entries inherit local-epochs=0, but it is reported once, for [defaults]
     assert re.search(r"^runs\[0\] \(Top-n / r = 0.1\): method='topn': expected one of", found[1])
     assert re.search(r"^runs\[1\] \(Collective / r = 0.1\): lr='fast': expected float", found[2])

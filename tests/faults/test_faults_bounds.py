@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from fault_setup import grid, initial, one_round, scale_arrays, set_metric, strategy
 
-from fedshard.protocol import ReplyLimits, read_count
+from fedshard import ReplyPolicy
+from fedshard.protocol import read_count
 from fedshard.protocol.bounds import bound_dense, bound_terms
 
 
@@ -90,9 +91,9 @@ def test_num_examples_cap_refuses_1e9_with_zeroed_arrays() -> None:
 def test_read_count_reasons() -> None:
     assert read_count(24) == 24.0 and read_count(24.0) == 24.0
     with pytest.raises(ValueError, match="max_num_examples=0: expected an integer"):
-        ReplyLimits(max_num_examples=0)
+        ReplyPolicy(max_num_examples=0)
     with pytest.raises(ValueError, match=r"update_policy='zero': expected one of \('clip'"):
-        ReplyLimits(update_policy="zero")
+        ReplyPolicy(update_policy="zero")
     assert "outside [1, 10]" in str(read_count(11, 10))
 
 

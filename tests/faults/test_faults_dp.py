@@ -3,13 +3,22 @@ shards; wrapping SpectralSharding is refused at the first call, with what to use
 
 from __future__ import annotations
 
+import gc
+from typing import Any
+
 import pytest
 from fault_setup import grid, initial, strategy
 from flwr.app import ConfigRecord
 from flwr.serverapp.strategy import (
+    DifferentialPrivacyClientSideAdaptiveClipping,
     DifferentialPrivacyClientSideFixedClipping,
+    DifferentialPrivacyServerSideAdaptiveClipping,
     DifferentialPrivacyServerSideFixedClipping,
+    Result,
 )
+
+from fedshard import SpectralSharding
+from fedshard.server.privacy import wrappers_of
 
 
 @pytest.mark.parametrize("wrapper", [DifferentialPrivacyServerSideFixedClipping,
@@ -23,8 +32,55 @@ def test_dp_wrappers_are_refused_before_round_1(wrapper: type) -> None:
     assert not [m for m in g.sent if m.metadata.message_type == "train"]
 
 
+@pytest.mark.parametrize("wrapper", [DifferentialPrivacyServerSideAdaptiveClipping,
+                                     DifferentialPrivacyClientSideAdaptiveClipping])
+def test_adaptive_dp_wrappers_are_refused_at_their_first_train_call(wrapper: type) -> None:
+    dp = wrapper(strategy(), noise_multiplier=0.1, num_sampled_clients=3)
+    g = grid()
+    with pytest.raises(RuntimeError, match=rf"driven by another strategy \({wrapper.__name__}\)"):
+        dp.configure_train(1, initial(), ConfigRecord(), g)
+    assert not g.sent
+
+
+def test_a_wrapper_is_recognized_by_holding_the_strategy_not_by_its_caller() -> None:
+    """A meta-strategy holds the wrapped one as ``.strategy``; the refusal comes however the
+    hook is reached (here through a helper function, not a method of the wrapper)."""
+    inner = strategy()
+    dp = DifferentialPrivacyServerSideFixedClipping(inner, noise_multiplier=0.1,
+                                                    clipping_norm=1.0, num_sampled_clients=3)
+
+    def call(s: SpectralSharding) -> None:
+        s.configure_train(1, initial(), ConfigRecord(), grid())
+
+    with pytest.raises(RuntimeError, match=r"\(DifferentialPrivacyServerSideFixedClipping\)"):
+        call(inner)
+    assert wrappers_of(inner) == [dp]
+    del dp
+    gc.collect()
+    assert wrappers_of(inner) == []
+    call(inner)  # unwrapped again: plain use
+
+
 def test_direct_use_is_not_refused() -> None:
     assert len(list(strategy().configure_train(1, initial(), ConfigRecord(), grid()))) == 3
+
+
+def test_a_subclass_with_its_own_start_is_not_refused() -> None:
+    class Logged(SpectralSharding):
+        def start(self, *args: Any, **kwargs: Any) -> Result:
+            self.started = True
+            return super().start(*args, **kwargs)
+
+    class OwnLoop(SpectralSharding):
+        def start(self, grid: Any, initial_arrays: Any, *args: Any, **kwargs: Any) -> Result:
+            msgs = list(self.configure_train(1, initial_arrays, ConfigRecord(), grid))
+            arrays, _ = self.aggregate_train(1, grid.send_and_receive(msgs))
+            return Result(arrays=arrays or initial_arrays)
+
+    for kind in (Logged, OwnLoop):
+        s = strategy(cls=kind, num_rounds=1)
+        s.start(grid=grid(), initial_arrays=initial(), num_rounds=1, timeout=5)
+        assert s.rounds_trained == 1, kind.__name__
 
 
 def test_flowers_local_dp_mod_cannot_wrap_a_shard_reply() -> None:

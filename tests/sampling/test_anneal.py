@@ -11,12 +11,11 @@ import numpy as np
 import pytest
 from paper_algorithms import algorithm1_unbiased, algorithm2_collective
 
-from fedshard import SpectralSharding
+from fedshard import Sharding, SpectralSharding
 from fedshard.sampling import (
     anneal_exponent,
     annealed_probabilities,
     draw_layer,
-    method_problems,
     plan_round,
 )
 
@@ -152,9 +151,12 @@ def test_with_a_rank_n_spectrum_collective_and_annealing_draw_what_top_n_draws()
 
 
 def test_method_names_and_strategy_parameters_are_checked():
-    assert method_problems("anneal-collective", "cps") == []
-    assert method_problems("anneal-collective", "cps", scaled=True)  # +Scaled: not with it
+    assert Sharding(method="anneal-collective", design="cps").problems() == []
+    with pytest.raises(ValueError, match=r"scaled=True with method='anneal-collective': "
+                                         r"\+Scaled replaces"):  # +Scaled: not with it
+        Sharding(method="anneal-collective", scaled=True)
     with pytest.raises(ValueError, match=r"anneal_exponent=0\.5: expected γ₀ ≥ 1"):
-        SpectralSharding(sharded_layers=["a"], method="anneal-unbiased", anneal_exponent=0.5)
+        Sharding(method="anneal-unbiased", anneal_exponent=0.5)
     with pytest.raises(ValueError, match=r"anneal_rounds=0: expected T ≥ 1"):
-        SpectralSharding(sharded_layers=["a"], method="anneal-unbiased", anneal_rounds=0)
+        SpectralSharding(sharded_layers=["a"],
+                         sharding=Sharding(method="anneal-unbiased", anneal_rounds=0))

@@ -1,7 +1,7 @@
 """The server's device paths (SVD and rebuild through torch on a device), run on the CPU.
 
 CI has no GPU: the torch path is forced with device "cpu" and compared with the numpy path;
-the same code runs with "cuda" on a GPU (tests/spectral/test_cuda.py).
+the same code runs with "cuda" on a GPU (tests/client/train/fast/test_cuda.py).
 """
 
 from __future__ import annotations

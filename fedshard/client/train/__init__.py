@@ -3,11 +3,14 @@ Sec. 3.3), on batches held on the training device.
 
 - :mod:`~fedshard.client.train.config` - :class:`TrainConfig`, :class:`TrainResult`,
   :class:`EvalResult`.
-- :mod:`~fedshard.client.train.optim` - :class:`ClipLR` (per-term lr ``min(1, τ/ω_i)``) and
-  Frobenius decay (:func:`frobenius_penalty`, :class:`FrobeniusDecay`).
+- :mod:`~fedshard.client.train.optim` - :func:`build_optimizer`, :class:`ClipLR` (per-term
+  lr ``min(1, τ/ω_i)``) and Frobenius decay (:func:`frobenius_penalty`,
+  :class:`FrobeniusDecay`).
+- :mod:`~fedshard.client.train.step` - :class:`EagerStep`, one training step on one batch.
 - :mod:`~fedshard.client.train.batches` - :class:`TensorBatches` and batch unpacking.
-- :mod:`~fedshard.client.train.loop` - :func:`train` and :func:`evaluate`.
-- :mod:`~fedshard.client.train.fast` - compiled and CUDA-graph steps, padding, the step pool.
+- :mod:`~fedshard.client.train.loop` - :func:`train` and :func:`evaluate`, the plain loop.
+- :mod:`~fedshard.client.train.fast` - opt-in speed: compiled and CUDA-graph steps, padded
+  or merged convolutions, the step pool (:data:`STEP_POOL`).
 """
 
 from fedshard.client.train.batches import (
@@ -19,14 +22,17 @@ from fedshard.client.train.batches import (
     unpack_batch,
 )
 from fedshard.client.train.config import EvalResult, TrainConfig, TrainResult
-from fedshard.client.train.loop import STEP_POOL, build_optimizer, evaluate, train
-from fedshard.client.train.optim import ClipLR, FrobeniusDecay, frobenius_penalty
+from fedshard.client.train.fast import STEP_POOL
+from fedshard.client.train.loop import evaluate, train
+from fedshard.client.train.optim import ClipLR, FrobeniusDecay, build_optimizer, frobenius_penalty
+from fedshard.client.train.step import EagerStep, cross_entropy_sums
 
 __all__ = [
     "INPUT_KEYS",
     "STEP_POOL",
     "TARGET_KEYS",
     "ClipLR",
+    "EagerStep",
     "EvalResult",
     "FrobeniusDecay",
     "TensorBatches",
@@ -34,6 +40,7 @@ __all__ = [
     "TrainResult",
     "batches_for",
     "build_optimizer",
+    "cross_entropy_sums",
     "dataset_size",
     "evaluate",
     "frobenius_penalty",

@@ -131,7 +131,7 @@ class TensorBatches:
         ``None``: the examples in order, every epoch. An int: shuffled every epoch, in **the
         order** ``DataLoader(dataset, batch_size, shuffle=True,
         generator=torch.Generator().manual_seed(seed))`` **gives** when iterated epoch after
-        epoch (torch 2.x; ``tests/client/test_tensor_batches.py`` checks it), so training on
+        epoch (torch 2.x; ``tests/client/train/test_tensor_batches.py`` checks it), so training on
         either gives the same model bit for bit.
     device : str or torch.device
         Where the tensors live and batches are made.

@@ -8,7 +8,16 @@ from dataclasses import dataclass
 
 import torch
 
+from fedshard.settings import check
+
 __all__ = ["EvalResult", "TrainConfig", "TrainResult", "finite_real"]
+
+
+#: TrainConfig's fields of the local-training recipe (:class:`fedshard.settings.LocalTraining`)
+#: -> their rule in :data:`fedshard.settings.RULES` (``lr`` is the round's scheduled rate).
+RECIPE_RULES = {"local_epochs": "local_epochs", "lr": "round_lr", "momentum": "momentum",
+                "frobenius_decay": "frobenius_decay", "clip_lr_tau": "clip_lr_tau",
+                "weight_decay": "weight_decay"}
 
 
 @dataclass(frozen=True)
@@ -20,13 +29,14 @@ class TrainConfig:
     local_epochs : int
         Passes over the loader, ``>= 1``.
     lr : float
-        SGD learning rate, ``>= 0`` (0: nothing changes, a pipeline diagnostic).
+        SGD learning rate ``>= 0``: a node trains with its round's scheduled rate, which a
+        schedule may take to 0 (then nothing changes: a check of the pipeline).
     momentum : float
         SGD momentum in ``[0, 1)``; the paper uses 0.9.
     frobenius_decay : float
         ``γ >= 0``; adds ``γ ‖U Ω V^T‖_F^2`` per spectral layer to the loss (paper: 1e-4).
     clip_lr_tau : float or None
-        ClipLR threshold ``τ > 0`` (paper: 10, and ``τ >= 1`` is advised); ``None`` disables.
+        ClipLR threshold ``τ >= 1`` (paper: 10); ``None`` disables.
     weight_decay : float
         Ordinary (L2) weight decay ``>= 0`` of the non-spectral parameters (dense weights,
         biases, norms). Never applied to ``u``/``v`` (paper: Frobenius decay only).
@@ -43,10 +53,12 @@ class TrainConfig:
     compile : bool
         Compile the forward and backward with ``torch.compile`` (Inductor's fused kernels;
         on a GPU combine it with ``cuda_graph``, which captures them in the whole-step
-        graph: the fastest step measured). The same numbers as eager up to float
-        rounding; the first model of each structure in a process pays the compilation (and
-        its first short batch a recompilation for any batch size); later models of that
-        structure (a client's next round, other clients in the process) reuse it.
+        graph). The same numbers as eager up to float rounding; the first model of each
+        structure in a process pays the compilation (and its first short batch a
+        recompilation for any batch size); later models of that structure (a client's next
+        round, other clients in the process) reuse it. This and the four options below are
+        the fast path (:mod:`fedshard.client.train.fast`); where each wins, measured:
+        ``benchmarks/README.md``.
     cuda_graph : bool
         Capture the whole step (forward, backward, Frobenius decay, clipping, ClipLR + SGD)
         as one CUDA graph per batch shape, after an eager warm-up step of that shape, and
@@ -63,33 +75,36 @@ class TrainConfig:
         Ignored for ``(inputs, targets)`` pairs.
     pad_terms : int or None
         Pad every :class:`~fedshard.spectral.SpectralConv2d`'s ``n`` intermediate channels
-        with zero terms to a multiple of this while training (``pad_terms_to``; exact: see
-        there). ``None``: 8 for ``cuda_graph`` on CUDA without ``compile`` (H100, r = 0.1
-        ResNet-18 step 4.84 against 5.47 ms: cuDNN's kernels for thin convolutions with
-        other channel counts are slow), else 1. Eager CUDA steps are bound by launches, not
-        kernels, and the padding's extra launches made them slower (22.0 against 19.4 ms).
+        with zero terms to a multiple of this (``pad_terms_to``; exact: see there). Set on
+        the model's layers by :func:`~fedshard.client.train.fast.configure_convolutions`
+        and left so. ``None``: 8 for ``cuda_graph`` on CUDA without ``compile`` (cuDNN's
+        kernels for thin convolutions with other channel counts are slow), else 1 (eager
+        CUDA steps are bound by launches, and padding adds some).
     reuse_step : bool or None
-        Train on a pooled step (:class:`~fedshard.client.train.fast.StepPool`, one per process): a
-        later model of the same shapes and settings (the next client of the same keep ratio
-        in a Ray worker or on the in-process grid) is copied into a kept model copy whose
-        step, optimizer and CUDA graphs already exist, so it skips the warm-up and capture;
-        its trained state is copied back. The same numbers as a fresh step (the momentum
-        starts at zero, ClipLR's and Frobenius decay's ω-tensors are refilled). ``None``:
+        Train on a pooled step (:data:`~fedshard.client.train.fast.STEP_POOL`, one per
+        process): a later model of the same shapes and settings (the next client of the
+        same keep ratio in a Ray worker or on the in-process grid) is copied into a kept
+        model copy whose step, optimizer and CUDA graphs already exist, so it skips the
+        warm-up and capture; its trained state is copied back. The same numbers as a fresh
+        step (the momentum starts at zero; ClipLR and Frobenius decay read the new ω at
+        each step). ``None``:
         on with ``cuda_graph``, off otherwise (an eager step has little to reuse). Turn it
         off for a model whose forward depends on state the pool cannot see (it compares
         modules, tensor shapes, plain attributes and ``repr``; hooks disable pooling).
     merge_terms : bool
         Train every :class:`~fedshard.spectral.SpectralConv2d` as one dense convolution
-        whose kernel ``U diag(ω) Vᵀ`` is rebuilt each step (``merge_terms`` there), instead
-        of a k×k convolution to ``n`` channels and a 1×1 one. The same function and
-        gradients up to rounding; fewer kernels, the dense model's convolution FLOPs. For
-        steps bound by kernel launches or latency (small sub-models on a GPU); on this
-        project's CPU it is slower (the FLOPs count there).
+        whose kernel ``U diag(ω) Vᵀ`` is rebuilt each step (``merge_terms`` there, set on the
+        model's layers by :func:`~fedshard.client.train.fast.configure_convolutions` and
+        left so), instead of a k×k convolution to ``n`` channels and a 1×1 one. The same
+        function and gradients up to rounding; fewer kernels, the dense model's convolution
+        FLOPs: for steps bound by kernel launches or latency (small sub-models on a GPU),
+        slower where FLOPs count (CPU).
 
     Raises
     ------
     ValueError
-        On any out-of-range value.
+        On any out-of-range value (the recipe's fields by the rules of
+        :data:`fedshard.settings.RULES`, the same as the server's).
     """
 
     local_epochs: int = 1
@@ -117,21 +132,11 @@ class TrainConfig:
                 f"TrainConfig.{field}={value!r}: expected {expected}; no training was started."
             )
 
-        if (isinstance(self.local_epochs, bool) or not isinstance(self.local_epochs, int)
-                or self.local_epochs < 1):
-            raise bad("local_epochs", self.local_epochs, "an int >= 1")
-        if not finite_real(self.lr) or self.lr < 0:
-            # lr = 0 is allowed: a round that changes nothing (a diagnostic of the pipeline)
-            raise bad("lr", self.lr, "a finite number >= 0")
-        if not finite_real(self.momentum) or not 0 <= self.momentum < 1:
-            raise bad("momentum", self.momentum, "a number in [0, 1)")
-        if not finite_real(self.frobenius_decay) or self.frobenius_decay < 0:
-            raise bad("frobenius_decay", self.frobenius_decay, "a finite number >= 0")
-        tau = self.clip_lr_tau
-        if tau is not None and (not finite_real(tau) or tau <= 0):
-            raise bad("clip_lr_tau", tau, "a finite number > 0 (or None to disable ClipLR)")
-        if not finite_real(self.weight_decay) or self.weight_decay < 0:
-            raise bad("weight_decay", self.weight_decay, "a finite number >= 0")
+        for field, rule in RECIPE_RULES.items():  # the rules of fedshard.settings
+            value = getattr(self, field)
+            expected = check(rule, value)
+            if expected is not None:
+                raise bad(field, value, expected.removeprefix("expected "))
         if self.max_grad_norm is not None and (
             not finite_real(self.max_grad_norm) or self.max_grad_norm <= 0
         ):

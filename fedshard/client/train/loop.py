@@ -1,15 +1,16 @@
-"""Local training of a (sub-)model: SGD with momentum, Frobenius decay and ClipLR (Sec. 3.3).
+"""Local training of a (sub-)model, the plain loop: :func:`train` and :func:`evaluate`.
 
-Torch only. The spectral layers are found by ``isinstance(m, SpectralLayer)``; their ``u`` and
-``v`` are trained with Frobenius decay only, every other parameter with ordinary weight decay.
-The loop lives here (:func:`train`, :func:`evaluate`); the settings in
-:mod:`fedshard.client.train.config`, the step in :mod:`fedshard.client.train.fast.step`.
+Torch only. Each batch goes through one :class:`~fedshard.client.train.step.EagerStep`
+(SGD with momentum 0.9, Frobenius decay ``γ‖UΩVᵀ‖²`` on the spectral factors, ClipLR
+``min(1, τ/ω_i)`` per factor column, weight decay only on the other parameters; paper,
+Sec. 3.3). Only when the :class:`TrainConfig` asks for a fast option does the loop take its
+step from :mod:`fedshard.client.train.fast` instead (``fast.enabled`` / ``fast.open_step``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -17,35 +18,17 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from fedshard.client.train.batches import (
-    INPUT_KEYS,
-    TARGET_KEYS,
-    TensorBatches,
-    dataset_size,
-    unpack_batch,
-)
+from fedshard.client.train import fast
+from fedshard.client.train.batches import TensorBatches, dataset_size, unpack_batch
 from fedshard.client.train.config import EvalResult, TrainConfig, TrainResult
-from fedshard.client.train.fast.pool import StepPool
-from fedshard.client.train.fast.step import TrainStep, build_optimizer, cross_entropy_sums
-from fedshard.client.train.optim import ClipLR, FrobeniusDecay, frobenius_penalty
+from fedshard.client.train.step import EagerStep, cross_entropy_sums
 
-__all__ = [
-    "INPUT_KEYS",
-    "STEP_POOL",
-    "TARGET_KEYS",
-    "ClipLR",
-    "EvalResult",
-    "FrobeniusDecay",
-    "TrainConfig",
-    "TrainResult",
-    "TrainStep",
-    "build_optimizer",
-    "evaluate",
-    "frobenius_penalty",
-    "train",
-]
+__all__ = ["evaluate", "train"]
 
 logger = logging.getLogger(__name__)
+
+#: A training step: one batch in, device sums (loss, correct, counted targets) out.
+Step = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def train(model: nn.Module, loader: DataLoader[Any] | TensorBatches,
@@ -57,7 +40,9 @@ def train(model: nn.Module, loader: DataLoader[Any] | TensorBatches,
     model : nn.Module
         Moved to ``cfg.device`` and left there, in train mode. Outputs ``(B, C)`` logits with
         ``(B,)`` targets, or ``(B, T, C)`` with ``(B, T)`` targets (next-token prediction);
-        targets equal to ``-100`` are ignored.
+        targets equal to ``-100`` are ignored. With ``cfg.pad_terms`` or ``cfg.merge_terms``
+        its sharded convolutions are left in that form (the same function; see
+        :func:`fedshard.client.train.fast.configure_convolutions`).
     loader : DataLoader or TensorBatches
         Yields ``(inputs, targets)`` pairs or dicts (see :attr:`TrainConfig.input_key`).
     cfg : TrainConfig
@@ -80,7 +65,7 @@ def train(model: nn.Module, loader: DataLoader[Any] | TensorBatches,
     Notes
     -----
     Loss per step: ``CE + γ Σ ‖U Ω V^T‖_F^2``; gradients of ``u``, ``v`` clipped by ClipLR;
-    plain SGD with momentum (paper, Sec. 3.3); see :class:`TrainStep`. Deterministic given
+    plain SGD with momentum (paper, Sec. 3.3); see :class:`EagerStep`. Deterministic given
     ``cfg.seed`` on CPU: all torch randomness drawn from the global generator during the call
     comes from a forked RNG seeded with it (the caller's RNG state is restored afterwards). A
     DataLoader with its own ``generator`` keeps using that.
@@ -90,19 +75,14 @@ def train(model: nn.Module, loader: DataLoader[Any] | TensorBatches,
     if cfg.channels_last:
         model.to(memory_format=torch.channels_last)
     model.train()
-    reuse = cfg.cuda_graph if cfg.reuse_step is None else cfg.reuse_step
-    with STEP_POOL.lease(model, cfg) if reuse else TrainStep(model, cfg) as step:
-        return _train_loop(step, loader, cfg, device)
+    if fast.enabled(cfg):
+        with fast.open_step(model, cfg) as step:
+            return _epochs(step, loader, cfg, device)
+    return _epochs(EagerStep(model, cfg), loader, cfg, device)
 
 
-#: The process's pooled steps (``TrainConfig.reuse_step``); ``STEP_POOL.clear()`` frees them.
-STEP_POOL = StepPool(size=4)
-
-
-def _train_loop(
-    step: TrainStep, loader: DataLoader[Any] | TensorBatches, cfg: TrainConfig,
-    device: torch.device
-) -> TrainResult:
+def _epochs(step: Step, loader: DataLoader[Any] | TensorBatches, cfg: TrainConfig,
+            device: torch.device) -> TrainResult:
     # Device-side sums: the only reads back to the host are the periodic finiteness checks
     # and the per-epoch log line. CE >= 0, so a sum is finite iff every summand is.
     total_loss = torch.zeros((), dtype=torch.float64, device=device)

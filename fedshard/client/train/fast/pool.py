@@ -1,18 +1,17 @@
-"""One training step reused by every later model of the same shape in a process (Sec. 3.3).
+"""One training step reused by every later model of the same shape in a process
+(``TrainConfig.reuse_step``).
 
 A CUDA-graphed :class:`~fedshard.client.train.fast.TrainStep` pays an eager warm-up step and a
-capture for each batch shape before it replays; built afresh for each client (each ``train`` call), that is
-most of a small sub-model's client time on a GPU (H100, CIFAR-10-shaped round: the 10 clients
-spent 3.7-4.8 s for ~1.6 s of replayed steps). Clients of one keep ratio get sub-models of the
-same shapes, so :class:`StepPool` keeps one private copy of such a model with its step (and its
-captured graphs) and trains every later model of that shape on it:
+capture for each batch shape before it replays; built afresh for each client, that is most of
+a small sub-model's client time on a GPU (benchmarks/README.md). Clients of one keep ratio get
+sub-models of the same shapes, so :class:`StepPool` keeps one private copy of such a model
+with its step (and its captured graphs) and trains every later model of that shape on it:
 
-1. copy the caller's parameters and buffers into the pooled copy (ω is a buffer);
-2. zero the momentum buffers in place (SGD's first step sets ``buf = grad``; from a zero buffer
-   ``0.9 * 0 + grad`` is the same number, so the first replayed step is a first step), and
-   recompute ClipLR's per-column scales and Frobenius decay's ``2γ ωω^T`` in place from the new
-   ω, since the graphs read those tensors;
-3. train (replays), then copy the trained parameters and buffers back into the caller's model.
+1. :meth:`TrainStep.load_state`: the caller's parameters and buffers (ω among them) copied
+   into the pooled copy, the momentum restarted at zero;
+2. train (replays);
+3. :meth:`TrainStep.store_state`: the trained parameters and buffers copied back into the
+   caller's model.
 
 Two models share an entry only if everything that shapes their step is equal: module types and
 names, every parameter's and buffer's shape, dtype, device, strides and ``requires_grad``, the
@@ -89,8 +88,6 @@ class _Entry:
         self.model = copy.deepcopy(model)
         self.model.train()
         self.step = TrainStep(self.model, cfg)
-        self.params: list[torch.Tensor] = list(self.model.parameters())
-        self.buffers: list[torch.Tensor] = list(self.model.buffers())
         self.busy = False
         self.uses = 0
 
@@ -141,9 +138,10 @@ class StepPool:
     def lease(self, model: nn.Module, cfg: TrainConfig) -> Iterator[TrainStep]:
         """A step that trains ``model``: pooled when possible (see the module), else fresh.
 
-        ``model`` must already be on ``cfg.device`` in its training layout. On a normal exit
-        the trained parameters and buffers are in ``model``; if the body raises, ``model`` is
-        left as it was and the entry is dropped.
+        ``model`` must already be on ``cfg.device`` in its training layout, its convolutions
+        configured (:func:`~fedshard.client.train.fast.configure_convolutions`). On a normal
+        exit the trained parameters and buffers are in ``model``; if the body raises,
+        ``model`` is left as it was and the entry is dropped.
         """
         key = model_signature(model, cfg)
         entry = None
@@ -181,14 +179,9 @@ class StepPool:
         ok = False
         try:
             if not loaded:
-                _load(entry, model)
+                entry.step.load_state(model)  # step 1
             yield entry.step
-            with torch.no_grad():  # step 3, before the entry is lent again
-                params: list[torch.Tensor] = list(model.parameters())
-                torch._foreach_copy_(params, entry.params)
-                buffers: list[torch.Tensor] = list(model.buffers())
-                if buffers:
-                    torch._foreach_copy_(buffers, entry.buffers)
+            entry.step.store_state(model)  # step 3, before the entry is lent again
             ok = True
         finally:
             with self._lock:
@@ -196,19 +189,3 @@ class StepPool:
                 entry.uses += 1
                 if not ok and self._entries.get(key) is entry:
                     self._drop(key)
-
-
-@torch.no_grad()
-def _load(entry: _Entry, model: nn.Module) -> None:
-    """Steps 1 and 2 of the module docstring: the caller's state in, the optimizer's reset."""
-    params: list[torch.Tensor] = list(model.parameters())
-    torch._foreach_copy_(entry.params, params)
-    if entry.buffers:
-        buffers: list[torch.Tensor] = list(model.buffers())
-        torch._foreach_copy_(entry.buffers, buffers)
-    momenta = [s["momentum_buffer"] for s in entry.step.optimizer.state.values()
-               if s.get("momentum_buffer") is not None]
-    if momenta:
-        torch._foreach_zero_(momenta)
-    entry.step.optimizer.refresh_scales_()
-    entry.step.decay.refresh_()

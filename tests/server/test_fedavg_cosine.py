@@ -42,10 +42,6 @@ def test_cosine_matches_the_concatenated_vector_formula():
 
 
 def test_fedavg_itself_has_cosine_one_and_sharding_less(tmp_path):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "faults"))
     import json
 
     from fault_setup import run_app

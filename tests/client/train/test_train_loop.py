@@ -274,11 +274,12 @@ def test_train_logs_each_epoch(caplog: pytest.LogCaptureFixture) -> None:
 @pytest.mark.parametrize(
     ("field", "value", "pattern"),
     [
-        ("local_epochs", 0, r"TrainConfig\.local_epochs=0: expected an int >= 1"),
-        ("lr", -0.1, r"TrainConfig\.lr=-0\.1: expected a finite number >= 0"),
-        ("momentum", 1.0, r"TrainConfig\.momentum=1\.0: expected a number in \[0, 1\)"),
-        ("frobenius_decay", -1.0, r"frobenius_decay=-1\.0: expected a finite number >= 0"),
-        ("clip_lr_tau", 0.0, r"clip_lr_tau=0\.0: expected a finite number > 0 \(or None"),
+        ("local_epochs", 0, r"TrainConfig\.local_epochs=0: expected an integer ≥ 1; no training"),
+        ("lr", -0.1, r"TrainConfig\.lr=-0\.1: expected ≥ 0 \(a finite number"),
+        ("momentum", 1.0, r"TrainConfig\.momentum=1\.0: expected in \[0, 1\)"),
+        ("frobenius_decay", -1.0, r"frobenius_decay=-1\.0: expected a finite number ≥ 0"),
+        ("clip_lr_tau", 0.0, r"clip_lr_tau=0\.0: expected τ ≥ 1 \(the paper uses 10\), or None"),
+        ("clip_lr_tau", 0.5, r"clip_lr_tau=0\.5: expected τ ≥ 1"),
         ("weight_decay", float("nan"), r"weight_decay=nan"),
         ("device", "warp-drive", r"device='warp-drive': expected a torch device"),
         ("seed", 1.5, r"seed=1\.5: expected an int"),

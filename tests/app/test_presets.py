@@ -4,23 +4,28 @@ in each data set's real file format (the real data cannot be downloaded here).""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-import tomllib
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10; tomli comes with flwr
+    import tomli as tomllib
 from flower_grid import InProcessGrid
 from flwr.app import Context, RecordDict
 
 from fedshard.app.config import RunConfig
 from fedshard.data import clear_cache
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PRESETS = sorted((ROOT / "presets").glob("*.toml"))
 
 
 def _fake_data(dataset: str, root: Path) -> None:
-    import fakedata  # tests/data/fakedata.py (on pytest's pythonpath)
+    import fakedata  # tests/fakedata.py (on pytest's pythonpath)
 
     rng = np.random.default_rng(0)
     if dataset == "cifar10":

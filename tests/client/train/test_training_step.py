@@ -1,4 +1,4 @@
-"""ClipLR as an optimizer, the analytic Frobenius gradient, norm clipping, dict batches,
+"""ClipLR on any optimizer, the analytic Frobenius gradient, norm clipping, dict batches,
 the finiteness check without per-step host reads, and torch.compile (against references)."""
 
 from __future__ import annotations
@@ -60,44 +60,113 @@ def _assert_same(a: nn.Module, b: nn.Module, rtol: float = 1e-12, atol: float = 
         torch.testing.assert_close(x, y, rtol=rtol, atol=atol, msg=key)
 
 
-# -- ClipLR is a torch.optim.Optimizer --------------------------------------------------------
+# -- ClipLR attaches to any torch optimizer -----------------------------------------------------
+
+
+_SCALE = torch.tensor([1.0, 10 / 12, 10 / 30], dtype=torch.float64)  # min(1, τ/ω), τ = 10
+
+
+def _by_hand(reference: nn.Module, lr: float) -> None:
+    """One plain SGD step with the factor gradients scaled column by column."""
+    with torch.no_grad():
+        for p in reference.parameters():
+            factor = p is reference[0].u or p is reference[0].v
+            p -= lr * p.grad * (_SCALE if factor else 1.0)
 
 
 def test_cliplr_in_a_user_loop_matches_the_rule_applied_by_hand() -> None:
     model, reference = _model(), _model()
-    opt = ClipLR(torch.optim.SGD(model.parameters(), lr=0.1), model, tau=10)
-    assert isinstance(opt, torch.optim.Optimizer)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    clip = ClipLR(opt, model, tau=10)
+    assert clip.handle is not None
     x, t = _data()[:8]
     nn.functional.cross_entropy(model(x), t).backward()
     nn.functional.cross_entropy(reference(x), t).backward()
     opt.step()
-    scale = torch.tensor([1.0, 10 / 12, 10 / 30], dtype=torch.float64)  # min(1, τ/ω)
-    with torch.no_grad():
-        for p in reference.parameters():
-            factor = p is reference[0].u or p is reference[0].v
-            p -= 0.1 * p.grad * (scale if factor else 1.0)
+    _by_hand(reference, 0.1)
     _assert_same(model, reference)
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_cliplr_without_tau_is_the_wrapped_optimizer() -> None:
+def test_cliplr_acts_on_any_optimizer() -> None:
+    """Adam honours the hook too: its first step moves an entry by about lr·sign(g) unless
+    |g| is far below its ε = 1e-8, which a scale τ/ω ~ 1e-13 makes of the factor gradients."""
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    ClipLR(opt, model, tau=1e-12)
+    before = copy.deepcopy(model)
+    x, t = _data()[:8]
+    nn.functional.cross_entropy(model(x), t).backward()
+    opt.step()
+    for name in ("u", "v"):
+        moved = getattr(model[0], name) - getattr(before[0], name)
+        assert moved.abs().max() < 1e-3, name
+    assert (model[2].weight - before[2].weight).abs().max() > 0.09  # unclipped: a full step
+
+
+def test_cliplr_follows_omega_written_in_place() -> None:
+    """The scales come from the layers' current ω at each step: ω overwritten with
+    load_state_dict after the optimizer was built gives min(1, τ/ω_new)."""
     model, reference = _model(), _model()
-    opt = ClipLR(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, tau=None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ClipLR(opt, model, tau=10)
+    new_omega = torch.tensor([20.0, 1.0, 40.0], dtype=torch.float64)
+    for m in (model, reference):
+        m.load_state_dict({**m.state_dict(), "0.omega": new_omega})
+    x, t = _data()[:8]
+    nn.functional.cross_entropy(model(x), t).backward()
+    nn.functional.cross_entropy(reference(x), t).backward()
+    opt.step()
+    scale = torch.tensor([0.5, 1.0, 0.25], dtype=torch.float64)
+    with torch.no_grad():
+        for p in reference.parameters():
+            factor = p is reference[0].u or p is reference[0].v
+            p -= 0.1 * p.grad * (scale if factor else 1.0)
+    _assert_same(model, reference)
+
+
+def test_cliplr_with_a_closure_clips_the_closures_gradients() -> None:
+    model, reference = _model(), _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ClipLR(opt, model, tau=10)
+    x, t = _data()[:8]
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), t)
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    want = nn.functional.cross_entropy(reference(x), t)
+    want.backward()
+    _by_hand(reference, 0.1)
+    assert torch.equal(loss, want)
+    _assert_same(model, reference)
+
+
+def test_cliplr_without_tau_or_removed_is_the_plain_optimizer() -> None:
+    model, removed, reference = _model(), _model(), _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    assert ClipLR(opt, model, tau=None).handle is None
+    opt_removed = torch.optim.SGD(removed.parameters(), lr=0.1, momentum=0.9)
+    ClipLR(opt_removed, removed, tau=1.0).remove()
     plain = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     for x, t in DataLoader(_data(), batch_size=8):
-        for m, o in ((model, opt), (reference, plain)):
+        for m, o in ((model, opt), (removed, opt_removed), (reference, plain)):
             o.zero_grad()
             nn.functional.cross_entropy(m(x), t).backward()
             o.step()
     _assert_same(model, reference, rtol=0, atol=0)
+    _assert_same(removed, reference, rtol=0, atol=0)
 
 
 def test_cliplr_state_dict_round_trip_and_lr_scheduler() -> None:
     cfg = TrainConfig(lr=0.2, momentum=0.9, log_every_epoch=False)
     batches = list(DataLoader(_data(32), batch_size=8))
 
-    def run(model: nn.Module, opt: ClipLR, sched: Any, steps: list[Any]) -> None:
+    def run(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, steps: list[Any]) -> None:
         for x, t in steps:
             opt.zero_grad()
             nn.functional.cross_entropy(model(x), t).backward()
@@ -106,9 +175,10 @@ def test_cliplr_state_dict_round_trip_and_lr_scheduler() -> None:
 
     straight = _model()
     opt = build_optimizer(straight, cfg)
+    assert isinstance(opt, torch.optim.SGD)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     run(straight, opt, sched, batches)
-    assert opt.optimizer.param_groups[0]["lr"] == pytest.approx(0.2 / 16)  # the wrapped SGD's
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.2 / 16)
 
     first = _model()
     opt1 = build_optimizer(first, cfg)
@@ -126,6 +196,19 @@ def test_cliplr_state_dict_round_trip_and_lr_scheduler() -> None:
     _assert_same(resumed, straight, rtol=0, atol=0)
 
 
+def test_build_optimizer_applies_cliplr() -> None:
+    """build_optimizer's SGD (what Shard.optimizer returns) clips: one step against the rule
+    by hand."""
+    model, reference = _model(), _model()
+    opt = build_optimizer(model, TrainConfig(lr=0.1, momentum=0.9, clip_lr_tau=10.0))
+    x, t = _data()[:8]
+    nn.functional.cross_entropy(model(x), t).backward()
+    nn.functional.cross_entropy(reference(x), t).backward()
+    opt.step()  # the first momentum step is a plain step
+    _by_hand(reference, 0.1)
+    _assert_same(model, reference)
+
+
 def test_column_scale_is_the_one_overridable_rule() -> None:
     class Freeze(ClipLR):
         def column_scale(self, omega: torch.Tensor) -> torch.Tensor:
@@ -133,7 +216,8 @@ def test_column_scale_is_the_one_overridable_rule() -> None:
 
     model = _model()
     before = copy.deepcopy(model)
-    opt = Freeze(torch.optim.SGD(model.parameters(), lr=0.1), model, tau=1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    Freeze(opt, model, tau=1.0)
     x, t = _data()[:8]
     nn.functional.cross_entropy(model(x), t).backward()
     opt.step()
@@ -142,7 +226,8 @@ def test_column_scale_is_the_one_overridable_rule() -> None:
 
 
 def test_cliplr_errors() -> None:
-    with pytest.raises(TypeError, match=r"ClipLR wraps a torch\.optim\.Optimizer, got list"):
+    with pytest.raises(TypeError,
+                       match=r"ClipLR attaches to a torch\.optim\.Optimizer, got list"):
         ClipLR([], _model(), tau=1.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"tau=0: expected a finite number > 0 or None"):
         ClipLR(torch.optim.SGD(_model().parameters(), lr=0.1), _model(), tau=0)

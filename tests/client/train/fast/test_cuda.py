@@ -95,7 +95,7 @@ def test_cuda_step_never_waits_for_the_device() -> None:
     model = _submodel().cuda()
     step = TrainStep(model, dataclasses.replace(CFG, device="cuda"))
     batches = [(x.cuda(), y.cuda()) for x, y in _loader()]
-    step(*batches[0])  # first step: lazy state (momentum buffers, ClipLR scales)
+    step(*batches[0])  # first step: lazy state (momentum buffers)
     before = copy.deepcopy(model.state_dict())
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -166,15 +166,17 @@ def test_compiled_cuda_graph_training_replays_the_compiled_step() -> None:
 
 
 def test_cuda_graph_pads_thin_convolutions_and_matches_cpu() -> None:
-    """Under cuda_graph (no compile) TrainStep pads the sub-model's thin convolutions to
-    multiples of 8 zero terms; the trained factors still match unpadded CPU training."""
+    """Under cuda_graph (no compile) train pads the sub-model's thin convolutions to
+    multiples of 8 zero terms (configure_convolutions: on the caller's model, which the pooled
+    copy was made from); the trained factors still match unpadded CPU training."""
     on_cpu, on_cuda = _submodel(), _submodel()
     train(on_cpu, _loader(), CFG)
     train(on_cuda, _loader(), dataclasses.replace(CFG, device="cuda", cuda_graph=True))
     (entry,) = STEP_POOL._entries.values()  # the pooled copy is what trained
     pads = {m.pad_terms_to for m in entry.model.modules() if hasattr(m, "pad_terms_to")}
     assert pads == {8}
-    assert {m.pad_terms_to for m in on_cuda.modules() if hasattr(m, "pad_terms_to")} == {1}
+    assert {m.pad_terms_to for m in on_cuda.modules() if hasattr(m, "pad_terms_to")} == {8}
+    assert {m.pad_terms_to for m in on_cpu.modules() if hasattr(m, "pad_terms_to")} == {1}
     _assert_close(on_cuda, on_cpu, rtol=1e-4, atol=1e-5)
 
 
@@ -229,7 +231,7 @@ def test_pooled_cuda_graphs_train_later_clients_like_their_own_graphs() -> None:
 
 
 def test_no_garbage_collection_runs_inside_a_real_capture() -> None:
-    """The capture runs with Python's collector off (``tests/spectral/test_step_graphs.py``
+    """The capture runs with Python's collector off (``tests/client/train/fast/test_step_graphs.py``
     checks the logic on the CPU): a collection there can free an unreachable CUDA graph
     (a dropped step's), and destroying a graph while a stream captures invalidates the capture
     (cudaErrorStreamCaptureInvalidated: seen once on an H100 in a float64 version of the

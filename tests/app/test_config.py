@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 from pathlib import Path
 
 import pytest
-import tomllib
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10; tomli comes with flwr
+    import tomli as tomllib
+
+from fedshard import LocalTraining, NodePolicy, ReplyPolicy, Sharding
 from fedshard.app.config import ConfigError, KeepRatioMixture, RunConfig
 from fedshard.server.schedule import cosine_lr
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def pyproject_defaults() -> dict:
@@ -61,7 +67,12 @@ def test_all_problems_reported_at_once() -> None:
      ({"method": "anneal-collective", "scaled": True},
       "scaled=true with method='anneal-collective'"),
      ({"anneal-exponent": 0.5}, r"anneal-exponent=0.5: expected γ₀ ≥ 1"),
-     ({"anneal-rounds": 0}, "anneal-rounds=0: expected ≥ 1"),
+     ({"anneal-rounds": 0}, "anneal-rounds=0: expected T ≥ 1"),
+     ({"clip-lr-tau": 0.5, "clip-lr": False}, "clip-lr-tau=0.5: expected τ ≥ 1"),
+     ({"max-num-examples": -1}, r"max-num-examples=-1: expected an integer in \[1, 2\*\*53\]"),
+     ({"round-timeout": 0.0}, "round-timeout=0.0: expected > 0 seconds"),
+     ({"prism-exponent": -1.0}, "prism-exponent=-1.0: expected k > 0"),
+     ({"trim-fraction": 0.5}, r"trim-fraction=0.5: expected in \[0, 0.5\)"),
      ({"init-keep-ratio": 0.0}, r"init-keep-ratio=0.0: expected in \(0, 1\]"),
      ({"init-keep-ratio": 1.5}, r"init-keep-ratio=1.5: expected in \(0, 1\]"),
      ({"fedavg-cosine": 1}, "fedavg-cosine=1: expected bool")],
@@ -91,6 +102,29 @@ def test_cosine_schedule() -> None:
     assert vals[-1] == pytest.approx(0.05 * (1 + math.cos(math.pi * 9 / 10)))
     with pytest.raises(ValueError, match="server_round=11"):
         cosine_lr(0.1, 11, 10)
+
+
+def test_one_problem_per_bad_setting() -> None:
+    """round-timeout sets both of NodePolicy's timeouts: one problem, named by its key."""
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_mapping({"round-timeout": -1.0})
+    assert info.value.problems == ["round-timeout=-1.0: expected > 0 seconds"]
+
+
+def test_settings_objects_are_built_from_the_run_config(tmp_path: Path) -> None:
+    table = tmp_path / "table.toml"
+    table.write_text('"node-0" = 0.5\n')
+    cfg = RunConfig.from_mapping({
+        "method": "top-n", "scaled": True, "prism-exponent": 0.0, "lr": 0.02,
+        "clip-lr": False, "max-num-examples": 0, "aggregation": "median",
+        "keep-ratio-table": str(table), "round-timeout": 30.0})
+    assert cfg.sharding == Sharding(method="top-n", design="cps", scaled=True)
+    assert cfg.sharding.prism_exponent is None  # 0: the paper's default
+    assert cfg.training == LocalTraining(lr=0.02, clip_lr_tau=None)
+    assert cfg.replies == ReplyPolicy(max_num_examples=None, aggregation="median")
+    assert cfg.nodes == NodePolicy(keep_ratio_table={"node-0": 0.5}, query_timeout=30.0,
+                                   node_wait_timeout=30.0)
+    assert RunConfig().training.clip_lr_tau == 10.0
 
 
 def test_results_path_is_absolute(tmp_path: Path) -> None:

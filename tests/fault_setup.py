@@ -16,6 +16,7 @@ from torch.utils.data import TensorDataset
 
 from fedshard import SpectralSharding, handle_evaluate, handle_query, handle_train
 from fedshard import protocol as P
+from fedshard.settings import group_settings
 
 LAYERS = ["hidden"]
 
@@ -67,12 +68,12 @@ def grid(n: int = 3, ratio: float = 0.5, **extra: object) -> InProcessGrid:
     return InProcessGrid(client, [{"keep-ratio": ratio, **extra} for _ in range(n)])
 
 
-def strategy(**kw: object) -> SpectralSharding:
+def strategy(cls: type[SpectralSharding] = SpectralSharding, **kw: object) -> SpectralSharding:
     args: dict = dict(sharded_layers=LAYERS, num_rounds=3, lr=0.05, fraction_train=1.0, seed=3,
                       query_timeout=5, node_wait_timeout=5, fraction_evaluate=0.0,
                       min_train_nodes=1, min_evaluate_nodes=1, min_available_nodes=1)
     args.update(kw)
-    return SpectralSharding(**args)
+    return cls(**group_settings(args))  # flat names -> Sharding, LocalTraining, ...
 
 
 def initial() -> ArrayRecord:

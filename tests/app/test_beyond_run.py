@@ -5,12 +5,9 @@ independent quantities (rank, the schedule's formula, an untruncated model)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "faults"))
 from fault_setup import run_app
 
 from fedshard.sampling import anneal_exponent

@@ -1,5 +1,5 @@
 """The CUDA-graph step's capture logic on the CPU, with the CUDA calls replaced by fakes
-(``tests/spectral/test_cuda.py`` runs the real thing on a GPU)."""
+(``tests/client/train/fast/test_cuda.py`` runs the real thing on a GPU)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from fedshard.client.train.config import TrainConfig
-from fedshard.client.train.fast.step import TrainStep, _StepGraphs
+from fedshard.client.train import EagerStep, TrainConfig
+from fedshard.client.train.fast import TrainStep
+from fedshard.client.train.fast.step import _StepGraphs
 
 
 class _Capture:
@@ -128,7 +129,8 @@ def test_a_train_step_releases_its_graphs_when_its_with_block_ends(fake_cuda: No
     exit, although the step itself, a reference cycle, waits for the collector."""
     model = nn.Sequential(nn.Linear(3, 2))
     with TrainStep(model, TrainConfig(log_every_epoch=False)) as step:
-        step._graphs = _StepGraphs(step._eager_step)  # what cuda_graph=True builds on a GPU
+        # what cuda_graph=True builds on a GPU
+        step._graphs = _StepGraphs(lambda x, y: EagerStep.__call__(step, x, y))
         ref = weakref.ref(_captured(step._graphs))
         gc.disable()
     try:

@@ -23,8 +23,18 @@ from flwr.clientapp import ClientApp
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from fedshard import SpectralSharding, handle_evaluate, handle_query, handle_train
+from fedshard import (
+    LocalTraining,
+    NodePolicy,
+    ReplyPolicy,
+    Sharding,
+    SpectralSharding,
+    handle_evaluate,
+    handle_query,
+    handle_train,
+)
 from fedshard import protocol as P
+from fedshard.settings import group_settings
 from fedshard.spectral import num_terms, sharded_layer_names
 
 
@@ -92,7 +102,7 @@ def strategy(**kw: object) -> SpectralSharding:
                       min_train_nodes=1, min_evaluate_nodes=1, min_available_nodes=1,
                       fraction_evaluate=0.0)
     args.update(kw)
-    return SpectralSharding(**args)
+    return SpectralSharding(**group_settings(args))  # flat names -> Sharding, LocalTraining, ...
 
 
 def initial() -> ArrayRecord:
@@ -589,3 +599,33 @@ def test_from_model_selects_layers_and_warns_without_normalization(caplog) -> No
     caplog.clear()
     SpectralSharding.from_model(plain, num_rounds=1, method="top-n")  # ω = 1: nothing compounds
     assert "no normalization layer" not in caplog.text
+
+
+def test_from_model_routes_flat_settings_to_their_objects() -> None:
+    s = SpectralSharding.from_model(make_net(), example_input=torch.zeros(1, 1, 8, 8),
+                                    method="top-n", scaled=True, lr=0.01, batch_size=4,
+                                    aggregation="median", max_keep_ratio=0.5, seed=2,
+                                    training=LocalTraining(local_epochs=3))
+    assert s.sharding == Sharding(method="top-n", scaled=True)
+    assert s.training == LocalTraining(lr=0.01, batch_size=4, local_epochs=3)
+    assert s.replies == ReplyPolicy(aggregation="median")
+    assert s.nodes.policy == NodePolicy(max_keep_ratio=0.5) and s.seed == 2
+    with pytest.raises(TypeError, match=r"unknown argument\(s\) \['learning_rate'\]"):
+        SpectralSharding.from_model(make_net(), learning_rate=0.01)
+    with pytest.raises(ValueError, match=r"sharding='top-n': expected a Sharding"):
+        SpectralSharding(sharded_layers=LAYERS, sharding="top-n")  # type: ignore[arg-type]
+
+
+def test_the_round_lr_and_the_recipe_reach_every_node_unchanged() -> None:
+    """What a node decodes is what the strategy holds, at the round's scheduled lr."""
+    training = LocalTraining(lr=0.1, local_epochs=2, batch_size=5, momentum=0.5,
+                             frobenius_decay=0.01, clip_lr_tau=None, weight_decay=0.001)
+    s = strategy(training=training, lr=0.1, num_rounds=4)  # flat names win over the object
+    msgs = list(s.configure_train(3, initial(), ConfigRecord(), grid_with([0.5, 0.25])))
+    for msg in msgs:
+        got = P.TrainSettings.from_record(msg.content[P.CONFIG])
+        assert got.lr == pytest.approx(0.1 * 0.5 * (1 + math.cos(math.pi * 2 / 4)))
+        assert (got.local_epochs, got.batch_size, got.momentum, got.frobenius_decay,
+                got.clip_lr_tau, got.weight_decay) == (2, 5, 0.5, 0.01, None, 0.001)
+        assert (got.server_round, got.method, got.lr_schedule) == (3, "collective", "constant")
+        assert msg.content[P.CONFIG]["clip-lr-tau"] == 0.0  # ClipLR off on the wire

@@ -12,9 +12,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from fedshard.client.train import STEP_POOL, TrainConfig, train
-from fedshard.client.train.fast import TrainStep
-from fedshard.client.train.fast.pool import StepPool, model_signature
+from fedshard.client.train import STEP_POOL, EagerStep, TrainConfig, train
+from fedshard.client.train.fast import (
+    StepPool,
+    TrainStep,
+    configure_convolutions,
+    enabled,
+    model_signature,
+)
 from fedshard.spectral import SpectralConv2d, SpectralLinear
 
 D = torch.float64
@@ -75,8 +80,8 @@ def _same(a: nn.Module, b: nn.Module) -> None:
 
 def test_clients_trained_on_one_pooled_step_equal_fresh_training() -> None:
     """Four clients (different factors, ω, data and data sizes) one after another on one
-    pooled step, bit for bit as each trained on its own fresh step: the momentum restarts
-    at zero, ClipLR's scales and Frobenius decay's ωω^T follow each client's ω."""
+    pooled step, bit for bit as each trained by the plain loop's eager step: the momentum
+    restarts at zero, ClipLR's scales and Frobenius decay's ωω^T follow each client's ω."""
     sizes = (22, 19, 22, 30)  # last batches of 6, 3, 6 and 6 examples
     for client, n in enumerate(sizes):
         fresh, pooled = _client_model(client), _client_model(client)
@@ -121,7 +126,7 @@ def test_pooled_training_leaves_earlier_clients_models_alone() -> None:
     train(second, _loader(1), cfg)
     for key, value in first.state_dict().items():
         assert torch.equal(value, after_first[key]), key
-    assert first[0].pad_terms_to == 1  # the pooled copy, not the caller's model, is set up
+    assert first[0].pad_terms_to == 1  # the CPU default: no padding
 
 
 def test_anything_that_shapes_the_step_gets_its_own_entry() -> None:
@@ -160,6 +165,48 @@ def test_models_with_hooks_or_their_own_forward_are_never_pooled() -> None:
     patched = _client_model(0)
     patched[2].forward = lambda x: torch.relu(x) * 2
     assert model_signature(patched, CFG) is None
+
+
+def test_load_state_makes_a_used_step_train_another_model_as_a_fresh_step() -> None:
+    """The one operation the pool needs of a step: after training client 0, load_state(client
+    1) and the same steps give what a fresh eager step gives client 1; store_state copies the
+    result out, and the model the step was built on is not the caller's."""
+    batches = [(x, y) for x, y in _loader(1)]
+    used = TrainStep(_client_model(0), dataclasses.replace(CFG, pad_terms=1))
+    for x, y in _loader(0):
+        used(x, y)
+    caller, fresh = _client_model(1), _client_model(1)
+    before = {k: v.clone() for k, v in caller.state_dict().items()}
+    used.load_state(caller)
+    eager = EagerStep(fresh, CFG)
+    for x, y in batches:
+        got, want = used(x, y), eager(x, y)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    _same(caller, _client_model(1))  # untouched until store_state
+    assert all(torch.equal(v, before[k]) for k, v in caller.state_dict().items())
+    used.store_state(caller)
+    _same(caller, fresh)
+
+
+def test_the_fast_path_changes_convolutions_only_when_asked_and_by_name() -> None:
+    """TrainStep does not rewrite the model's layers: it refuses convolutions that are not in
+    the form the config asks for, and configure_convolutions (what train's fast path calls)
+    sets that form explicitly; the plain loop leaves the layers alone."""
+    padded = dataclasses.replace(CFG, pad_terms=8)
+    assert enabled(padded) and enabled(dataclasses.replace(CFG, merge_terms=True))
+    assert not enabled(CFG) and not enabled(dataclasses.replace(CFG, pad_terms=1))
+    model = _client_model(0)
+    with pytest.raises(ValueError, match=r"\(pad_terms_to, merge_terms\) = \(8, False\), the "
+                                         r"model has \[\(1, False\)\]; call .*"
+                                         r"configure_convolutions\(model, cfg\) first"):
+        TrainStep(model, padded)
+    assert "pad_terms_to" not in vars(model[0])
+    configure_convolutions(model, padded)
+    assert (model[0].pad_terms_to, model[0].merge_terms) == (8, False)
+    TrainStep(model, padded)  # now it may
+    plain = _client_model(0)
+    train(plain, _loader(0), CFG)
+    assert "pad_terms_to" not in vars(plain[0]) and "merge_terms" not in vars(plain[0])
 
 
 def test_pool_keeps_the_most_recently_used_entries() -> None:
@@ -296,5 +343,10 @@ def test_steps_outside_the_pool_release_their_graphs_too(released: list[TrainSte
     with pool.lease(a, CFG) as outer, pool.lease(b, CFG) as inner:
         pass
     assert released == [inner]  # the fresh step of the busy entry's second caller
-    train(_client_model(2), _loader(2), dataclasses.replace(CFG, reuse_step=False, local_epochs=1))
-    assert len(released) == 2 and released[1] is not outer  # train's own fresh step
+    # a fast option without pooling: train's own fresh TrainStep
+    train(_client_model(2), _loader(2), dataclasses.replace(CFG, reuse_step=False, local_epochs=1,
+                                                            pad_terms=2))
+    assert len(released) == 2 and released[1] is not outer
+    # no fast option: the plain loop's eager step, nothing captured, nothing to release
+    train(_client_model(3), _loader(3), dataclasses.replace(CFG, reuse_step=False, local_epochs=1))
+    assert len(released) == 2

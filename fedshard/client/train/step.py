@@ -1,0 +1,109 @@
+"""One local-training step on one batch (paper, Sec. 3.3): :class:`EagerStep`, and the
+summed cross-entropy it reports (:func:`cross_entropy_sums`).
+
+This is the reference step that :func:`~fedshard.client.train.train` runs. The fast path
+(:class:`fedshard.client.train.fast.TrainStep`: ``torch.compile``, CUDA graphs) subclasses it
+and computes the same numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedshard.client.train.config import TrainConfig
+from fedshard.client.train.optim import FrobeniusDecay, build_optimizer
+
+__all__ = ["EagerStep", "cross_entropy_sums"]
+
+
+class EagerStep:
+    """One training step: zero the gradients, forward and cross-entropy, backward, add the
+    Frobenius-decay gradient, optionally clip the global gradient norm, then ClipLR + SGD.
+
+    Nothing is read back to the host: the step never waits for the device.
+
+    Parameters
+    ----------
+    model : nn.Module
+        On its training device, in train mode; trained in place.
+    cfg : TrainConfig
+        ``lr``, ``momentum``, ``weight_decay``, ``clip_lr_tau``, ``frobenius_decay`` and
+        ``max_grad_norm`` are used here.
+
+    Attributes
+    ----------
+    optimizer : torch.optim.SGD
+        From :func:`~fedshard.client.train.build_optimizer` (ClipLR attached).
+    decay : FrobeniusDecay
+        The analytic Frobenius-decay gradient.
+
+    Notes
+    -----
+    Loss per step: ``CE + γ Σ ‖U Ω V^T‖_F^2`` (paper, Sec. 3.3). The CE part goes through
+    autograd; the penalty's gradient is added analytically (:class:`FrobeniusDecay`), which
+    gives the same gradient as differentiating
+    :func:`~fedshard.client.train.frobenius_penalty` up to rounding.
+    """
+
+    def __init__(self, model: nn.Module, cfg: TrainConfig) -> None:
+        self.model = model
+        self.optimizer = build_optimizer(model, cfg)
+        self.decay = FrobeniusDecay(model, cfg.frobenius_decay)
+        self.max_grad_norm = cfg.max_grad_norm
+        self.params: list[torch.Tensor] = [
+            p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def __call__(
+        self, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Train on one batch.
+
+        Returns
+        -------
+        tuple of torch.Tensor
+            Device scalars: summed cross-entropy (detached), number of correct predictions,
+            number of counted targets.
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        loss, loss_sum, correct, count = self.loss(inputs, targets)
+        loss.backward()
+        self.decay.add_gradient_()
+        if self.max_grad_norm is not None:
+            nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=True)
+        self.optimizer.step()  # ClipLR's pre-hook scales the factor gradients first
+        return loss_sum.detach(), correct, count
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Mean cross-entropy (to differentiate), and the sums of :func:`cross_entropy_sums`."""
+        loss_sum, correct, count = cross_entropy_sums(self.model(inputs), targets)
+        return loss_sum / count.clamp_min(1), loss_sum, correct, count
+
+
+def cross_entropy_sums(
+    logits: Any, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy, number of correct predictions and of counted targets (tensors).
+
+    ``logits`` ``(B, C)`` with ``targets`` ``(B,)``, or ``(B, T, C)`` with ``(B, T)``;
+    targets ``-100`` (PyTorch's ``ignore_index``) are not counted.
+    """
+    if not isinstance(logits, torch.Tensor):
+        raise ValueError(
+            f"the model returned {type(logits).__name__}; expected a logits tensor of shape "
+            "(B, C) or (B, T, C)."
+        )
+    if logits.ndim != targets.ndim + 1 or logits.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"logits of shape {tuple(logits.shape)} do not match targets of shape "
+            f"{tuple(targets.shape)}; expected (B, C) with (B,) or (B, T, C) with (B, T)."
+        )
+    flat_logits = logits.reshape(-1, logits.shape[-1])  # (B*T, C)
+    flat_targets = targets.reshape(-1)  # (B*T,)
+    valid = flat_targets != -100
+    loss_sum = F.cross_entropy(flat_logits, flat_targets, reduction="sum")
+    correct = ((flat_logits.argmax(dim=-1) == flat_targets) & valid).sum()
+    return loss_sum, correct, valid.sum()

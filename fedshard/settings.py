@@ -1,0 +1,382 @@
+"""The settings of spectral model sharding: one frozen, validated dataclass per concern.
+
+- :class:`Sharding` - what is sharded and how (method, sampling design, +Scaled, PriSM's and
+  the annealed methods' exponents, the FedAvg-cosine analysis).
+- :class:`LocalTraining` - the local-training recipe every node gets (lr and its schedule,
+  epochs, batch size, momentum, Frobenius decay, ClipLR's τ, weight decay).
+- :class:`ReplyPolicy` - what a node's reply may hold and how the replies are combined.
+- :class:`NodePolicy` - which keep ratios nodes may declare and how long to wait for them.
+
+The same objects are built by the run config (:class:`fedshard.app.config.RunConfig`), taken
+by the strategy (:class:`~fedshard.server.strategy.SpectralSharding`), carried by the wire
+codec (:class:`fedshard.protocol.TrainSettings` holds the round's :class:`LocalTraining`) and
+read by the node's trainer (:class:`fedshard.client.train.TrainConfig`). Every setting has one
+name everywhere and one rule (:data:`RULES`), checked where the value enters: in
+``__post_init__``, which reports every problem at once (:class:`SettingsError`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, ClassVar, Literal
+
+from fedshard.sampling import SAMPLING_DESIGNS, SCALABLE_METHODS, SHARDING_METHODS
+from fedshard.spectral.aggregate import AGGREGATIONS
+
+__all__ = [
+    "CONCERNS",
+    "LR_SCHEDULES",
+    "MAX_EXACT_COUNT",
+    "RULES",
+    "UPDATE_POLICIES",
+    "LocalTraining",
+    "NodePolicy",
+    "Problem",
+    "ProblemsError",
+    "ReplyPolicy",
+    "SettingsError",
+    "Sharding",
+    "check",
+    "group_settings",
+]
+
+#: ``cosine`` (the paper's, Sec. 4.1) or ``constant``.
+LR_SCHEDULES = ("cosine", "constant")
+
+#: ``"clip"``: scale an update beyond ``max_update_ratio`` down to it; ``"drop"``: drop the reply.
+UPDATE_POLICIES = ("clip", "drop")
+
+#: Largest count a float64 holds exactly: weights up to it (times any float32) cannot overflow.
+MAX_EXACT_COUNT = 2**53
+
+Style = Literal["python", "run-config"]
+
+
+class ProblemsError(ValueError):
+    """A validation error that lists every problem found, not just the first.
+
+    The message reads ``Invalid <subject> (<k> problem(s)); <consequence>:`` followed by one
+    ``  - <problem>`` line each; ``problems`` keeps the list.
+    """
+
+    def __init__(self, subject: str, problems: Sequence[str], consequence: str) -> None:
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(
+            f"Invalid {subject} ({len(self.problems)} problem(s)); {consequence}:\n{lines}")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One problem of a settings object: the values it is about and what was expected.
+
+    ``about`` holds ``(field, value)`` pairs (two for a bad combination); :meth:`render`
+    names them as Python does (``clip_lr_tau=0.5``, ``scaled=True``) or as a run config does
+    (``clip-lr-tau=0.5``, ``scaled=true``).
+    """
+
+    about: tuple[tuple[str, Any], ...]
+    expected: str
+
+    def render(self, style: Style = "python") -> str:
+        def show(name: str, value: Any) -> str:
+            if style == "run-config":
+                if name.isidentifier():  # a field, not a label such as a table entry
+                    name = name.replace("_", "-")
+                if isinstance(value, bool):
+                    return f"{name}={str(value).lower()}"
+            return f"{name}={value!r}"
+
+        return " with ".join(show(n, v) for n, v in self.about) + f": {self.expected}"
+
+
+class SettingsError(ProblemsError):
+    """Raised when a settings object is invalid; ``found`` keeps the :class:`Problem` s."""
+
+    def __init__(self, subject: str, found: Sequence[Problem],
+                 consequence: str = "no round was started") -> None:
+        self.found = list(found)
+        super().__init__(subject, [p.render() for p in self.found], consequence)
+
+
+# ---------------------------------------------------------------------------- the rules
+Rule = Callable[[Any], str | None]  # the value -> None if fine, else what was expected
+
+
+def _real(x: Any) -> bool:
+    """A finite ``int`` or ``float``, not a ``bool``."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _integer(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _rule(ok: Callable[[Any], bool], expected: str, optional: bool = False) -> Rule:
+    """A rule from a predicate; ``optional``: ``None`` (the documented "off"/"default") is fine."""
+    return lambda v: None if (optional and v is None) or ok(v) else expected
+
+
+def _one_of(choices: tuple[str, ...]) -> Rule:
+    return _rule(lambda v: isinstance(v, str) and v in choices, f"expected one of {choices}")
+
+
+_BOOL = _rule(lambda v: isinstance(v, bool), "expected True or False")
+
+#: Setting name -> its rule (the only copy of it): ``RULES[name](value)`` is ``None`` if the
+#: value is fine, else the text ``"expected ..."``.
+RULES: dict[str, Rule] = {
+    # Sharding
+    "method": _one_of(SHARDING_METHODS),
+    "design": _one_of(SAMPLING_DESIGNS),
+    "scaled": _BOOL,
+    "prism_exponent": _rule(lambda v: _real(v) and v > 0, "expected k > 0, or None for the "
+                            "paper's default: 4 if n/N ≤ 0.2 else 2.5 (0 in a run config)",
+                            optional=True),
+    "anneal_exponent": _rule(lambda v: _real(v) and v >= 1,
+                             "expected γ₀ ≥ 1 (1: no annealing)"),
+    "anneal_rounds": _rule(lambda v: _integer(v) and v >= 1, "expected T ≥ 1 rounds"),
+    "fedavg_cosine": _BOOL,
+    # LocalTraining
+    "lr": _rule(lambda v: _real(v) and v > 0, "expected > 0 (a finite number)"),
+    # the rate a node trains one round with: the schedule's value at that round, which a
+    # schedule may take to 0 (then the round changes nothing: a check of the pipeline)
+    "round_lr": _rule(lambda v: _real(v) and v >= 0, "expected ≥ 0 (a finite number: the "
+                      "round's scheduled rate)"),
+    "lr_schedule": _one_of(LR_SCHEDULES),
+    "local_epochs": _rule(lambda v: _integer(v) and v >= 1, "expected an integer ≥ 1"),
+    "batch_size": _rule(lambda v: _integer(v) and v >= 1, "expected an integer ≥ 1"),
+    "momentum": _rule(lambda v: _real(v) and 0 <= v < 1, "expected in [0, 1)"),
+    "frobenius_decay": _rule(lambda v: _real(v) and v >= 0, "expected a finite number ≥ 0"),
+    "clip_lr_tau": _rule(lambda v: _real(v) and v >= 1, "expected τ ≥ 1 (the paper uses 10), "
+                         "or None for ClipLR off (clip-lr = false in a run config)",
+                         optional=True),
+    "weight_decay": _rule(lambda v: _real(v) and v >= 0, "expected a finite number ≥ 0"),
+    # ReplyPolicy
+    "max_update_ratio": _rule(lambda v: _real(v) and v >= 0,
+                              "expected a finite number ≥ 0 (0 = no bound)"),
+    "update_policy": _one_of(UPDATE_POLICIES),
+    "max_num_examples": _rule(lambda v: _integer(v) and 1 <= v <= MAX_EXACT_COUNT,
+                              "expected an integer in [1, 2**53], or None for no cap (0 in a "
+                              "run config)", optional=True),
+    "aggregation": _one_of(AGGREGATIONS),
+    "trim_fraction": _rule(lambda v: _real(v) and 0 <= v < 0.5, "expected in [0, 0.5)"),
+    # NodePolicy
+    "max_keep_ratio": _rule(lambda v: _real(v) and 0 < v <= 1,
+                            "expected a keep ratio in (0, 1]"),
+    "query_timeout": _rule(lambda v: _real(v) and v > 0, "expected > 0 seconds"),
+    "node_wait_timeout": _rule(lambda v: _real(v) and v > 0,
+                               "expected > 0 seconds, or None to wait forever", optional=True),
+}
+
+
+def check(name: str, value: Any) -> str | None:
+    """``None`` if ``value`` is fine for the setting ``name``, else what was expected."""
+    return RULES[name](value)
+
+
+class _Settings:
+    """Validation shared by the settings dataclasses: every field with a rule in
+    :data:`RULES` is checked (field ``f`` by rule ``_RULE_OF.get(f, f)``), then
+    :meth:`_combinations`; all problems are raised at once."""
+
+    _RULE_OF: ClassVar[dict[str, str]] = {}
+
+    def __post_init__(self) -> None:
+        found = self.problems()
+        if found:
+            raise SettingsError(type(self).__name__, found)
+
+    def problems(self) -> list[Problem]:
+        """Every problem of these settings (empty: fine)."""
+        found = []
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            rule = self._RULE_OF.get(f.name, f.name)
+            expected = RULES[rule](value) if rule in RULES else None
+            if expected is not None:
+                found.append(Problem(((f.name, value),), expected))
+        return found + self._combinations()
+
+    def _combinations(self) -> list[Problem]:
+        return []
+
+
+# ---------------------------------------------------------------------------- the concerns
+@dataclass(frozen=True)
+class Sharding(_Settings):
+    """What is sharded and how.
+
+    Attributes
+    ----------
+    method : str
+        ``"unbiased"`` (Theorem 1, ω = 1/π), ``"collective"`` (Theorem 2, C = group size),
+        ``"top-n"`` (FedHM), ``"prism"`` (successive sampling ∝ λᵏ, ω = 1),
+        ``"prism-wallenius"`` (ω = 1/π, π the Wallenius mean), ``"anneal-unbiased"`` /
+        ``"anneal-collective"`` (Theorem 1 / 2 on ``λ^γ_t``, γ annealed from
+        ``anneal_exponent`` to 1 over ``anneal_rounds`` rounds: :mod:`fedshard.sampling.anneal`)
+        or ``"none"`` (FedAvg).
+    design : str
+        ``"cps"`` (conditional Poisson), ``"brewer"`` or ``"min-support"``, for unbiased and
+        collective (PriSM samples successively, Top-n is deterministic).
+    scaled : bool
+        +Scaled (ω_i = sqrt(Σλ²/Σ_sampled λ²)); only with ``top-n`` or ``prism``.
+    prism_exponent : float or None
+        PriSM's k > 0; ``None``: 4 if n/N ≤ 0.2 else 2.5.
+    anneal_exponent : float
+        γ₀ ≥ 1 of the annealed methods (ignored by the others).
+    anneal_rounds : int
+        T ≥ 1, the rounds over which γ anneals to 1 (ignored by the other methods).
+    fedavg_cosine : bool
+        The paper's post-gradient analysis (:mod:`fedshard.server.fedavg_cosine`): nodes also
+        train a dense copy and each round's metrics get ``fedavg-cosine``. Doubles the nodes'
+        work.
+    """
+
+    method: str = "collective"
+    design: str = "cps"
+    scaled: bool = False
+    prism_exponent: float | None = None
+    anneal_exponent: float = 8.0
+    anneal_rounds: int = 30
+    fedavg_cosine: bool = False
+
+    def _combinations(self) -> list[Problem]:
+        if self.scaled is not True:
+            return []
+        about = (("scaled", True), ("method", self.method))
+        if self.method == "none":
+            return [Problem(about, "there are no terms to scale")]
+        if self.method in SHARDING_METHODS and self.method not in SCALABLE_METHODS:
+            return [Problem(about, "+Scaled replaces the method's own multipliers ω; use it "
+                                   "with 'top-n' or 'prism'")]
+        return []
+
+
+@dataclass(frozen=True)
+class LocalTraining(_Settings):
+    """The local-training recipe every node gets (its round's lr is scheduled by the server).
+
+    Attributes
+    ----------
+    lr : float or None
+        SGD learning rate > 0 of round 1 (the base of ``lr_schedule``); ``None``: the
+        ``train_config["lr"]`` given to the strategy's ``start``, else 0.05. A node gets its
+        round's scheduled rate (:class:`fedshard.protocol.TrainSettings`).
+    lr_schedule : str
+        ``"cosine"`` (the paper's, over the run's rounds) or ``"constant"``.
+    local_epochs : int
+        Passes over the node's data per round, ≥ 1.
+    batch_size : int
+        Batch size ≥ 1 of the node's loader (a ``DataLoader`` the node built keeps its own).
+    momentum : float
+        SGD momentum in ``[0, 1)``; the paper uses 0.9.
+    frobenius_decay : float
+        γ ≥ 0; adds ``γ ‖U Ω Vᵀ‖²_F`` per sharded layer to the loss (paper: 1e-4).
+    clip_lr_tau : float or None
+        ClipLR's τ ≥ 1: term i's gradient is scaled by ``min(1, τ/ω_i)`` (paper: 10);
+        ``None``: ClipLR off.
+    weight_decay : float
+        Ordinary (L2) weight decay ≥ 0 of the dense parameters (never of the factors).
+    """
+
+    lr: float | None = None
+    lr_schedule: str = "cosine"
+    local_epochs: int = 1
+    batch_size: int = 32
+    momentum: float = 0.9
+    frobenius_decay: float = 1e-4
+    clip_lr_tau: float | None = 10.0
+    weight_decay: float = 0.0
+
+    def problems(self) -> list[Problem]:
+        found = super().problems()
+        # lr=None ("not given") is checked where it is resolved (the strategy's start).
+        return [p for p in found if not (self.lr is None and p.about[0][0] == "lr")]
+
+
+@dataclass(frozen=True)
+class ReplyPolicy(_Settings):
+    """What a ``train`` reply may hold and how the valid replies become the new model.
+
+    Attributes
+    ----------
+    max_update_ratio : float
+        ρ: a returned term may differ from the one sent by at most ρ times the sent norm, per
+        factor column ``‖u'_i − u_i‖ ≤ ρ·max(‖u_i‖, ‖U‖_F/√n)`` (and the same for v); a dense
+        array by ``‖x' − x‖ ≤ ρ·max(‖x‖, 0.1·√size)``. 0 disables the bound. A term ``u'v'ᵀ``
+        can still grow by up to ``(1+ρ)²``; honest replies stay below ρ = 1 (the golden-run
+        configs: ≤ 0.65), so the default 10 never touches them.
+    update_policy : str
+        ``"clip"``: scale the excess change down to the bound; ``"drop"``: drop the reply.
+    max_num_examples : int or None
+        Largest ``num-examples`` accepted (``None``: up to 2**53, the exact float64 range).
+    aggregation : str
+        Per term and dense entry: ``"mean"`` (the paper's weighted mean), ``"median"`` or
+        ``"trimmed-mean"`` (:mod:`fedshard.spectral.aggregate`).
+    trim_fraction : float
+        In ``[0, 0.5)``: the share of the holders dropped at each end by ``"trimmed-mean"``.
+    """
+
+    max_update_ratio: float = 10.0
+    update_policy: str = "clip"
+    max_num_examples: int | None = None
+    aggregation: str = "mean"
+    trim_fraction: float = 0.1
+
+
+@dataclass(frozen=True)
+class NodePolicy(_Settings):
+    """Which keep ratios the operator allows, and how long to wait for nodes.
+
+    Attributes
+    ----------
+    max_keep_ratio : float
+        Largest keep ratio in ``(0, 1]``; a node declaring more is clipped to it (warned).
+    keep_ratio_table : mapping of str to float, optional
+        Node key (``node-key``) or public key (hex of ``NodeInfo.public_key``) -> the only
+        keep ratio that node may declare. With a table, a node in neither column is refused.
+    query_timeout : float
+        Seconds to wait for the nodes' answers to the capability query.
+    node_wait_timeout : float or None
+        Seconds to wait for enough nodes to connect (``None``: forever, as FedAvg does).
+    """
+
+    max_keep_ratio: float = 1.0
+    keep_ratio_table: Mapping[str, float] | None = field(default=None)
+    query_timeout: float = 600.0
+    node_wait_timeout: float | None = 600.0
+
+    def _combinations(self) -> list[Problem]:
+        return [Problem(((f"keep-ratio table entry {key!r}", ratio),),
+                        "expected a keep ratio in (0, 1]")
+                for key, ratio in (self.keep_ratio_table or {}).items()
+                if RULES["max_keep_ratio"](ratio) is not None]
+
+
+CONCERNS: dict[str, type[_Settings]] = {
+    "sharding": Sharding, "training": LocalTraining, "replies": ReplyPolicy,
+    "nodes": NodePolicy,
+}
+"""Argument name -> settings class, as :class:`~fedshard.server.strategy.SpectralSharding`
+takes them."""
+
+
+def group_settings(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Route flat setting names to their objects, for short calls.
+
+    ``{"method": "top-n", "lr": 0.01, "seed": 1}`` becomes ``{"sharding":
+    Sharding(method="top-n"), "training": LocalTraining(lr=0.01), "seed": 1}``. A flat name
+    replaces that field of an object given under its argument name (``sharding=...``); names
+    that are no setting's are returned unchanged.
+    """
+    out = dict(options)
+    for arg, kind in CONCERNS.items():
+        names = {f.name for f in fields(kind)}  # type: ignore[arg-type]
+        flat = {k: out.pop(k) for k in list(out) if k in names}
+        base = out.get(arg)
+        if flat:
+            out[arg] = replace(base, **flat) if base is not None else kind(**flat)
+    return out

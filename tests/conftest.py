@@ -1,0 +1,31 @@
+"""Shared test set-up.
+
+pytest puts this directory on ``sys.path`` (it holds this ``conftest.py``), so every test imports
+the shared helpers by name:
+
+- ``fakedata`` - small data files in the real formats (IDX, CIFAR pickles, TinyImageNet folders,
+  Shakespeare JSON), written from a seed;
+- ``flower_grid`` - ``InProcessGrid``: fedshard's (or any) ClientApp behind Flower's ``Grid``
+  interface, in this process, with real ``Message`` objects;
+- ``fault_setup`` - the apps, the strategy and a small real Fashion-MNIST run, for the fault
+  and attack tests;
+- ``golden_run`` / ``resume_worker`` - scripts that tests run in a fresh process.
+
+Tests of one package live in the folder of the same name (``tests/client/train/fast`` tests
+``fedshard.client.train.fast``); ``tests/faults`` holds the hostile-node and broken-file tests
+that cross packages.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """A test that sets torch's thread count (the golden runs pin one thread) does not leak it
+    into the next test."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
