@@ -161,11 +161,14 @@ RULES: dict[str, Rule] = {
     "max_num_examples": _rule(lambda v: _integer(v) and 1 <= v <= MAX_EXACT_COUNT,
                               "expected an integer in [1, 2**53], or None for no cap (0 in a "
                               "run config)", optional=True),
+    "max_weight_ratio": _rule(lambda v: _real(v) and (v == 0 or v >= 1),
+                              "expected 0 (off) or a finite number ≥ 1"),
     "aggregation": _one_of(AGGREGATIONS),
     "trim_fraction": _rule(lambda v: _real(v) and 0 <= v < 0.5, "expected in [0, 0.5)"),
     # NodePolicy
     "max_keep_ratio": _rule(lambda v: _real(v) and 0 < v <= 1,
                             "expected a keep ratio in (0, 1]"),
+    "trust_declared_keys": _BOOL,
     "query_timeout": _rule(lambda v: _real(v) and v > 0, "expected > 0 seconds"),
     "node_wait_timeout": _rule(lambda v: _real(v) and v > 0,
                                "expected > 0 seconds, or None to wait forever", optional=True),
@@ -262,9 +265,10 @@ class LocalTraining(_Settings):
     Attributes
     ----------
     lr : float or None
-        SGD learning rate > 0 of round 1 (the base of ``lr_schedule``); ``None``: the
-        ``train_config["lr"]`` given to the strategy's ``start``, else 0.05. A node gets its
-        round's scheduled rate (:class:`fedshard.protocol.TrainSettings`).
+        SGD learning rate > 0 of round 1 (the base of ``lr_schedule``); ``None``: 0.05. A node
+        gets its round's scheduled rate (:class:`fedshard.protocol.TrainSettings`), unless the
+        round's config sets ``lr`` (the caller's ``train_config`` or a ``configure_train``
+        override): that value wins (see :class:`fedshard.SpectralSharding`'s Notes).
     lr_schedule : str
         ``"cosine"`` (the paper's, over the run's rounds) or ``"constant"``.
     local_epochs : int
@@ -313,6 +317,10 @@ class ReplyPolicy(_Settings):
         ``"clip"``: scale the excess change down to the bound; ``"drop"``: drop the reply.
     max_num_examples : int or None
         Largest ``num-examples`` accepted (``None``: up to 2**53, the exact float64 range).
+    max_weight_ratio : float
+        A reply's ``num-examples`` above this multiple of the round's median (the lower median
+        of the accepted replies) is clipped to it, logged and counted
+        (``clipped-num-examples``); 0: off. Honest nodes of equal size never reach it.
     aggregation : str
         Per term and dense entry: ``"mean"`` (the paper's weighted mean), ``"median"`` or
         ``"trimmed-mean"`` (:mod:`fedshard.spectral.aggregate`).
@@ -325,6 +333,7 @@ class ReplyPolicy(_Settings):
     max_num_examples: int | None = None
     aggregation: str = "mean"
     trim_fraction: float = 0.1
+    max_weight_ratio: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -338,6 +347,12 @@ class NodePolicy(_Settings):
     keep_ratio_table : mapping of str to float, optional
         Node key (``node-key``) or public key (hex of ``NodeInfo.public_key``) -> the only
         keep ratio that node may declare. With a table, a node in neither column is refused.
+        A public-key entry matches only the key Flower authenticated the node with
+        (``NodeInfo.public_key``); a name matches the ``node-key`` a node declares only with
+        ``trust_declared_keys``.
+    trust_declared_keys : bool
+        Whether a declared ``node-key`` may select a (non-public-key) table entry. Off by
+        default: any node can declare any name.
     query_timeout : float
         Seconds to wait for the nodes' answers to the capability query.
     node_wait_timeout : float or None
@@ -348,6 +363,7 @@ class NodePolicy(_Settings):
     keep_ratio_table: Mapping[str, float] | None = field(default=None)
     query_timeout: float = 600.0
     node_wait_timeout: float | None = 600.0
+    trust_declared_keys: bool = False
 
     def _combinations(self) -> list[Problem]:
         return [Problem(((f"keep-ratio table entry {key!r}", ratio),),

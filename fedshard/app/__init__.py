@@ -5,7 +5,6 @@ The library (:mod:`fedshard.client`, :mod:`fedshard.server` and below) never imp
 package; the root ``client_app.py`` and ``server_app.py`` are thin wrappers around it.
 
 - :mod:`~fedshard.app.config` - :class:`RunConfig`: every run-config key, validated once.
-- :mod:`~fedshard.app.mixture` - the simulated nodes' keep-ratio mix (``keep-ratios``).
 - :mod:`~fedshard.app.task` - a node's model, data partition, device and keep ratio.
 - :mod:`~fedshard.app.run` - :func:`run_server`, the ServerApp's whole job.
 - :mod:`~fedshard.app.callbacks` - the run's side jobs after every round (central

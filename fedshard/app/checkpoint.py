@@ -16,6 +16,7 @@ holding NaN or ±inf is never checkpointed.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -185,6 +186,10 @@ class Checkpoint:
         ValueError
             If a floating array holds NaN or ±inf: a non-finite model is never checkpointed,
             so a resume starts from the last finite one. Nothing is written.
+        OSError
+            ``ENOSPC`` when the write fails for lack of space (an ``OSError``, or torch's
+            "unexpected pos" from its zip writer); the partial file is removed and the
+            message names the previous checkpoint, which is kept.
         """
         path = directory / CHECKPOINT_NAME
         bad = _non_finite(self.arrays)
@@ -205,12 +210,19 @@ class Checkpoint:
             "capabilities": self.capabilities,
             "history": self.history,
         }
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as fh:
-            os.fchmod(fd, 0o600)
-            torch.save(payload, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as fh:
+                os.fchmod(fd, 0o600)
+                torch.save(payload, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+        except (OSError, RuntimeError) as err:
+            # torch's zip writer reports a short write as "unexpected pos A vs B"
+            if isinstance(err, RuntimeError) and "unexpected pos" not in str(err):
+                raise
+            tmp.unlink(missing_ok=True)
+            raise OSError(errno.ENOSPC, self._full_disk(directory, path, err)) from err
         if path.is_file():
             # A hard link keeps checkpoint.pt in place until the new one replaces it, so no
             # crash leaves the directory without a newest checkpoint.
@@ -224,6 +236,21 @@ class Checkpoint:
         os.replace(tmp, path)
         _fsync_directory(directory)
         return path
+
+    def _full_disk(self, directory: Path, path: Path, err: BaseException) -> str:
+        if path.is_file():
+            try:
+                kept = f"{path} (round {_read(path).server_round})"
+            except CheckpointError:
+                kept = str(path)
+            what = f"the previous checkpoint {kept} is kept"
+        else:
+            what = "no earlier checkpoint exists, so the run can only start again"
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return (f"The disk holding {directory} is full (or the write failed) while writing "
+                f"round {self.server_round}'s checkpoint ({type(err).__name__}: {detail}); the "
+                f"partial file was removed and {what}. Free some space, then resume "
+                "(resume=true).")
 
     @classmethod
     def load(cls, directory: Path, *, fallback: bool = False) -> Checkpoint | None:

@@ -7,6 +7,7 @@ code never sees the raw mapping. Every problem is collected and reported in a si
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -14,7 +15,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from fedshard.app.mixture import KeepRatioMixture  # re-exported: run-config `keep-ratios`
+from fedshard.client.keep_ratios import KeepRatioMixture  # re-exported: run-config `keep-ratios`
 from fedshard.sampling import SAMPLING_DESIGNS, SHARDING_METHODS
 from fedshard.server.nodes import load_keep_ratio_table
 from fedshard.settings import (  # ProblemsError: re-exported
@@ -72,15 +73,15 @@ class RunConfig:
     momentum: float = 0.9
     batch_size: int = 32
     local_epochs: int = 1
-    num_server_rounds: int = 5
-    fraction_train: float = 0.5
+    num_server_rounds: int = 8
+    fraction_train: float = 1.0
     fraction_evaluate: float = 0.0
     min_available_nodes: int = 2
     round_timeout: float = 600.0
     num_partitions: int = 10
     dirichlet_alpha: float = 0.0
-    model: str = "resnet18"
-    model_width: int = 16
+    model: str = "mlp"
+    model_width: int = 256
     dataset: str = "fashion-mnist"
     data_dir: str = ""
     download: bool = False
@@ -110,6 +111,8 @@ class RunConfig:
     init_keep_ratio: float = 1.0
     diagnostics: bool = False
     fedavg_cosine: bool = False
+    max_weight_ratio: float = 10.0
+    trust_declared_keys: bool = False
 
     def __post_init__(self) -> None:
         problems = self._problems()
@@ -170,7 +173,8 @@ class RunConfig:
         return ReplyPolicy(max_update_ratio=self.max_update_ratio,
                            update_policy=self.update_policy,
                            max_num_examples=self.max_num_examples or None,
-                           aggregation=self.aggregation, trim_fraction=self.trim_fraction)
+                           aggregation=self.aggregation, trim_fraction=self.trim_fraction,
+                           max_weight_ratio=self.max_weight_ratio)
 
     @property
     def nodes(self) -> NodePolicy:
@@ -187,7 +191,8 @@ class RunConfig:
 
     def _node_policy(self, table: Mapping[str, float] | None) -> NodePolicy:
         return NodePolicy(max_keep_ratio=self.max_keep_ratio, keep_ratio_table=table,
-                          query_timeout=self.round_timeout, node_wait_timeout=self.round_timeout)
+                          query_timeout=self.round_timeout, node_wait_timeout=self.round_timeout,
+                          trust_declared_keys=self.trust_declared_keys)
 
     @property
     def results_path(self) -> Path:
@@ -240,6 +245,8 @@ class RunConfig:
         )
         need(self.model in MODELS, f"model={self.model!r}: expected one of {MODELS}")
         need(self.model_width >= 1, f"model-width={self.model_width}: expected ≥ 1")
+        if self.model_width >= 1 and self.model in WIDE_MODELS and self.dataset in DATASETS:
+            p.extend(_model_size_problems(self))
         need(self.dataset in DATASETS, f"dataset={self.dataset!r}: expected one of {DATASETS}")
         if self.dataset in DATASETS and self.model in MODELS:
             text = self.dataset == "shakespeare"
@@ -304,6 +311,48 @@ class RunConfig:
                 "overwrite deletes it; set one of them"
             )
         return p
+
+
+#: The models whose size ``model-width`` sets (cct and chargpt have fixed sizes).
+WIDE_MODELS = ("resnet18", "mlp")
+
+
+@functools.lru_cache(maxsize=64)
+def _parameter_count(model: str, width: int, dataset: str) -> int:
+    """Parameters of ``model`` at ``width`` for ``dataset``, counted on the ``meta`` device
+    (nothing is allocated, so any width can be counted); the same builders and arguments as
+    :func:`fedshard.app.task.build_model`. 0 for a data set the model cannot take (refused
+    by another rule)."""
+    import torch
+
+    from fedshard.data import dataset_info
+    from fedshard.models import mlp, resnet18
+
+    info = dataset_info(dataset)
+    if info.task != "image":
+        return 0
+    with torch.device("meta"):
+        net = (resnet18(num_classes=info.num_classes, in_channels=info.in_channels, width=width)
+               if model == "resnet18" else
+               mlp(info.in_channels * info.image_size**2, info.num_classes, width=width))
+    return sum(p.numel() for p in net.parameters())
+
+
+def _model_size_problems(cfg: RunConfig) -> list[str]:
+    """A problem when ``cfg``'s model cannot fit in this machine's memory as float32 (the
+    server also holds its SVD, and a simulated node a copy: this is a lower bound)."""
+    params = _parameter_count(cfg.model, cfg.model_width, cfg.dataset)
+    need = 4 * params
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not every system reports it
+        return []
+    if need <= memory:
+        return []
+    return [f"model-width={cfg.model_width}: the {cfg.model} model would have {params:,} "
+            f"parameters ({need / 1e9:,.1f} GB as float32), more than this machine's "
+            f"{memory / 1e9:,.1f} GB of memory; expected a width whose model fits (the run "
+            "would fail allocating it before round 1)"]
 
 
 def _is_device(value: str) -> bool:

@@ -5,7 +5,7 @@ Layout of ``<results-dir>/<run-name>/``::
     config.json     run config, seed, git commit, versions, start time
     metrics.jsonl   one JSON object per round (round 0 = the initial model's evaluation)
     model.pt        final global model (torch state_dict)
-    summary.json    final accuracy, best accuracy, wall time, rounds completed
+    summary.json    final accuracy, best accuracy, wall time, rounds completed, rounds trained
     checkpoint.pt, checkpoint.prev.pt   the last two rounds' checkpoints (fedshard.app.checkpoint)
     run.lock        held by the run writing the directory (fedshard.app.rundir)
 
@@ -255,11 +255,13 @@ class RunRecorder:
         self.close()
 
     def record_round(self, server_round: int, metrics: Mapping[str, float]) -> dict[str, Any]:
-        """Append one round's metrics and log a one-line summary."""
+        """Append one round's metrics and log a one-line summary (``round``, ``wall-s`` and
+        ``round-s`` are the recorder's: a metric of that name does not replace them)."""
         now = time.time()
-        row: dict[str, Any] = {"round": server_round, "wall-s": now - self._start,
-                               "round-s": now - self._last}
-        row.update({k: float(v) for k, v in metrics.items()})
+        row: dict[str, Any] = {k: float(v) for k, v in metrics.items()}
+        # the recorder's own columns: no metric of that name may overwrite them
+        row.update({"round": server_round, "wall-s": now - self._start,
+                    "round-s": now - self._last})
         self._last = now
         self.rows.append(row)
         with open_private_append(self.metrics_path) as fh:
@@ -286,8 +288,12 @@ class RunRecorder:
         torch.save(dict(state_dict), buffer)
         write_private(self.directory / "model.pt", buffer.getvalue())
         accs = [r["test-accuracy"] for r in self.rows if "test-accuracy" in r]
+        # rounds whose aggregate changed the model (the strategy's count in each row; None
+        # where no row says, e.g. rounds recorded without the strategy)
+        trained = [r["rounds-trained"] for r in self.rows if "rounds-trained" in r]
         summary = {
             "rounds-completed": max((r["round"] for r in self.rows), default=0),
+            "rounds-trained": int(max(trained)) if trained else None,
             "final-test-accuracy": accs[-1] if accs else None,
             "best-test-accuracy": max(accs) if accs else None,
             "wall-s": time.time() - self._start,

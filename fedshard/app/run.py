@@ -28,7 +28,7 @@ from fedshard.app.checkpoint import RESUME_MAY_CHANGE, Checkpoint
 from fedshard.app.config import RunConfig
 from fedshard.app.results import RunRecorder
 from fedshard.app.task import build_model, example_input, resolve_device
-from fedshard.server.strategy import SpectralSharding
+from fedshard.server.strategy import NoRoundTrainedError, SpectralSharding
 from fedshard.spectral import sharded_layer_names
 from fedshard.spectral.truncation import truncate_
 
@@ -107,6 +107,8 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
             train_config=ConfigRecord(),
             evaluate_fn=after_each_round,
         )
+    except NoRoundTrainedError as err:  # the files are written first; raised again below
+        result = err.result
     finally:
         after_each_round.end()
     # Flower's Result holds no arrays when no round produced an update, and then the model

@@ -16,9 +16,12 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from fedshard.app.config import RunConfig
+from fedshard.client.keep_ratios import (  # re-exported: the library's rule
+    SIMULATION_NODE_CONFIG,
+    is_simulated_node,
+    node_keep_ratio,
+)
 from fedshard.data import dataset_info, load_partition
-from fedshard.protocol import KEEP_RATIO
-from fedshard.sampling import as_keep_ratio
 
 __all__ = [
     "SIMULATION_NODE_CONFIG", "build_model", "client_dataset", "declared_keep_ratio",
@@ -108,21 +111,6 @@ def client_dataset(cfg: RunConfig, partition_id: int, num_partitions: int) -> Da
     )
 
 
-SIMULATION_NODE_CONFIG = frozenset({"partition-id", "num-partitions"})
-
-
-def is_simulated_node(node_config: dict[str, Any]) -> bool:
-    """Whether this node config is one Flower's simulation engine built.
-
-    Flower 1.42's simulation (``flwr/server/superlink/fleet/vce/vce_api.py``) gives every node
-    exactly ``{"partition-id": i, "num-partitions": n}`` and nothing else; a deployed SuperNode
-    has only what its ``--node-config`` gave. So any other key (``data-dir``, ``keep-ratio``,
-    ...) marks a deployed node. A deployed node started with exactly those two keys cannot be
-    told apart; deployed nodes should declare ``keep-ratio`` (the README's deployment steps do).
-    """
-    return set(node_config) == SIMULATION_NODE_CONFIG
-
-
 def node_partition(cfg: RunConfig, node_config: dict[str, Any]) -> tuple[int, int]:
     """``(partition-id, num-partitions)`` of this node's data.
 
@@ -146,20 +134,10 @@ def declared_keep_ratio(cfg: RunConfig, node_config: dict[str, Any]) -> float:
     """A node's keep ratio: ``keep-ratio`` from its node config (deployment), else, only for
     a simulated node (:func:`is_simulated_node`), derived from ``partition-id`` and the run's
     ``keep-ratios`` mixture. A deployed node without ``keep-ratio`` raises ``ValueError``: the
-    mixture describes the simulated federation, not a device's capacity."""
-    if KEEP_RATIO in node_config:
-        return as_keep_ratio(node_config[KEEP_RATIO], f"node config {KEEP_RATIO}",
-                             "this node cannot train until it is fixed")
-    if not is_simulated_node(node_config):
-        raise ValueError(
-            f"This deployed node declares no keep-ratio (its node config has "
-            f"{sorted(node_config) or 'no keys'}; only a simulated node, whose node config is "
-            "exactly partition-id and num-partitions, takes its ratio from the run's "
-            "keep-ratios); it takes no part until restarted with --node-config "
-            "\"keep-ratio=0.2 ...\""
-        )
-    return cfg.mixture.ratio_for(int(node_config["partition-id"]),
-                                 int(node_config["num-partitions"]))
+    mixture describes the simulated federation, not a device's capacity. The rule is the
+    library's (:func:`fedshard.client.keep_ratios.node_keep_ratio`), the one any project's
+    ``ShardingClientApp(keep_ratios=...)`` applies."""
+    return node_keep_ratio(node_config, cfg.mixture)
 
 
 def resolve_device(setting: str) -> str:

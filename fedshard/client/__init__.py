@@ -5,6 +5,8 @@ fedshard's), reply.
   :func:`handle_evaluate`, :func:`keep_ratio_of` (fedshard's own ClientApp uses them).
 - :mod:`~fedshard.client.shard` - :class:`Shard` / :func:`receive`: the received sub-model for
   your own training loop, and its reply.
+- :mod:`~fedshard.client.keep_ratios` - :class:`KeepRatioMixture`, :func:`node_keep_ratio`:
+  which keep ratio a node declares (its own, or its share of a simulated mix).
 - :mod:`~fedshard.client.app` - :class:`ShardingClientApp` and :func:`sharding_mod`: Flower
   glue for an existing project.
 - :mod:`~fedshard.client.train` - the local-training recipe (SGD-m, Frobenius decay, ClipLR).
@@ -18,6 +20,7 @@ from fedshard.client.handlers import (
     handle_train,
     keep_ratio_of,
 )
+from fedshard.client.keep_ratios import KeepRatioMixture, node_keep_ratio
 from fedshard.client.shard import Shard, receive, shard_reply, submodel_from_record
 from fedshard.client.train import (
     ClipLR,
@@ -33,6 +36,7 @@ __all__ = [
     "ClipLR",
     "EvalResult",
     "FrobeniusDecay",
+    "KeepRatioMixture",
     "NodeOptions",
     "Shard",
     "ShardingClientApp",
@@ -44,6 +48,7 @@ __all__ = [
     "handle_query",
     "handle_train",
     "keep_ratio_of",
+    "node_keep_ratio",
     "receive",
     "shard_reply",
     "sharding_mod",

@@ -1,5 +1,5 @@
 """Flower glue for existing projects: a ``ClientApp`` that declares its keep ratio, and a mod
-that turns a FedAvg-style ``train`` reply into a shard reply (see README's quickstart diff)."""
+that turns a FedAvg-style ``train`` reply into a shard reply (see ``docs/integration.md``)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from flwr.clientapp import ClientApp
 
 from fedshard import protocol as P
 from fedshard.client.handlers import handle_query, keep_ratio_of
+from fedshard.client.keep_ratios import KeepRatioMixture, KeepRatios, node_keep_ratio
 from fedshard.client.shard import shard_reply
 
 __all__ = ["ShardingClientApp", "sharding_mod"]
@@ -40,19 +41,50 @@ def sharding_mod(msg: Message, context: Context, call_next: Any) -> Message:
 
 class ShardingClientApp(ClientApp):
     """A ``ClientApp`` that takes part in spectral model sharding: it answers the server's
-    capability query with :func:`keep_ratio_of` (``default_keep_ratio`` as its default; the
-    node's ``partition-id`` as its stable key) and applies :func:`sharding_mod` to its handlers.
+    capability query with the node's keep ratio (the node's ``partition-id`` as its stable key)
+    and applies :func:`sharding_mod` to its handlers.
 
     Drop-in for ``ClientApp()``; register ``train``/``evaluate`` as usual.
+
+    Parameters
+    ----------
+    default_keep_ratio : float, optional
+        The ratio of a node that names none (see :func:`keep_ratio_of`).
+    mods : list, optional
+        Further Flower mods, after :func:`sharding_mod`.
+    keep_ratios : str, KeepRatioMixture or callable, optional
+        The keep ratios of the simulated nodes in one line: a mix such as
+        ``"0.25:0.5,0.5:0.5"`` (half the partitions keep 25 % of the terms, half 50 %; partition
+        id p gets the ratio fedshard's own app gives it) or ``f(node_config) -> ratio``. A node
+        whose node config has ``keep-ratio`` (a deployed SuperNode) declares that instead; a
+        deployed node without one is an error that says what to set
+        (:func:`fedshard.client.keep_ratios.node_keep_ratio`). Without it the ratio is
+        :func:`keep_ratio_of`'s (node config, run config ``keep-ratio`` or ``keep-ratios``,
+        ``default_keep_ratio``).
+
+    Raises
+    ------
+    ValueError, TypeError
+        For a ``keep_ratios`` that cannot be read (when the app is built, before any round).
     """
 
     def __init__(self, default_keep_ratio: float | None = None,
-                 mods: list[Any] | None = None) -> None:
+                 mods: list[Any] | None = None, *, keep_ratios: KeepRatios | None = None,
+                 ) -> None:
         super().__init__(mods=[sharding_mod, *(mods or [])])
         self.default_keep_ratio = default_keep_ratio
+        if isinstance(keep_ratios, str):
+            keep_ratios = KeepRatioMixture.parse(keep_ratios)  # a bad mix fails here
+        elif keep_ratios is not None and not callable(keep_ratios):
+            raise TypeError(f"ShardingClientApp(keep_ratios={keep_ratios!r}): expected a mix "
+                            "such as \"0.25:0.5,0.5:0.5\", a KeepRatioMixture or a function "
+                            "of the node config; no app was built")
+        self.keep_ratios = keep_ratios
 
         @self.query()
         def _query(msg: Message, context: Context) -> Message:
             key = context.node_config.get("partition-id")  # stable across launches
-            return handle_query(msg, keep_ratio_of(context, self.default_keep_ratio),
-                                None if key is None else str(key))
+            ratio = (keep_ratio_of(context, self.default_keep_ratio)
+                     if self.keep_ratios is None
+                     else node_keep_ratio(context.node_config, self.keep_ratios))
+            return handle_query(msg, ratio, None if key is None else str(key))

@@ -5,19 +5,21 @@ Two ways to train, one implementation:
 - **Bring your own loop** (in the spirit of PEFT's ``get_peft_model``)::
 
       shard = receive(msg, Net(), device="cuda")      # your model, sharded layers swapped
-      opt = shard.optimizer()                         # SGD-m + ClipLR with the server's settings
-      for x, y in my_loader:
-          loss = F.cross_entropy(shard.model(x), y) + shard.penalty()   # + Frobenius decay
+      opt = torch.optim.SGD(shard.model.parameters(), lr=shard.settings.lr, momentum=0.9)
+      for x, y in my_loader:                          # (or shard.optimizer(): the server's SGD)
+          loss = F.cross_entropy(shard.model(x), y)
           opt.zero_grad(); loss.backward(); opt.step()
       return shard.reply(num_examples=len(my_loader.dataset), metrics={"my-loss": ...})
 
-- **Batteries included**: :func:`handle_train` does exactly that with fedshard's loop
+- **Batteries included**: :func:`handle_train` does that with fedshard's loop
   (:func:`fedshard.client.train.loop.train`) on a ``Dataset`` or a ``DataLoader`` you built.
 
-Frobenius decay: :meth:`Shard.penalty` is ``γ Σ_L ‖U Ω Vᵀ‖²_F`` over the sharded layers (paper
-Sec. 3.3); add it to the loss, it replaces weight decay on the factors. ClipLR: the optimizer of
-:meth:`Shard.optimizer` scales the gradient of term i by ``min(1, τ/ω_i)`` before each step, so a
-large multiplier ω_i cannot blow up that term's effective learning rate.
+The paper's client rules (Sec. 3.3) come with the received factors (:func:`receive`'s
+``client_rules=True``): Frobenius decay ``γ Σ_L ‖U Ω Vᵀ‖²_F`` (it replaces weight decay on the
+factors) is added to their gradients, and ClipLR scales the gradient of term i by
+``min(1, τ/ω_i)``, so a large multiplier ω_i cannot blow up that term's effective learning
+rate. With ``client_rules=False`` :meth:`Shard.optimizer` and :meth:`Shard.penalty` apply them
+instead, as fedshard's loop does.
 
 The wire format is :mod:`fedshard.protocol`'s; the model is any torch model whose dense
 ``state_dict`` the strategy was started with.
@@ -36,6 +38,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from fedshard import protocol as P
+from fedshard.client.keep_ratios import KEEP_RATIOS, KeepRatioMixture, node_keep_ratio
 from fedshard.client.shard import Shard, receive, submodel_from_record  # re-exported
 from fedshard.client.train.batches import TensorBatches, batches_for
 from fedshard.client.train.loop import (
@@ -65,7 +68,9 @@ def keep_ratio_of(context: Context, default: float | None = None) -> float:
 
     Looked up in order: the node config's ``keep-ratio`` (a deployed SuperNode's
     ``--node-config "keep-ratio=0.2"``), the run config's ``keep-ratio`` (one number for every
-    node, e.g. ``keep-ratio = 0.5`` in ``[tool.flwr.app.config]``), then ``default``.
+    node, e.g. ``keep-ratio = 0.5`` in ``[tool.flwr.app.config]``), the run config's
+    ``keep-ratios`` mix (``"0.25:0.5,0.5:0.5"``; a simulated node's share by partition id, as in
+    fedshard's own app: :func:`fedshard.client.keep_ratios.node_keep_ratio`), then ``default``.
 
     Parameters
     ----------
@@ -89,13 +94,21 @@ def keep_ratio_of(context: Context, default: float | None = None) -> float:
         if P.KEEP_RATIO in config:
             return as_keep_ratio(config[P.KEEP_RATIO], f"{source} {P.KEEP_RATIO}",
                                  "this node cannot take part until it is fixed")
+    if KEEP_RATIOS in context.run_config:
+        try:
+            mixture = KeepRatioMixture.parse(str(context.run_config[KEEP_RATIOS]))
+        except ValueError as err:
+            raise ValueError(f"run config {err}; this node cannot take part until it is "
+                             "fixed") from None
+        return node_keep_ratio(context.node_config, mixture)
     if default is not None:
         return as_keep_ratio(default, "keep_ratio_of(default=...)")
     raise ValueError(
         f"This node declares no keep ratio: expected {P.KEEP_RATIO!r} in its node config "
         f"(deployment: --node-config \"{P.KEEP_RATIO}=0.2\") or in the run config "
-        f"({P.KEEP_RATIO} = 0.5 in [tool.flwr.app.config]), or keep_ratio_of(context, "
-        "default=...); found neither, so this node does not take part.")
+        f"({P.KEEP_RATIO} = 0.5, or {KEEP_RATIOS} = \"0.25:0.5,0.5:0.5\" for simulated nodes, "
+        "in [tool.flwr.app.config]), or keep_ratio_of(context, default=...); found none, so "
+        "this node does not take part.")
 
 
 def handle_query(msg: Message, keep_ratio: float, node_key: str | int | None = None) -> Message:
@@ -197,7 +210,7 @@ def handle_train(
         and sent back under that name (its ``fedavg-train-loss`` in the metrics).
     """
     dense = copy.deepcopy(model) if P.REFERENCE in msg.content.array_records else None
-    shard = receive(msg, model, device=device)
+    shard = receive(msg, model, device=device, client_rules=False)  # train() applies them
     s = shard.settings
     cfg = shard.train_config(input_key=input_key, target_key=target_key, **options)
     loader = _loader(data, s.batch_size, s.train_seed, shard.device)

@@ -2,8 +2,14 @@
 
 :func:`receive` turns a ``train`` message into a :class:`Shard`: the user's own model class
 with the sharded layers swapped for ``U·diag(ω)·Vᵀ`` (:mod:`fedshard.spectral`), the round's
-settings, SGD + ClipLR with them (:meth:`Shard.optimizer`), the Frobenius-decay term
-(:meth:`Shard.penalty`) and the checked reply (:meth:`Shard.reply`).
+settings and the checked reply (:meth:`Shard.reply`).
+
+**The paper's client rules travel with the sub-model** (Sec. 3.3): by default the factors
+``u``, ``v`` carry gradient hooks (:func:`~fedshard.client.train.optim.attach_client_rules`)
+that add Frobenius decay's gradient ``γ ∂‖UΩVᵀ‖²_F`` and scale column i by ClipLR's
+``min(1, τ/ω_i)``, so any loop and any torch optimizer applies both with no extra line.
+``receive(msg, model, client_rules=False)`` leaves them off: then :meth:`Shard.optimizer`
+(ClipLR) and :meth:`Shard.penalty` (the decay term) apply them, as fedshard's own loop does.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from torch import nn
 
 from fedshard import protocol as P
 from fedshard.client.train.config import TrainConfig
-from fedshard.client.train.optim import build_optimizer, frobenius_penalty
+from fedshard.client.train.optim import attach_client_rules, build_optimizer, frobenius_penalty
 from fedshard.spectral import LayerFactors, build_submodel
 
 __all__ = ["Shard", "receive", "shard_reply", "submodel_from_record"]
@@ -68,6 +74,10 @@ class Shard:
         The ``train`` message (the reply answers it).
     device : torch.device
         Where ``model`` lives.
+    client_rules : bool
+        Whether ``model``'s factors carry Frobenius decay and ClipLR as gradient hooks
+        (:func:`receive`'s default); :meth:`optimizer`, :meth:`penalty` and
+        :meth:`train_config` then leave both out, so nothing is applied twice.
     """
 
     model: nn.Module
@@ -75,31 +85,43 @@ class Shard:
     layers: tuple[str, ...]
     message: Message
     device: torch.device
+    client_rules: bool = False
 
     @classmethod
     def from_message(cls, msg: Message, model: nn.Module, *,
-                     device: str | torch.device = "cpu") -> Shard:
+                     device: str | torch.device = "cpu", client_rules: bool = True) -> Shard:
         """Same as :func:`receive`."""
+        if not isinstance(client_rules, bool):
+            raise TypeError(f"receive(client_rules={client_rules!r}): expected True (the "
+                            "factors carry Frobenius decay and ClipLR) or False; nothing was "
+                            "received.")
         settings = P.TrainSettings.from_record(msg.content.config_records[P.CONFIG])
         sub, layers = submodel_from_record(model, msg.content.array_records[P.ARRAYS])
         dev = torch.device(device)
-        return cls(sub.to(dev), settings, tuple(layers), msg, dev)
+        sub = sub.to(dev)
+        if client_rules:
+            attach_client_rules(sub, settings.frobenius_decay, settings.clip_lr_tau)
+        return cls(sub, settings, tuple(layers), msg, dev, client_rules)
 
     def train_config(self, **overrides: Any) -> TrainConfig:
         """fedshard's :class:`~fedshard.client.train.TrainConfig` for the received recipe,
         this shard's device and the round's seed; ``overrides`` replace fields (e.g.
-        ``compile=True``, ``local_epochs=2``)."""
+        ``compile=True``, ``local_epochs=2``). With :attr:`client_rules` on, its
+        ``frobenius_decay`` is 0 and ``clip_lr_tau`` ``None``: the factors' hooks apply them."""
         s = self.settings
+        hooked = self.client_rules
         cfg = TrainConfig(local_epochs=s.local_epochs, lr=s.lr, momentum=s.momentum,
-                          frobenius_decay=s.frobenius_decay, clip_lr_tau=s.clip_lr_tau,
+                          frobenius_decay=0.0 if hooked else s.frobenius_decay,
+                          clip_lr_tau=None if hooked else s.clip_lr_tau,
                           weight_decay=s.weight_decay, device=self.device, seed=s.train_seed)
         return replace(cfg, **overrides) if overrides else cfg
 
     def optimizer(self, **overrides: Any) -> torch.optim.SGD:
         """SGD with the server's lr, momentum and weight decay (none on the factors), with
         :class:`~fedshard.client.train.ClipLR` attached (τ from the settings; off when the
-        server sent none); ``overrides`` replace :class:`TrainConfig` fields (e.g.
-        ``lr=0.01``).
+        server sent none, and when the factors' hooks apply it: :attr:`client_rules`);
+        ``overrides`` replace :class:`TrainConfig` fields (e.g. ``lr=0.01``). Optional with
+        the client rules on: any optimizer then gets ClipLR from the hooks.
 
         A plain ``torch.optim.SGD``: call ``zero_grad()``, ``loss.backward()``, ``step()`` on
         it as on any optimizer (each ``step()`` scales the factor gradients by
@@ -110,9 +132,13 @@ class Shard:
 
     def penalty(self) -> torch.Tensor:
         """The Frobenius decay term ``γ Σ_L ‖U Ω Vᵀ‖²_F`` to add to your loss (γ from the
-        settings; a differentiable scalar, ``0`` when γ = 0 or nothing is sharded)."""
+        settings; a differentiable scalar, ``0`` when γ = 0 or nothing is sharded).
+
+        With :attr:`client_rules` on (:func:`receive`'s default) the decay is already in the
+        factors' gradients: this returns ``0``, so code that still adds it does not apply it
+        twice (``gamma * frobenius_penalty(shard.model)`` is the term's value, to log)."""
         gamma = self.settings.frobenius_decay
-        if gamma == 0:
+        if gamma == 0 or self.client_rules:
             return torch.zeros((), device=self.device)
         return gamma * frobenius_penalty(self.model).to(self.device)
 
@@ -158,7 +184,8 @@ def shard_reply(msg: Message, state: Mapping[str, np.ndarray], num_examples: Any
     return P.train_reply(msg, dict(state), int(num_examples), values)
 
 
-def receive(msg: Message, model: nn.Module, *, device: str | torch.device = "cpu") -> Shard:
+def receive(msg: Message, model: nn.Module, *, device: str | torch.device = "cpu",
+            client_rules: bool = True) -> Shard:
     """The shard of a ``train`` message as a ready sub-model of ``model`` (not modified).
 
     Parameters
@@ -169,6 +196,12 @@ def receive(msg: Message, model: nn.Module, *, device: str | torch.device = "cpu
         A fresh instance of the model the server was started with.
     device : str or torch.device
         Where the sub-model is put.
+    client_rules : bool
+        ``True`` (default): the sub-model's factors carry the paper's client rules, Frobenius
+        decay and ClipLR with the server's γ and τ, as gradient hooks: train ``shard.model``
+        with any loop and any optimizer, nothing else to add (one ``backward()`` per step).
+        ``False``: a plain sub-model; apply them with :meth:`Shard.optimizer` and
+        :meth:`Shard.penalty` (or fedshard's loop, as :func:`handle_train` does).
 
     Returns
     -------
@@ -181,4 +214,4 @@ def receive(msg: Message, model: nn.Module, *, device: str | torch.device = "cpu
     ValueError
         If the message's settings or arrays do not fit (the reply becomes an error).
     """
-    return Shard.from_message(msg, model, device=device)
+    return Shard.from_message(msg, model, device=device, client_rules=client_rules)

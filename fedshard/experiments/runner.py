@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -54,6 +55,7 @@ __all__ = [
     "format_duration",
     "run_status",
     "run_suite",
+    "server_app_raised",
     "suite_status",
 ]
 
@@ -289,6 +291,16 @@ def _selection(suite: Suite, seeds: Collection[int] | None, labels: Collection[s
     ]
 
 
+#: What Flower 1.42 logs when the ServerApp (or the simulation around it) raised; ``flwr run
+#: --stream`` still exits 0 then (``flwr/simulation/app.py``).
+_RAISED = re.compile(r"\b(Simulation|ServerApp) raised an exception")
+
+
+def server_app_raised(output: str) -> str | None:
+    """The line of ``flwr run``'s ``output`` saying the ServerApp raised, or ``None``."""
+    return next((line.strip() for line in output.splitlines() if _RAISED.search(line)), None)
+
+
 def _launch_one(suite: Suite, spec: RunSpec, launch: Launcher, progress: Progress,
                 echo: Callable[[str], None] | None, resume_round: int | None) -> str | None:
     """Launch ``spec`` (with ``resume=true`` after ``resume_round``, if given); return
@@ -378,6 +390,10 @@ def _launch_one(suite: Suite, spec: RunSpec, launch: Launcher, progress: Progres
     status = run_status(spec)
     if error is None and sim is not None and sim.returncode != 0:
         error = f"flwr run exited with code {sim.returncode}"
+    raised = server_app_raised(sim.output) if sim is not None else None
+    if error is None and raised is not None:
+        error = (f"the ServerApp raised (flwr run's output: {raised!r}) although flwr run "
+                 "exited with code 0")
     if error is None and status.state is not RunState.FINISHED:
         error = f"flwr run returned but the run is {status.state.value}: {status.detail}"
     record.update({"wall-s": wall_s, "returncode": None if sim is None else sim.returncode,

@@ -2,7 +2,8 @@
 
 A run is *finished* when its folder has ``summary.json`` (written last, atomically, by
 :class:`fedshard.app.results.RunRecorder`) with ``rounds-completed`` equal to the run's
-``num-server-rounds``, and its ``config.json`` shows the settings the suite asks for now; a
+``num-server-rounds`` and a round that trained (``rounds-trained`` > 0 where it says), and its
+``config.json`` shows the settings the suite asks for now; a
 finished run with other settings is *stale*. A run that is not finished is *resumable* when its
 server checkpoint (``fedshard.app.checkpoint``, the newest readable of the last two) was written
 with the suite's settings (apart from :data:`fedshard.app.checkpoint.RESUME_MAY_CHANGE`) before
@@ -84,6 +85,9 @@ def run_status(spec: RunSpec) -> RunStatus:
         return RunStatus(spec, RunState.STALE, f"summary.json but no readable config.json "
                          f"({err}); cannot tell which settings it ran with", summary)
     done = summary.get("rounds-completed")
+    if summary.get("rounds-trained") == 0:  # older summaries do not say: taken as trained
+        return _unfinished(spec, f"no round trained ({done} rounds completed, the model is the "
+                           "initial one: the ServerApp raised 'No round trained')")
     if done != used.get("num-server-rounds"):
         return _unfinished(spec, f"{done} of {used.get('num-server-rounds')} rounds completed")
     expected = spec.config.as_dict()

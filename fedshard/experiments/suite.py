@@ -3,7 +3,7 @@
 A suite is read once into a frozen :class:`Suite`; every run's full configuration is built and
 validated through :class:`fedshard.app.config.RunConfig` before anything starts, and every problem
 in the file is reported at once in a :class:`SuiteError`. The file format is described in
-``experiments/README.md``::
+``docs/reproducing.md``::
 
     [suite]
     name = "fmnist-table"
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -311,7 +312,15 @@ def parse_suite(
     if results_dir is None:
         results_dir = Path(results_text).expanduser()
         if not results_dir.is_absolute():
-            results_dir = app_dir / results_dir
+            # relative: inside the app folder (an absolute path or ~/... is the user's own
+            # choice; a relative one must not climb out with '..'; a link the user put in
+            # the app folder is theirs, so '..' is resolved without following links)
+            results_dir = Path(os.path.normpath(app_dir / results_dir))
+            if results_text and not results_dir.is_relative_to(app_dir):
+                problems.append(
+                    f"[suite] results-dir={results_text!r} resolves to {results_dir}, outside "
+                    f"the app folder {app_dir}; expected a folder inside it, or an absolute "
+                    "path (or ~/...) if the results belong elsewhere")
     results_dir = results_dir.resolve()
 
     entries = read_blocks(data, "runs", problems)

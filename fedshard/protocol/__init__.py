@@ -22,7 +22,12 @@ Messages
     ``"arrays"``: the same keys without ``L.omega``; ``L.u``/``L.v`` trained, ``L.indices``
     echoed unchanged, the dense entries trained. Same shapes and dtypes as sent, finite values.
     ``"metrics"`` (:class:`~flwr.app.MetricRecord`): ``num-examples`` (> 0, the aggregation
-    weight D), ``train-loss``, ``train-accuracy``.
+    weight D), ``train-loss``, ``train-accuracy`` (at most
+    :data:`~fedshard.protocol.bounds.MAX_REPLY_METRICS` values, names of at most
+    :data:`~fedshard.protocol.bounds.MAX_METRIC_NAME` characters: the rest is left out and
+    counted). The server keeps them apart from its own statistics, as ``client/<name>``.
+    ``"config"`` (:class:`~flwr.app.ConfigRecord`, optional): ``server-round`` echoed; a reply
+    whose echo (or whose ``reply_to`` message) is of another round is dropped (``stale-reply``).
 ``train``, optional ``"fedavg-reference"`` (:data:`REFERENCE`, only with ``fedavg-cosine``)
     An :class:`~flwr.app.ArrayRecord` with the dense global ``state_dict``: the node also
     trains a dense copy of it with the same settings and data order (as ``method = "none"``
@@ -54,6 +59,7 @@ from fedshard.protocol.keys import (
     NUM_EXAMPLES,
     QUERY,
     REFERENCE,
+    SERVER_ROUND,
     TRAIN_ACCURACY,
     TRAIN_LOSS,
     factor_key,
@@ -84,6 +90,7 @@ __all__ = [
     "NUM_EXAMPLES",
     "QUERY",
     "REFERENCE",
+    "SERVER_ROUND",
     "TRAIN_ACCURACY",
     "TRAIN_CONFIG_KEYS",
     "TRAIN_LOSS",

@@ -17,9 +17,15 @@ import numpy as np
 from fedshard.settings import MAX_EXACT_COUNT, UPDATE_POLICIES  # the operator's bounds: ReplyPolicy
 
 __all__ = [
-    "MAX_EXACT_COUNT", "UPDATE_POLICIES", "bound_dense", "bound_terms", "read_count",
-    "scalar_metrics",
+    "MAX_EXACT_COUNT", "MAX_METRIC_NAME", "MAX_REPLY_METRICS", "UPDATE_POLICIES", "bound_dense",
+    "bound_terms", "read_count", "scalar_metrics",
 ]
+
+#: Most metric values one reply may bring (the weight key aside); the rest are left out,
+#: logged and counted in ``ignored-metrics``. An honest node sends two or three.
+MAX_REPLY_METRICS = 32
+#: Longest metric name kept (characters); a longer one is left out, logged and counted.
+MAX_METRIC_NAME = 64
 
 # RMS per entry below which a dense array counts as "near zero" for the update bound (a
 # zero-initialised bias or norm shift must still be allowed to move).
@@ -39,20 +45,36 @@ def read_count(value: Any, cap: int | None = None) -> float | str:
     return float(value)
 
 
-def scalar_metrics(metrics: Mapping[str, Any], skip: str) -> tuple[dict[str, float], list[str]]:
-    """The finite scalar metrics (``skip``, the weight key, left out) and a reason per value
-    left out (lists, NaN, inf and non-numbers are legal in a MetricRecord but not averaged)."""
+def scalar_metrics(metrics: Mapping[str, Any],
+                   skip: str) -> tuple[dict[str, float], list[str], int]:
+    """The finite scalar metrics (``skip``, the weight key, left out), the reasons values were
+    left out (lists, NaN, inf and non-numbers are legal in a MetricRecord but not averaged)
+    and how many were.
+
+    Only the first :data:`MAX_REPLY_METRICS` values of the reply are looked at, and a name
+    longer than :data:`MAX_METRIC_NAME` characters is left out; the values beyond the cap
+    share one reason (a reply may send thousands) but each one is counted."""
     out, ignored = {}, []
+    examined = beyond = 0
     for key, value in metrics.items():
         if key == skip:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        examined += 1
+        if examined > MAX_REPLY_METRICS:
+            beyond += 1
+        elif len(key) > MAX_METRIC_NAME:
+            ignored.append(f"a metric name of {len(key)} characters ({key[:20]!r}…; at most "
+                           f"{MAX_METRIC_NAME})")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
             ignored.append(f"{key}={value!r:.40} is not a scalar")
         elif not math.isfinite(value):
             ignored.append(f"{key}={value!r} is not finite")
         else:
             out[key] = float(value)
-    return out, ignored
+    count = len(ignored) + beyond
+    if beyond:
+        ignored.insert(0, f"{beyond} metric(s) beyond the first {MAX_REPLY_METRICS}")
+    return out, ignored, count
 
 
 def _scale(norm: np.ndarray, ref: np.ndarray, ratio: float) -> tuple[np.ndarray, float]:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 __all__ = [
     "ARRAYS", "CAPABILITIES", "CONFIG", "EVAL_ACCURACY", "EVAL_LOSS", "KEEP_RATIO", "LR", "METRICS",
-    "NODE_KEY", "NUM_EXAMPLES", "QUERY", "REFERENCE", "TRAIN_ACCURACY", "TRAIN_LOSS",
-    "factor_key",
-    "is_factor_key", "layer_of",
+    "NODE_KEY", "NUM_EXAMPLES", "QUERY", "REFERENCE", "SERVER_ROUND", "TRAIN_ACCURACY",
+    "TRAIN_LOSS", "factor_key", "is_factor_key", "layer_of",
 ]
 
 # Record names inside a RecordDict
@@ -21,6 +20,7 @@ REFERENCE = "fedavg-reference"  # the dense model a node also trains when fedavg
 KEEP_RATIO = "keep-ratio"
 NODE_KEY = "node-key"
 NUM_EXAMPLES = "num-examples"
+SERVER_ROUND = "server-round"  # the train config's round, echoed in the train reply
 LR = "lr"  # the train config's learning rate (FedAvg users put theirs there too)
 TRAIN_LOSS = "train-loss"
 TRAIN_ACCURACY = "train-accuracy"

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedshard.protocol.bounds import (
     bound_dense,
@@ -15,7 +15,15 @@ from fedshard.protocol.bounds import (
     read_count,
     scalar_metrics,
 )
-from fedshard.protocol.keys import ARRAYS, METRICS, NUM_EXAMPLES, factor_key, layer_of
+from fedshard.protocol.keys import (
+    ARRAYS,
+    CONFIG,
+    METRICS,
+    NUM_EXAMPLES,
+    SERVER_ROUND,
+    factor_key,
+    layer_of,
+)
 from fedshard.settings import ReplyPolicy
 from fedshard.spectral.aggregate import TermUpdate
 from fedshard.spectral.decompose import LayerSpectrum
@@ -97,7 +105,9 @@ def decode_shard(
 def train_reply(msg: Message, state: dict[str, np.ndarray], num_examples: int,
                 metrics: dict[str, float]) -> Message:
     """The reply to a ``train`` message: the trained ``state`` (the sub-model's state dict;
-    ω is left out, the indices are echoed from ``msg``) and the metrics."""
+    ω is left out, the indices are echoed from ``msg``), the metrics and, in a ``"config"``
+    record, the round ``msg`` was sent in (``server-round``, echoed: the server drops a reply
+    whose content answers another round)."""
     record = msg.content.array_records[ARRAYS]
     indices = [k for k in record if k.endswith(".indices")]
     omega = {factor_key(layer_of(k), "omega") for k in indices}
@@ -105,15 +115,18 @@ def train_reply(msg: Message, state: dict[str, np.ndarray], num_examples: int,
     out.update({k: record[k] for k in indices})
     values: dict[str, int | float | list[int] | list[float]] = {NUM_EXAMPLES: int(num_examples)}
     values.update({k: float(v) for k, v in metrics.items()})
-    return Message(RecordDict({ARRAYS: ArrayRecord(out), METRICS: MetricRecord(values)}),
-                   reply_to=msg)
+    content = RecordDict({ARRAYS: ArrayRecord(out), METRICS: MetricRecord(values)})
+    sent_config = msg.content.config_records.get(CONFIG)
+    if sent_config is not None and SERVER_ROUND in sent_config:
+        content[CONFIG] = ConfigRecord({SERVER_ROUND: sent_config[SERVER_ROUND]})
+    return Message(content, reply_to=msg)
 
 
 @dataclass(frozen=True)
 class TrainReply:
     """A checked ``train`` reply: weight, decoded (and bounded) arrays, its finite scalar
     metrics, bytes on the wire, how many columns/arrays were clipped, the largest update
-    ratio seen and the metrics left out (with their reasons)."""
+    ratio seen, why metrics were left out and how many were (``ignored_count``)."""
 
     node: int
     weight: float
@@ -124,6 +137,7 @@ class TrainReply:
     clipped: int = 0
     update_ratio: float = 0.0
     ignored_metrics: tuple[str, ...] = ()
+    ignored_count: int = 0
 
     def terms(self) -> dict[str, TermUpdate]:
         """The trained terms, by layer."""
@@ -132,27 +146,31 @@ class TrainReply:
                 for layer in self.layers}
 
 
-def check_eval_reply(msg: Message) -> tuple[float, dict[str, float]] | str:
-    """``(num-examples, finite scalar metrics)`` of an ``evaluate`` reply, or the reason to
-    drop it. Non-scalar or non-finite metric values are left out (logged by the caller via
-    :func:`fedshard.protocol.bounds.scalar_metrics`'s reasons: none reach the averages)."""
+def check_eval_reply(msg: Message) -> tuple[float, dict[str, float], list[str], int] | str:
+    """``(num-examples, finite scalar metrics, why values were left out, how many)`` of an
+    ``evaluate`` reply, or the reason to drop it. Non-scalar or non-finite metric values and
+    those beyond the cap are left out (:func:`fedshard.protocol.bounds.scalar_metrics`; the
+    caller logs the reasons and counts them: none reach the averages)."""
     if msg.has_error():
         return f"error reply: {msg.error.reason}"
     metrics = msg.content.metric_records.get(METRICS)
     weight = read_count(metrics.get(NUM_EXAMPLES)) if metrics is not None else "no metrics"
     if metrics is None or isinstance(weight, str):
         return f"bad {NUM_EXAMPLES}: {weight}"
-    return weight, scalar_metrics(metrics, NUM_EXAMPLES)[0]
+    return (weight, *scalar_metrics(metrics, NUM_EXAMPLES))
 
 
 def check_train_reply(msg: Message, sent: SentShard | None, seen: set[int],
                       limits: ReplyPolicy | None = None,
-                      node: int | None = None) -> TrainReply | str:
+                      node: int | None = None, server_round: int | None = None,
+                      ) -> TrainReply | str:
     """The checked reply, or the reason (``"category: details"``) it must be dropped.
 
     ``node`` is the node the answered message was sent to (default: the reply's sender);
     ``limits`` bound ``num-examples`` and the change from what was sent
-    (:class:`~fedshard.settings.ReplyPolicy`; default: its defaults).
+    (:class:`~fedshard.settings.ReplyPolicy`; default: its defaults); ``server_round``, when
+    given, is the round the reply must answer (its ``"config"`` echo, where it has one:
+    ``stale-reply`` otherwise).
     """
     limits = limits if limits is not None else ReplyPolicy()
     node = msg.metadata.src_node_id if node is None else node
@@ -169,6 +187,10 @@ def check_train_reply(msg: Message, sent: SentShard | None, seen: set[int],
     if ARRAYS not in content.array_records or METRICS not in content.metric_records:
         return (f"missing-record: expected an ArrayRecord {ARRAYS!r} and a MetricRecord "
                 f"{METRICS!r}, got {sorted(content.keys())}")
+    echo = content.config_records.get(CONFIG)
+    if server_round is not None and echo is not None and echo.get(SERVER_ROUND) != server_round:
+        return (f"stale-reply: its content answers round {echo.get(SERVER_ROUND)!r}, not round "
+                f"{server_round}")
     metrics = content.metric_records[METRICS]
     weight = read_count(metrics.get(NUM_EXAMPLES), limits.max_num_examples)
     if isinstance(weight, str):
@@ -206,8 +228,8 @@ def check_train_reply(msg: Message, sent: SentShard | None, seen: set[int],
             return (f"update-norm: {clipped} factor column(s)/array(s) changed by more than "
                     f"max_update_ratio={limits.max_update_ratio:g} times what was sent "
                     f"(largest ratio {ratio:.3g})")
-    kept, ignored = scalar_metrics(metrics, NUM_EXAMPLES)
+    kept, ignored, ignored_count = scalar_metrics(metrics, NUM_EXAMPLES)
     # bytes on the wire, counted as for the sent records (serialized Array data)
     nbytes = sum(len(a.data) for a in record.values())
     return TrainReply(node, weight, values, kept, nbytes, tuple(sent.indices), clipped, ratio,
-                      tuple(ignored))
+                      tuple(ignored), ignored_count)

@@ -2,6 +2,11 @@
 
 Metric names are read by :mod:`fedshard.experiments.report` and written to ``metrics.jsonl``;
 change them only together.
+
+Two namespaces: the server's own statistics (``replies-used``, ``train-loss`` as the server
+weighs it, ...) and what nodes report, aggregated under :data:`CLIENT_PREFIX`
+(``client/train-loss``): no name a node sends can overwrite a server statistic or pose as a
+test metric.
 """
 
 from __future__ import annotations
@@ -17,9 +22,18 @@ from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from fedshard import protocol as P
 
 __all__ = [
-    "mean_client_metrics", "metric_record", "one_line", "reply_metrics", "send_metrics",
-    "weighted_means",
+    "CLIENT_PREFIX", "client_namespace", "mean_client_metrics", "metric_record", "one_line",
+    "reply_metrics", "send_metrics", "weighted_means",
 ]
+
+
+#: Prefix of the client-reported metrics in a round's history row and ``metrics.jsonl``.
+CLIENT_PREFIX = "client/"
+
+
+def client_namespace(values: dict[str, float]) -> dict[str, float]:
+    """``values`` (aggregated from what nodes reported) under :data:`CLIENT_PREFIX`."""
+    return {CLIENT_PREFIX + k: v for k, v in values.items()}
 
 
 def send_metrics(arrays: ArrayRecord, sent: dict[int, P.SentShard], lr: float,
@@ -55,8 +69,8 @@ def reply_metrics(sent_metrics: dict[str, float], accepted: Sequence[P.TrainRepl
     clipped = [r for r in accepted if r.clipped]
     if clipped:  # replies whose change exceeded max_update_ratio and was scaled down
         metrics["clipped-update-norm"] = float(len(clipped))
-    if any(r.ignored_metrics for r in accepted):
-        metrics["ignored-metrics"] = float(sum(len(r.ignored_metrics) for r in accepted))
+    if any(r.ignored_count for r in accepted):
+        metrics["ignored-metrics"] = float(sum(r.ignored_count for r in accepted))
     if accepted:
         metrics["update-ratio-max"] = max(r.update_ratio for r in accepted)
         rows = [(r.weight, r.metrics) for r in accepted]

@@ -9,7 +9,10 @@ Flower draws new node ids at every launch.
 The operator's rules on declared keep ratios (:class:`~fedshard.settings.NodePolicy`) are
 applied to every answer (:func:`admit`): a ratio above ``max_keep_ratio`` is clipped to it (with
 a warning), and a node bound by the keep-ratio table that declares another ratio is refused
-(logged; asked again next round).
+(logged; asked again next round). The table is matched against the public key Flower
+authenticated the node with (``NodeInfo.public_key`` from ``Grid.get_nodes``); a declared
+``node-key`` selects a name entry only with ``trust_declared_keys``. Two nodes declaring one
+key, and an unbound claim of the largest ratio allowed, are warned.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10; tomli comes with flwr
     import tomli as tomllib
 
-__all__ = ["NodeDirectory", "admit", "load_keep_ratio_table"]
+__all__ = ["NodeDirectory", "admit", "is_public_key", "load_keep_ratio_table"]
 
 
 def load_keep_ratio_table(path: str | Path) -> dict[str, float]:
@@ -53,19 +56,57 @@ def load_keep_ratio_table(path: str | Path) -> dict[str, float]:
     return {str(k): float(v) for k, v in table.items()}
 
 
+def _short(key: str, limit: int = 24) -> str:
+    return key if len(key) <= limit else key[:limit] + "…"
+
+
+def is_public_key(entry: str) -> bool:
+    """Whether a keep-ratio-table entry is a public key: the hex of a PEM block, as
+    ``bytes(NodeInfo.public_key).hex()`` gives it."""
+    try:
+        return bytes.fromhex(entry).lstrip().startswith(b"-----BEGIN")
+    except ValueError:
+        return False
+
+
 def admit(policy: NodePolicy, caps: P.Capabilities,
           public_key: str = "") -> tuple[P.Capabilities | None, str]:
     """The capabilities to use under ``policy`` (``None``: refused) and what was changed or
-    why the node was refused (empty: used as declared)."""
+    why the node was refused (empty: used as declared).
+
+    ``public_key`` is the key Flower authenticated the node with (hex; empty where the grid
+    reports none). A table entry is matched against it first; the declared ``node-key``
+    selects an entry only when that entry is a name (not a public key), the node's own key
+    is not listed, and ``policy.trust_declared_keys`` is set. A node whose declared key names
+    another entry than its own public key's is refused."""
     table = policy.keep_ratio_table
     if table is not None:
-        bound = table.get(caps.key, table.get(public_key) if public_key else None)
-        if bound is None:
-            return None, (f"node key {caps.key!r} is not in the keep-ratio table (nor its "
-                          "public key); only listed nodes may train")
+        declared = caps.key
+        if public_key and public_key in table:
+            if declared != public_key and declared in table:
+                return None, (f"declared node-key {_short(declared)!r} is another "
+                              "keep-ratio-table entry than the public key this node "
+                              f"authenticated with ({_short(public_key)}); a node may not "
+                              "claim another's entry")
+            bound = table[public_key]
+        elif declared in table:
+            if is_public_key(declared):
+                return None, (f"declared node-key {_short(declared)!r} is a public key: only "
+                              "a node that authenticated with it (SuperNode authentication) "
+                              "gets its keep-ratio-table entry")
+            if not policy.trust_declared_keys:
+                return None, (f"declared node-key {declared!r} is in the keep-ratio table, but "
+                              "declared names are not trusted (trust-declared-keys = false) "
+                              "and no public key of this node is listed; list its public key "
+                              "(SuperNode authentication), or set trust-declared-keys = true "
+                              "where every node is known")
+            bound = table[declared]
+        else:
+            return None, (f"node key {_short(declared)!r} is not in the keep-ratio table (nor "
+                          "its public key); only listed nodes may train")
         if not math.isclose(caps.keep_ratio, bound, rel_tol=1e-9):
             return None, (f"declared keep ratio {caps.keep_ratio:g}, but the keep-ratio "
-                          f"table binds node {caps.key!r} to {bound:g}")
+                          f"table binds node {_short(declared)!r} to {bound:g}")
     if caps.keep_ratio > policy.max_keep_ratio:
         return replace(caps, keep_ratio=policy.max_keep_ratio), (
             f"declared keep ratio {caps.keep_ratio:g} is above max_keep_ratio="
@@ -150,8 +191,22 @@ class NodeDirectory:
                 continue
             if reason:
                 log(WARNING, "Node %d: %s.", node, reason)
+            twin = next((n for n, c in self.capabilities.items()
+                         if c.key == caps.key and n != node), None)
             self.capabilities[node] = caps
-            if caps.keep_ratio == 1.0:
+            if twin is not None:  # once: a cached node is not asked again
+                log(WARNING, "Nodes %d and %d declare the same node-key %r: they get the same "
+                    "training seed and the same random streams, and one may be posing as the "
+                    "other; give every node its own key.", *sorted((twin, node)),
+                    caps.key)
+            if (self.policy.keep_ratio_table is None and not reason
+                    and caps.keep_ratio >= self.policy.max_keep_ratio):
+                log(WARNING, "Node %d declares keep ratio %g, the largest this run allows "
+                    "(max-keep-ratio=%g), and no keep-ratio-table binds it: it is sent that "
+                    "share of every sharded layer on its word alone. Bind nodes to their "
+                    "ratios with keep-ratio-table (and SuperNode authentication) where that "
+                    "matters.", node, caps.keep_ratio, self.policy.max_keep_ratio)
+            elif caps.keep_ratio == 1.0:
                 log(INFO, "Node %d declares keep ratio 1: it trains all N terms of every "
                     "sharded layer (the paper's r = 1 reference), not a shard.", node)
         for node in set(unknown) - answered:

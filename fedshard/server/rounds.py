@@ -7,10 +7,11 @@ arrays it started from, the decompositions, what each node was sent) between the
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from logging import DEBUG, ERROR, INFO, WARNING
 
 import numpy as np
@@ -21,7 +22,13 @@ from flwr.common.logger import log
 from fedshard import protocol as P
 from fedshard.sampling import ANNEALED_METHODS, Stream, anneal_exponent, plan_round, stream_rng
 from fedshard.server.fedavg_cosine import check_reference, fedavg_cosines
-from fedshard.server.metrics import one_line, reply_metrics, send_metrics
+from fedshard.server.metrics import (
+    client_namespace,
+    one_line,
+    reply_metrics,
+    send_metrics,
+    weighted_means,
+)
 from fedshard.settings import LocalTraining, ReplyPolicy, Sharding
 from fedshard.spectral.aggregate import aggregate_state
 from fedshard.spectral.decompose import LayerSpectrum, layer_spectrum
@@ -63,14 +70,21 @@ class RoundState:
 
         A reply belongs to the node its message was sent to (``reply_to_message_id``; an
         error reply from the SuperLink for a dead node names no useful sender), else to its
-        sender."""
+        sender. A reply that answers no message of this round (another ``reply_to`` id, group
+        or ``server-round`` echo) is ``stale-reply``."""
         to_node = {m.metadata.message_id: m.metadata.dst_node_id for m in self.messages
                    if m.metadata.message_id}
-        accepted, dropped, seen = [], Counter[str](), set[int]()
+        accepted: list[P.TrainReply] = []
+        dropped, seen, stale = Counter[str](), set[int](), set[int]()
         for msg in replies:
             node = to_node.get(msg.metadata.reply_to_message_id, msg.metadata.src_node_id)
-            reply = P.check_train_reply(msg, self.sent.get(node), seen, self.replies, node)
-            seen.add(node)
+            reply: P.TrainReply | str = self._stale(msg, to_node)
+            if reply:
+                stale.add(node)
+            else:
+                reply = P.check_train_reply(msg, self.sent.get(node), seen, self.replies, node,
+                                            self.server_round)
+                seen.add(node)
             if isinstance(reply, str):
                 dropped[reply.split(":", 1)[0]] += 1
                 log(WARNING, "Round %d: dropping the reply of node %d (%s); it does not touch "
@@ -85,20 +99,56 @@ class RoundState:
                     reply.clipped, self.replies.max_update_ratio, reply.update_ratio)
             if self.reference:
                 self._keep_reference(msg, node)
-            if reply.ignored_metrics:
+            if reply.ignored_count:
                 log(WARNING, "Round %d: node %d sent metrics that are not averaged (%s); its "
                     "arrays are still used.", self.server_round, node,
-                    "; ".join(reply.ignored_metrics))
+                    one_line("; ".join(reply.ignored_metrics[:5]), 600))
             accepted.append(reply)
-        return accepted, dropped, len(set(self.sent) - seen)
+        return accepted, dropped, len(set(self.sent) - seen - stale)
+
+    def _stale(self, msg: Message, to_node: dict[str, int]) -> str:
+        """Why ``msg`` answers no message of this round (empty: it may; its content's
+        ``server-round`` echo is checked with the rest of the reply)."""
+        if msg.has_error():
+            return ""
+        answered = msg.metadata.reply_to_message_id
+        if to_node and answered not in to_node:
+            return (f"stale-reply: it answers message {answered[:12]!r}, which is not one of "
+                    f"round {self.server_round}'s training messages")
+        if msg.metadata.group_id != str(self.server_round):
+            return (f"stale-reply: its group {msg.metadata.group_id!r} is not round "
+                    f"{self.server_round}'s")
+        return ""
+
+    def bound_weights(self, accepted: list[P.TrainReply]) -> list[P.TrainReply]:
+        """``accepted`` with every weight above ``max_weight_ratio`` times the round's (lower)
+        median weight clipped to it, each logged; ``clipped-num-examples`` counts them."""
+        ratio = self.replies.max_weight_ratio
+        if not ratio or not accepted:
+            return accepted
+        median = statistics.median_low(r.weight for r in accepted)
+        cap = ratio * median
+        out = []
+        for r in accepted:
+            if r.weight > cap:
+                log(WARNING, "Round %d: node %d reports num-examples=%.0f, more than "
+                    "max-weight-ratio=%g times the round's median %g; it is weighted as %g.",
+                    self.server_round, r.node, r.weight, ratio, median, cap)
+                r = replace(r, weight=cap)
+                self.metrics["clipped-num-examples"] = (
+                    self.metrics.get("clipped-num-examples", 0.0) + 1.0)
+            out.append(r)
+        return out
 
     def finish(self, replies: Iterable[Message], aggr_fn: MetricsAggrFn, weight_key: str,
                ) -> tuple[ArrayRecord | None, MetricRecord | None, dict[str, float]]:
         """Check, aggregate and report the replies: the new global arrays (``None``: keep the
         old model, logged), the client-side metrics (``aggr_fn`` over the valid replies) and
-        the round's full metrics (the server's statistics and the client-side ones; logged)."""
+        the round's full metrics (the server's statistics and, under ``client/``, the
+        client-side ones; logged)."""
         t0 = time.perf_counter()
         accepted, dropped, missing = self.collect(replies)
+        accepted = self.bound_weights(accepted)
         new_arrays = self.aggregate(accepted) if accepted else None
         metrics = reply_metrics(self.metrics, accepted, dropped, missing)
         if self.reference and new_arrays is not None:
@@ -110,7 +160,7 @@ class RoundState:
         metrics["aggregate-s"] = time.perf_counter() - t0
         client = aggr_fn([_record(r.metrics, r.weight, weight_key) for r in accepted],
                          weight_key) if accepted else None
-        metrics.update(_floats(client, weight_key))
+        metrics.update(client_namespace(_floats(client, weight_key)))
         log(INFO, "Round %d server metrics: %s", self.server_round,
             ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
         return new_arrays, client, metrics
@@ -248,20 +298,34 @@ def evaluate_messages(server_round: int, nodes: Sequence[int], arrays: ArrayReco
 def evaluate_round(server_round: int, replies: Iterable[Message], aggr_fn: MetricsAggrFn,
                    weight_key: str) -> tuple[MetricRecord | None, dict[str, float]]:
     """``aggr_fn`` over the valid evaluation replies (each invalid one logged in one line and
-    dropped) and the round's evaluation metrics for the history (with ``eval-nodes``)."""
+    dropped; values left out of a valid one logged and counted in ``ignored-eval-metrics``)
+    and the round's evaluation metrics for the history: ``eval-nodes``, the server's weighted
+    ``eval-loss``/``eval-accuracy``, and ``aggr_fn``'s result under ``client/``."""
     records: list[RecordDict] = []
+    rows: list[tuple[float, dict[str, float]]] = []
+    ignored = 0
     for msg in replies:
-        row = P.check_eval_reply(msg)
-        if isinstance(row, str):
+        node = msg.metadata.src_node_id
+        checked = P.check_eval_reply(msg)
+        if isinstance(checked, str):
             log(WARNING, "Round %d: dropping the evaluation reply of node %d (%s).",
-                server_round, msg.metadata.src_node_id, one_line(row))
-            log(DEBUG, "Round %d, the full reason: %s", server_round, row)
-        else:
-            records.append(_record(row[1], row[0], weight_key))
+                server_round, node, one_line(checked))
+            log(DEBUG, "Round %d, the full reason: %s", server_round, checked)
+            continue
+        weight, values, reasons, count = checked
+        if count:
+            log(WARNING, "Round %d: node %d sent evaluation metrics that are not averaged "
+                "(%s).", server_round, node, one_line("; ".join(reasons[:5]), 600))
+            ignored += count
+        records.append(_record(values, weight, weight_key))
+        rows.append((weight, values))
+    row = {"ignored-eval-metrics": float(ignored)} if ignored else {}
     if not records:
-        return None, {}
+        return None, row
     out = aggr_fn(records, weight_key)
-    return out, {**_floats(out, weight_key), "eval-nodes": float(len(records))}
+    return out, {**row, **client_namespace(_floats(out, weight_key)),
+                 **weighted_means(rows, (P.EVAL_LOSS, P.EVAL_ACCURACY)),
+                 "eval-nodes": float(len(records))}
 
 
 def _record(metrics: dict[str, float], weight: float, weight_key: str) -> RecordDict:

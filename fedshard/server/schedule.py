@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import math
-from logging import INFO, WARNING
+from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
-from flwr.common.logger import log
-
-from fedshard.settings import LR_SCHEDULES
+from fedshard.settings import LR_SCHEDULES, LocalTraining, ProblemsError, SettingsError
 
 __all__ = [
-    "DEFAULT_LR", "FLOWER_DEFAULT_ROUNDS", "LR_SCHEDULES", "base_lr", "cosine_lr", "round_lr",
-    "schedule_length",
+    "DEFAULT_LR", "FLOWER_DEFAULT_ROUNDS", "LR_SCHEDULES", "NODE_KEYS", "RECIPE_KEYS", "cosine_lr",
+    "round_lr", "round_recipe", "schedule_length",
 ]
 
-#: The strategy's lr when neither its ``lr`` nor the caller's ``train_config["lr"]`` gives one.
+#: The strategy's lr when its ``lr`` is ``None`` (and the round's config sets no ``lr``).
 DEFAULT_LR = 0.05
 
 #: ``Strategy.start``'s default number of rounds in Flower.
@@ -81,19 +80,51 @@ def schedule_length(given: int | None, at_start: int | None, completed: int = 0)
     return total
 
 
-def base_lr(given: float | None, caller: Any, schedule: str) -> float:
-    """The lr the schedule starts from: the strategy's ``lr`` if given, else the caller's
-    ``train_config["lr"]`` (``caller``, ``None`` if absent; FedAvg users pass it there), else
-    :data:`DEFAULT_LR`. A caller's lr that the strategy's replaces is warned about."""
-    if given is not None:
-        if caller is not None:
-            log(WARNING, "train_config['lr']=%s is replaced: the strategy's lr=%g and its %s "
-                "schedule set the lr each node gets every round.", caller, given, schedule)
-        return given
-    if caller is not None:
-        if isinstance(caller, bool) or not isinstance(caller, (int, float)) or not caller > 0:
-            raise ValueError(f"train_config['lr']={caller!r}: expected a number > 0 (the base "
-                             "of the strategy's lr schedule); no round was run.")
-        log(INFO, "lr=%g from train_config['lr'], with the %s schedule.", caller, schedule)
-        return float(caller)
-    return DEFAULT_LR
+#: The ``train`` config's keys that are the local-training recipe: a value the user's config
+#: sets for one of them is sent as is (see :func:`round_recipe`).
+RECIPE_KEYS = ("lr", "local-epochs", "batch-size", "momentum", "frobenius-decay", "clip-lr-tau",
+               "weight-decay")
+
+#: The per-node keys of the ``train`` config: always the strategy's (the node's keep ratio,
+#: its training seed, the method and the run's round describe what it was sent).
+NODE_KEYS = ("server-round", "keep-ratio", "train-seed", "method")
+
+
+def round_recipe(training: LocalTraining, config: Mapping[str, Any], server_round: int,
+                 num_rounds: int | None) -> tuple[LocalTraining, float, list[str]]:
+    """This round's recipe: the user's ``config`` entries over the strategy's ``training``.
+
+    Precedence, key by key (:data:`RECIPE_KEYS`): a value in ``config`` (what the caller's
+    ``train_config`` or its ``configure_train`` override put there) wins and is sent as is;
+    a key it does not set takes the strategy's value; the lr then follows ``training``'s
+    schedule from its ``lr`` (:data:`DEFAULT_LR` if ``None``) over ``num_rounds`` (``None``:
+    unknown, the base lr every round). ``clip-lr-tau`` 0 means ClipLR off, as on the wire.
+
+    Returns
+    -------
+    LocalTraining, float, list of str
+        The recipe with the user's values, the lr to send, the keys taken from ``config``.
+
+    Raises
+    ------
+    fedshard.settings.ProblemsError
+        (a ``ValueError``) naming every user value that is not a valid setting, by its key;
+        the round is not started.
+    """
+    user = {key: config[key] for key in RECIPE_KEYS if key in config}
+    values = {key.replace("-", "_"): value for key, value in user.items()}
+    if values.get("clip_lr_tau") == 0:
+        values["clip_lr_tau"] = None
+    try:
+        recipe = replace(training, **values) if values else training
+    except SettingsError as err:  # named as the config's keys (kebab case)
+        raise ProblemsError(f"train config of round {server_round} (the entries your "
+                            "train_config or configure_train set)",
+                            [p.render("run-config") for p in err.found],
+                            "this round is not started") from None
+    if "lr" in user:
+        return recipe, float(user["lr"]), sorted(user)
+    base = training.lr if training.lr is not None else DEFAULT_LR
+    if num_rounds is None or server_round > num_rounds:
+        return recipe, base, sorted(user)
+    return recipe, round_lr(training.lr_schedule, base, server_round, num_rounds), sorted(user)

@@ -5,7 +5,7 @@ Two uses of one operation, ``W ↦ Σ_{i ≤ n} λᵢ uᵢ vᵢᵀ`` with ``n = 
 - **Low-rank start** (:func:`truncate_`): replace the initial weights by their best rank-n
   approximation, so that no untrained random tail stays in the global model. Top-n only ever
   trains the leading ``⌈rN⌉`` terms; at He initialization the other terms hold most of each
-  layer's energy and stay in the evaluated model (README, "Beyond the paper").
+  layer's energy and stay in the evaluated model (``docs/results.md``, "Beyond the paper").
 - **Diagnostics** (:func:`truncate_state`): the global model truncated to the terms a Top-n
   client trains, and the energy share of the rest (``tail energy``).
 

@@ -54,11 +54,12 @@ def test_constant_schedule_and_lr_from_train_config(caplog: pytest.LogCaptureFix
             train_config=ConfigRecord({"lr": 0.02}))
     assert [s.history[r]["lr"] for r in (1, 2)] == [0.02, 0.02]
     caplog.clear()
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.WARNING):  # the caller's lr wins over the strategy's (#18)
         s2 = strategy(lr=0.05, num_rounds=None)
-        s2.start(grid=grid_with([0.5]), initial_arrays=initial(), num_rounds=1, timeout=5,
+        s2.start(grid=grid_with([0.5]), initial_arrays=initial(), num_rounds=2, timeout=5,
                  train_config=ConfigRecord({"lr": 0.02}))
-    assert caplog.text.count("train_config['lr']=0.02 is replaced") == 1
+    assert [s2.history[r]["lr"] for r in (1, 2)] == [0.02, 0.02]
+    assert caplog.text.count("config['lr']=0.02 is sent to the nodes as is") == 1
     with pytest.raises(ValueError, match=r"lr_schedule='step': expected one of"):
         strategy(lr_schedule="step")
     assert RunConfig.from_mapping({"lr-schedule": "constant"}).lr_schedule == "constant"
@@ -80,7 +81,9 @@ def test_any_client_metric_is_aggregated_and_server_statistics_stay_out() -> Non
     assert m["eval_acc"] == 0.25 and m["eval_loss"] == 4.0  # only node 1001 reports them
     assert m[P.NUM_EXAMPLES] == 48 and "train-loss" in m
     assert not {"replies-used", "svd-s", "anme", "bytes-sent-mean", "lr"} & set(m)
-    assert {"replies-used", "svd-s", "anme", "eval_acc", "train-loss"} <= set(s.history[1])
+    # in the history, what nodes report is kept apart from the server's statistics
+    assert {"replies-used", "svd-s", "anme", "client/eval_acc", "train-loss"} <= set(s.history[1])
+    assert "eval_acc" not in s.history[1]
 
     def mine(records: list[RecordDict], key: str) -> MetricRecord:
         return MetricRecord({"n": len(records)})

@@ -34,6 +34,7 @@ from fedshard import (
     handle_train,
 )
 from fedshard import protocol as P
+from fedshard.server.strategy import NoRoundTrainedError
 from fedshard.settings import group_settings
 from fedshard.spectral import num_terms, sharded_layer_names
 
@@ -360,8 +361,10 @@ def test_all_nodes_fail_keeps_model_unchanged() -> None:
     def evaluate_fn(rnd: int, current: ArrayRecord) -> None:
         seen.append(weights(current))
 
-    result = s.start(grid=grid, initial_arrays=arrays, num_rounds=2, timeout=5,
-                     evaluate_fn=evaluate_fn)
+    with pytest.raises(NoRoundTrainedError, match=r"none of the 2 round\(s\)") as err:
+        s.start(grid=grid, initial_arrays=arrays, num_rounds=2, timeout=5,
+                evaluate_fn=evaluate_fn)  # every round ran, then the run fails loudly
+    result = err.value.result
     assert len(result.arrays) == 0  # Flower's Result: no round produced arrays
     assert len(seen) == 3
     for state in seen:  # the global model after rounds 0, 1, 2: bitwise the initial one
@@ -404,7 +407,7 @@ def test_round_trip_with_zero_learning_rate_is_identity(method: str, design: str
                                                         monkeypatch) -> None:
     """lr = 0: SVD → shards → real client training → aggregation → rebuild returns W."""
     s = strategy(method=method, design=design)
-    monkeypatch.setattr("fedshard.server.strategy.round_lr", lambda schedule, lr, r, n: 0.0)
+    monkeypatch.setattr("fedshard.server.schedule.round_lr", lambda schedule, lr, r, n: 0.0)
     grid = grid_with([0.25, 0.25, 0.5, 1.0])
     arrays = initial()
     msgs = list(s.configure_train(1, arrays, ConfigRecord(), grid))
@@ -594,10 +597,9 @@ def test_from_model_selects_layers_and_warns_without_normalization(caplog) -> No
     assert list(s.sharded_layers) == LAYERS
     assert "no normalization layer" not in caplog.text  # TinyNet has a GroupNorm
     plain = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    # ω depends on the keep ratios and group sizes, known at the first round: the warning
+    # waits for them (test_own_start.py::test_compounding_warning_only_when_omega_exceeds_one)
     SpectralSharding.from_model(plain, num_rounds=1, method="collective")
-    assert "no normalization layer: with method='collective'" in caplog.text
-    caplog.clear()
-    SpectralSharding.from_model(plain, num_rounds=1, method="top-n")  # ω = 1: nothing compounds
     assert "no normalization layer" not in caplog.text
 
 

@@ -118,7 +118,7 @@ class TensorBatches:
     augmentation), this keeps ``inputs`` and ``targets`` on ``device`` and takes each batch by
     indexing: one host-to-device copy per data set instead of one per batch, and no Python
     work per example. On a GPU the host is the bottleneck of a small sub-model's step
-    (README, *Performance*).
+    (``docs/performance.md``).
 
     Parameters
     ----------

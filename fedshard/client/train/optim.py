@@ -2,7 +2,9 @@
 parameter groups (:func:`build_optimizer`), ClipLR (:class:`ClipLR`) and Frobenius decay
 (:func:`frobenius_penalty`, :class:`FrobeniusDecay`).
 
-Usable with any training loop: attach :class:`ClipLR` to any torch optimizer, add
+Usable with any training loop: :func:`attach_client_rules` puts both rules on the factors'
+gradients (what :func:`fedshard.client.receive` does by default, so a plain loop with any
+optimizer applies them); or attach :class:`ClipLR` to an optimizer and add
 :func:`frobenius_penalty` to the loss (or :class:`FrobeniusDecay`'s gradient after
 ``backward()``, which fedshard's own step does).
 """
@@ -18,7 +20,8 @@ from torch import nn
 from fedshard.client.train.config import TrainConfig, finite_real
 from fedshard.spectral.layers import SpectralLayer
 
-__all__ = ["ClipLR", "FrobeniusDecay", "build_optimizer", "frobenius_penalty"]
+__all__ = ["ClipLR", "FrobeniusDecay", "attach_client_rules", "build_optimizer",
+           "frobenius_penalty"]
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.SGD:
@@ -228,3 +231,62 @@ class FrobeniusDecay:
                 if factor.grad is None:
                     factor.grad = torch.zeros_like(factor)
                 factor.grad.addmm_(factor, gram * weight)  # (rows, n) += (rows, n) @ (n, n)
+
+
+def attach_client_rules(model: nn.Module, gamma: float,
+                        tau: float | None) -> list[torch.utils.hooks.RemovableHandle]:
+    """Put Frobenius decay and ClipLR on the gradients of every factor ``u``, ``v`` of
+    ``model``, so that any loop and any optimizer applies them.
+
+    Parameters
+    ----------
+    model : nn.Module
+        Its :class:`~fedshard.spectral.SpectralLayer` modules provide ``(u, v, ω)``.
+    gamma : float
+        Frobenius decay's γ ≥ 0 (0: none).
+    tau : float or None
+        ClipLR's τ > 0 (``None``: none).
+
+    Returns
+    -------
+    list of RemovableHandle
+        One per hooked factor; ``handle.remove()`` takes the rule off.
+
+    Notes
+    -----
+    A gradient hook per factor (``Tensor.register_hook``) returns, for column i,
+    ``(∂L/∂u_i + ∂R/∂u_i) · min(1, τ/ω_i)`` with ``R = γ ‖U Ω Vᵀ‖²_F`` (paper, Sec. 3.3;
+    ``∂R/∂U = U (2γ ωωᵀ ⊙ VᵀV)``, :class:`FrobeniusDecay`) and the same for ``v``. That is
+    fedshard's step exactly (decay added after ``backward()``, then ClipLR on the full gradient
+    before ``step()``): both are linear in the gradient, so scaling it before it reaches
+    ``.grad`` is the same for SGD, momentum included. The decay is added once per
+    ``backward()``: with gradient accumulation over k backward passes per step it counts k
+    times (divide γ by k). ω is read from the layer at each call.
+    """
+    bad_tau = tau is not None and (not finite_real(tau) or tau <= 0)
+    if not finite_real(gamma) or gamma < 0 or bad_tau:
+        raise ValueError(f"attach_client_rules(gamma={gamma!r}, tau={tau!r}): expected γ ≥ 0 "
+                         "and τ > 0 or None; no rule was attached.")
+    handles: list[torch.utils.hooks.RemovableHandle] = []
+    if gamma == 0 and tau is None:
+        return handles
+    for layer in (m for m in model.modules() if isinstance(m, SpectralLayer)):
+        for factor, other in ((layer.u, layer.v), (layer.v, layer.u)):
+            if factor.requires_grad:
+                handles.append(factor.register_hook(_rule(layer, factor, other, gamma, tau)))
+    return handles
+
+
+def _rule(layer: SpectralLayer, factor: torch.Tensor, other: torch.Tensor, gamma: float,
+          tau: float | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    def hook(grad: torch.Tensor) -> torch.Tensor:  # (rows, n)
+        with torch.no_grad():
+            omega = layer.omega.to(grad.dtype)
+            if gamma:
+                weight = 2.0 * gamma * torch.outer(omega, omega)  # 2γ ωωᵀ, (n, n)
+                grad = grad + factor.detach() @ ((other.detach().mT @ other.detach()) * weight)
+            if tau is not None:
+                grad = grad * torch.clamp(tau / omega, max=1.0)  # (n,) over the rows
+        return grad
+
+    return hook

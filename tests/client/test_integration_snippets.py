@@ -1,4 +1,5 @@
-"""README's "Use it in your own Flower project" snippets, run exactly as printed on simulated
+"""The integration page's snippets (docs/integration.md, "Use it in your own Flower project"),
+run exactly as printed on simulated
 nodes (node config: partition-id/num-partitions only; the keep ratio comes from the run config)."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from flwr.app import Context, RecordDict
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "integration.md"
 
 
 class Net(nn.Module):
@@ -52,9 +53,7 @@ def load_data(partition_id: int, num_partitions: int) -> tuple[DataLoader, DataL
 
 
 def snippets() -> dict[str, str]:
-    text = README.read_text()
-    section = text[text.index("## Use it in your own Flower project"):]
-    section = section[:section.index("\n## ", 5)]
+    section = PAGE.read_text()
     blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     return {b.splitlines()[0].lstrip("# ").strip(): b for b in blocks}
 
@@ -72,11 +71,11 @@ def test_readme_has_the_three_snippets() -> None:
 
 
 @pytest.mark.parametrize("client", ["client_app.py", "client_app.py, your own training loop"])
-def test_readme_snippets_train_on_simulated_nodes(client: str, task_module: None) -> None:
+def test_integration_snippets_train_on_simulated_nodes(client: str, task_module: None) -> None:
     server_ns: dict = {}
     client_ns: dict = {}
-    exec(compile(snippets()["server_app.py"], "README:server_app.py", "exec"), server_ns)
-    exec(compile(snippets()[client], f"README:{client}", "exec"), client_ns)
+    exec(compile(snippets()["server_app.py"], "integration.md:server_app.py", "exec"), server_ns)
+    exec(compile(snippets()[client], f"integration.md:{client}", "exec"), client_ns)
     run_config = {"num-server-rounds": 2, "keep-ratio": 0.5}
     grid = InProcessGrid(client_ns["app"],
                          [{"partition-id": i, "num-partitions": 4} for i in range(4)],
