@@ -32,7 +32,7 @@ from fedshard.server.strategy import NoRoundTrainedError, SpectralSharding
 from fedshard.spectral import sharded_layer_names
 from fedshard.spectral.truncation import truncate_
 
-__all__ = ["build_strategy", "run_server", "side_jobs"]
+__all__ = ["build_strategy", "log_with_flower", "run_server", "side_jobs"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,21 @@ def build_strategy(cfg: RunConfig, model: nn.Module, device: str = "cpu") -> Spe
     )
 
 
+def log_with_flower() -> None:
+    """Show fedshard's own log lines (INFO and above: resuming, the low-rank start, the results
+    folder, warnings about files) where Flower's are, in the ServerApp's log and ``flwr log``.
+
+    The library logs through :mod:`logging` under the ``fedshard`` name and leaves its
+    configuration to the application; this app gives those lines Flower's console handler.
+    """
+    library = logging.getLogger("fedshard")
+    if library.level == logging.NOTSET or library.level > logging.INFO:
+        library.setLevel(logging.INFO)
+    for handler in logging.getLogger("flwr").handlers:
+        if handler not in library.handlers:
+            library.addHandler(handler)
+
+
 def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict[str, Any]:
     """The ServerApp's whole job: model, strategy, rounds with their side jobs
     (:func:`side_jobs`), results, resume.
@@ -68,6 +83,7 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
     it is stored, where and how fast it runs). ``device`` overrides ``server-device`` (SVD,
     rebuild, central evaluation).
     """
+    log_with_flower()
     device = device or resolve_device(cfg.server_device)
     model = build_model(cfg)
     if cfg.init_keep_ratio < 1:  # the low-rank start (a resumed run loads its checkpoint)
@@ -92,7 +108,11 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
         model.load_state_dict({k: torch.from_numpy(v) for k, v in checkpoint.arrays.items()})
         initial = ArrayRecord(model.state_dict())
         strategy.resume(done, checkpoint.capabilities, checkpoint.history)
-        logger.info("Resuming %s after round %d of %d", directory, done, cfg.num_server_rounds)
+        logger.info("Resuming %s after round %d of %d: this launch runs rounds %d-%d. Flower's "
+                    "[ROUND k/%d] lines count this launch's rounds (k = run round - %d); "
+                    "fedshard's lines give the run's round.", directory, done,
+                    cfg.num_server_rounds, done + 1, cfg.num_server_rounds,
+                    cfg.num_server_rounds - done, done)
     recorder = RunRecorder(directory, cfg.as_dict(), cfg.num_server_rounds,
                            resume_round=done if checkpoint is not None else None,
                            overwrite=cfg.overwrite)

@@ -134,9 +134,19 @@ class NodeDirectory:
         self.policy = policy if policy is not None else NodePolicy()
         self.capabilities: dict[int, P.Capabilities] = {}
 
+    #: Seconds between two "waiting for nodes" lines while a round waits.
+    WAIT_LOG_EVERY_S = 60.0
+
     def wait(self, grid: Grid, need: int) -> list[int]:
-        """Sorted ids of the connected nodes, once at least ``need`` are connected."""
+        """Sorted ids of the connected nodes, once at least ``need`` are connected.
+
+        While it waits it logs a WARNING at once and then every :attr:`WAIT_LOG_EVERY_S`
+        seconds: how many nodes are connected, how many the round needs, which setting asks
+        for them and how long it will still wait (``node_wait_timeout``, the run config's
+        ``round-timeout``); past that it raises ``TimeoutError``.
+        """
         start = time.monotonic()
+        logged: float | None = None
         while len(node_ids := sorted(grid.get_node_ids())) < need:
             waited = time.monotonic() - start
             limit = self.policy.node_wait_timeout
@@ -146,8 +156,13 @@ class NodeDirectory:
                     f"{need} are required (min_available_nodes/min nodes per round); stopping "
                     "the run. Start more SuperNodes or lower min-available-nodes."
                 )
-            log(INFO, "Waiting for nodes to connect: %d connected (minimum required: %d).",
-                len(node_ids), need)
+            if logged is None or waited - logged >= self.WAIT_LOG_EVERY_S:
+                log(WARNING, "Waiting for nodes: %d connected, %d required by "
+                    "min-available-nodes=%d (or the round's minimum); %s.", len(node_ids),
+                    need, self.min_available_nodes,
+                    "waiting without a limit" if limit is None
+                    else f"the run stops in {max(0.0, limit - waited):.0f} s (round-timeout)")
+                logged = waited
             time.sleep(1.0)
         return node_ids
 
