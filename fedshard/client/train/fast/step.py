@@ -131,8 +131,8 @@ class TrainStep(EagerStep):
         _copy_state(self.model, model)
         momenta = [s["momentum_buffer"] for s in self.optimizer.state.values()
                    if s.get("momentum_buffer") is not None]
-        if momenta:
-            torch._foreach_zero_(momenta)
+        for buf in momenta:
+            buf.zero_()
 
     def store_state(self, model: nn.Module) -> None:
         """Copy the step's model's parameters and buffers into ``model`` in place (the
@@ -154,14 +154,13 @@ class TrainStep(EagerStep):
 
 @torch.no_grad()
 def _copy_state(dst: nn.Module, src: nn.Module) -> None:
-    """Copy ``src``'s parameters and buffers into ``dst``'s (same structure), in place."""
-    dst_params: list[torch.Tensor] = list(dst.parameters())
-    src_params: list[torch.Tensor] = list(src.parameters())
-    torch._foreach_copy_(dst_params, src_params)  # one fused copy, not one per tensor
-    dst_buffers: list[torch.Tensor] = list(dst.buffers())
-    src_buffers: list[torch.Tensor] = list(src.buffers())
-    if dst_buffers:
-        torch._foreach_copy_(dst_buffers, src_buffers)
+    """Copy ``src``'s parameters and buffers into ``dst``'s (same structure), in place.
+
+    Once per client round (not per step), so one copy per tensor through public API."""
+    pairs = zip([*dst.parameters(), *dst.buffers()], [*src.parameters(), *src.buffers()],
+                strict=True)
+    for d, s in pairs:
+        d.copy_(s)
 
 
 #: Held while a thread captures a CUDA graph and while graphs are released: destroying a graph
