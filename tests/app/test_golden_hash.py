@@ -4,7 +4,7 @@ History of the pins:
 
 * taken at 554af70 (commit 20529be), before ``strategy.py`` was split into its parts; the
   split (595a808) kept all three bit for bit;
-* re-pinned with the fused training step (issue 14: Frobenius decay as an analytic gradient,
+* re-pinned with the fused training step (Frobenius decay as an analytic gradient,
   ClipLR as one foreach multiply), which changes float32 rounding on purpose. Its proof of
   equivalence is ``tests/client/train/test_training_oracle.py``: the pre-change step, copied
   literally, and the fused one agree to 1e-12 relative in float64. The split alone and the

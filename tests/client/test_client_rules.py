@@ -1,4 +1,4 @@
-"""The paper's client rules travel with the sub-model (issue 18): ``receive()``'s factors carry
+"""The paper's client rules travel with the sub-model: ``receive()``'s factors carry
 Frobenius decay and ClipLR as gradient hooks, so a plain loop with any optimizer trains as
 fedshard's own loop does; and keep ratios of a user project in one line."""
 

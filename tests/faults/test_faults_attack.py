@@ -1,4 +1,4 @@
-"""The 3-node test (issue 15, item 7): one node sends its factors ×1e30 every round; the run
+"""The 3-node test: one node sends its factors ×1e30 every round; the run
 finishes, its replies are clipped with the reason in the metrics, and the final accuracy is
 within a few points of the same run without that node (real Fashion-MNIST, a small MLP)."""
 

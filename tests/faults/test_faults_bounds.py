@@ -1,4 +1,4 @@
-"""Bounded replies (issue 15, item 1): what a node returns may change what it was sent only
+"""Bounded replies: what a node returns may change what it was sent only
 so much; num-examples is a whole number in range; a non-finite aggregate is never applied."""
 
 from __future__ import annotations

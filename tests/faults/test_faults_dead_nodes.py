@@ -1,4 +1,4 @@
-"""Dead nodes (issue 15, item 3): an error reply the SuperLink writes for a node that died
+"""Dead nodes: an error reply the SuperLink writes for a node that died
 names no useful sender; it is mapped back to the node its message was sent to, counted once."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Differential privacy (issue 15, item 6): Flower's DP wrappers cannot clip or noise factor
+"""Differential privacy: Flower's DP wrappers cannot clip or noise factor
 shards; wrapping SpectralSharding is refused at the first call, with what to use instead."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Keep ratios (issue 15, item 5): a deployed node must declare one; the operator caps them
+"""Keep ratios: a deployed node must declare one; the operator caps them
 and may bind nodes to theirs."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Values from a node that used to crash the ServerApp (issue 15, item 2): non-scalar or
+"""Values from a node that used to crash the ServerApp: non-scalar or
 non-finite metrics, a node key that ``isdigit`` but is no integer, malformed capabilities."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Robust per-term aggregation (issue 15, item 1d): median and trimmed mean over each term's
+"""Robust per-term aggregation: median and trimmed mean over each term's
 holders, against a brute-force reference; the default mean is unchanged."""
 
 from __future__ import annotations

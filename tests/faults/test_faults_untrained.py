@@ -1,4 +1,4 @@
-"""Rounds that train nothing (issue 15, item 4): counted, and a run in which no round trained
+"""Rounds that train nothing: counted, and a run in which no round trained
 ends loudly (an ERROR from the strategy, a RuntimeError from run_server after the results)."""
 
 from __future__ import annotations

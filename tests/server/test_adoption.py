@@ -1,4 +1,4 @@
-"""Drop-in behaviour (issue 16): num_rounds once, lr schedule, any client metric, FedAvg's
+"""Drop-in behaviour: num_rounds once, lr schedule, any client metric, FedAvg's
 defaults, one-line drop warnings, TensorBoard."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def test_constant_schedule_and_lr_from_train_config(caplog: pytest.LogCaptureFix
             train_config=ConfigRecord({"lr": 0.02}))
     assert [s.history[r]["lr"] for r in (1, 2)] == [0.02, 0.02]
     caplog.clear()
-    with caplog.at_level(logging.WARNING):  # the caller's lr wins over the strategy's (#18)
+    with caplog.at_level(logging.WARNING):  # the caller's lr wins over the strategy's
         s2 = strategy(lr=0.05, num_rounds=None)
         s2.start(grid=grid_with([0.5]), initial_arrays=initial(), num_rounds=2, timeout=5,
                  train_config=ConfigRecord({"lr": 0.02}))

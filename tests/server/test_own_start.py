@@ -1,4 +1,4 @@
-"""Adopting fedshard never fails silently (issue 18): a project's own ``SpectralSharding``
+"""Adopting fedshard never fails silently: a project's own ``SpectralSharding``
 subclass with its own ``start()`` and an lr schedule in ``configure_train``, a stateful
 ``ShardingClientApp`` with its own loop, 10 simulated nodes in two keep-ratio groups."""
 

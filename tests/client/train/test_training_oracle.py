@@ -2,7 +2,7 @@
 
 ``_Reference*`` / ``_reference_*`` below are the REFERENCE IMPLEMENTATION: a literal copy of
 the penalty, ClipLR and training-step logic of ``fedshard/client/train/loop.py`` at commit 20529be
-(before the fused step of issue 14), with logging and the per-epoch bookkeeping removed. It
+(before the fused training step), with logging and the per-epoch bookkeeping removed. It
 adds ``γ Σ ‖U Ω V^T‖_F^2`` to the loss and differentiates it with autograd, scales the factor
 gradients layer by layer and checks the loss on the host every step. Do not "update" it to
 follow the library: its whole point is to be independent of the code under test.
