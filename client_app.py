@@ -14,6 +14,7 @@ from fedshard.app.task import (
     node_partition,
     resolve_device,
     template_model,
+    warn_if_looks_simulated,
 )
 
 app = ClientApp()
@@ -39,6 +40,8 @@ def query(msg: Message, context: Context) -> Message:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     cfg, pid, num = _node(context)
+    # a deployed node with a simulated node's config is warned (the ServerApp says where it runs)
+    warn_if_looks_simulated(cfg, dict(context.node_config), msg.content.get("config"))
     # the process's shared model: handle_train only reads it (it copies what it trains)
     return handle_train(msg, template_model(cfg), client_dataset(cfg, pid, num),
                         device=resolve_device(cfg.client_device), compile=cfg.compile,

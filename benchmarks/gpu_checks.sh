@@ -51,6 +51,8 @@ run bench_simulation_compile_graph 90 python3 benchmarks/bench_simulation.py --d
 run bench_receive 60 python3 benchmarks/bench_receive.py --repeats 5
 run bench_client_eager_graph 80 python3 benchmarks/bench_client.py --device cuda --quick --cuda-graph --pad-terms --merge-terms --ratios 0.1 1.0 --steps 20 --repeats 10 --warmup 5 --kernels 12
 run bench_client_compile 150 python3 benchmarks/bench_client.py --device cuda --quick --compile --cuda-graph --ratios 0.1 --steps 20 --repeats 10 --warmup 5
+# the in-process engine at the CIFAR-10 preset's shape: batched vs sequential vs a bare loop
+run bench_engine_cifar10 300 python3 benchmarks/bench_engine.py --preset cifar10 --device cuda --repeats 3 --rounds 3 --cuda-graph --equality-examples 64
 if [ -d .gpu/old ] && [ -n "${OLD:-}" ]; then cd .gpu/old
   run bench_client_old 50 python3 benchmarks/bench_client.py --device cuda --ratios 0.1 1.0 --steps 10 --repeats 5
   cd "$ROOT"; fi

@@ -27,6 +27,7 @@ from fedshard.spectral.aggregate import AGGREGATIONS
 
 __all__ = [
     "CONCERNS",
+    "FACTOR_STEPS",
     "LR_SCHEDULES",
     "MAX_EXACT_COUNT",
     "RULES",
@@ -44,6 +45,11 @@ __all__ = [
 
 #: ``cosine`` (the paper's, Sec. 4.1) or ``constant``.
 LR_SCHEDULES = ("cosine", "constant")
+
+#: How a node steps the factors ``U``, ``V`` of ``W = U Ω Vᵀ``: ``"plain"`` (the paper's SGD on
+#: the factors) or ``"dense"`` (each step moves ``W`` as a dense step would, so the dense
+#: model's lr works; :mod:`fedshard.client.train.precondition`).
+FACTOR_STEPS = ("plain", "dense")
 
 #: ``"clip"``: scale an update beyond ``max_update_ratio`` down to it; ``"drop"``: drop the reply.
 UPDATE_POLICIES = ("clip", "drop")
@@ -146,6 +152,7 @@ RULES: dict[str, Rule] = {
     "round_lr": _rule(lambda v: _real(v) and v >= 0, "expected ≥ 0 (a finite number: the "
                       "round's scheduled rate)"),
     "lr_schedule": _one_of(LR_SCHEDULES),
+    "factor_step": _one_of(FACTOR_STEPS),
     "local_epochs": _rule(lambda v: _integer(v) and v >= 1, "expected an integer ≥ 1"),
     "batch_size": _rule(lambda v: _integer(v) and v >= 1, "expected an integer ≥ 1"),
     "momentum": _rule(lambda v: _real(v) and 0 <= v < 1, "expected in [0, 1)"),
@@ -165,6 +172,9 @@ RULES: dict[str, Rule] = {
                               "expected 0 (off) or a finite number ≥ 1"),
     "aggregation": _one_of(AGGREGATIONS),
     "trim_fraction": _rule(lambda v: _real(v) and 0 <= v < 0.5, "expected in [0, 0.5)"),
+    "align_factors": _BOOL,
+    "max_update_spread": _rule(lambda v: _real(v) and (v == 0 or v >= 1),
+                               "expected 0 (off) or a finite number ≥ 1"),
     # NodePolicy
     "max_keep_ratio": _rule(lambda v: _real(v) and 0 < v <= 1,
                             "expected a keep ratio in (0, 1]"),
@@ -284,6 +294,12 @@ class LocalTraining(_Settings):
         ``None``: ClipLR off.
     weight_decay : float
         Ordinary (L2) weight decay ≥ 0 of the dense parameters (never of the factors).
+    factor_step : str
+        ``"plain"`` (the paper's recipe): SGD on the factors ``U``, ``V``, whose step moves
+        ``W = U Ω Vᵀ`` by up to about ``2 ω² λ`` times a dense step, so the sharded model
+        needs a smaller lr than the dense one. ``"dense"``: each step moves ``W`` by the
+        dense step projected onto what the factors can express (the dense step itself with
+        all terms), so the dense model's lr works (:mod:`fedshard.client.train.precondition`).
     """
 
     lr: float | None = None
@@ -294,6 +310,7 @@ class LocalTraining(_Settings):
     frobenius_decay: float = 1e-4
     clip_lr_tau: float | None = 10.0
     weight_decay: float = 0.0
+    factor_step: str = "plain"
 
     def problems(self) -> list[Problem]:
         found = super().problems()
@@ -323,9 +340,27 @@ class ReplyPolicy(_Settings):
         (``clipped-num-examples``); 0: off. Honest nodes of equal size never reach it.
     aggregation : str
         Per term and dense entry: ``"mean"`` (the paper's weighted mean), ``"median"`` or
-        ``"trimmed-mean"`` (:mod:`fedshard.spectral.aggregate`).
+        ``"trimmed-mean"`` (:mod:`fedshard.spectral.aggregate`); or over each reply's whole
+        dense-equivalent model, Flower's own rules: ``"dense-median"`` (``FedMedian``),
+        ``"dense-trimmed-mean"`` (``FedTrimmedAvg``) or ``"krum"`` (``Krum``)
+        (:mod:`fedshard.server.robust`).
     trim_fraction : float
-        In ``[0, 0.5)``: the share of the holders dropped at each end by ``"trimmed-mean"``.
+        In ``[0, 0.5)``: the share of the holders dropped at each end by ``"trimmed-mean"``
+        and ``"dense-trimmed-mean"``; for ``"krum"``, the share of replies assumed dishonest.
+    align_factors : bool
+        Before averaging, re-express every returned term ``(u'_i, v'_i)`` with the sign (and,
+        where its two factors' growths differ more than 4-fold, the balance) of the term it
+        was sent, which leaves its product ``u'_i v'_iᵀ`` unchanged
+        (:func:`fedshard.spectral.aggregate.align_factors`; each change logged and counted in
+        ``re-signed-terms`` / ``rebalanced-terms``). A no-op for honest replies; it undoes a
+        sign flip ``U, V → −U, −V``, which the separate averages of ``U`` and ``V`` would
+        otherwise turn into a shrunken model.
+    max_update_spread : float
+        κ ≥ 1 (default 5): a node's change of a sharded layer (its ``u`` and ``v``
+        together) or of a dense entry, relative to what it was sent, above κ times the round's
+        median (over the nodes, at least 3) is shrunk to it, logged and counted
+        (``clipped-update-spread``): one step of centred clipping around the sent model
+        (:mod:`fedshard.server.robust`). 0: off.
     """
 
     max_update_ratio: float = 10.0
@@ -334,6 +369,8 @@ class ReplyPolicy(_Settings):
     aggregation: str = "mean"
     trim_fraction: float = 0.1
     max_weight_ratio: float = 10.0
+    align_factors: bool = True
+    max_update_spread: float = 5.0
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ package; the root ``client_app.py`` and ``server_app.py`` are thin wrappers arou
   evaluation, metrics file, TensorBoard, checkpoint), composed by :func:`run_server`.
 - :mod:`~fedshard.app.checkpoint`, :mod:`~fedshard.app.results`, :mod:`~fedshard.app.rundir` -
   resumable checkpoints, result files, the run directory and its lock.
+- :mod:`~fedshard.app.savings` - what sharding bought, at the end of a run (bytes, FLOPs,
+  accuracy against an r = 1 run).
 """
 
 from fedshard.app.config import ConfigError, RunConfig

@@ -39,7 +39,7 @@ __all__ = [
 
 METHODS = SHARDING_METHODS  # the run-config names are the library's (fedshard.sampling)
 DESIGNS = SAMPLING_DESIGNS
-MODELS = ("resnet18", "cct", "chargpt", "mlp")
+MODELS = ("resnet18", "cct", "chargpt", "mlp", "lenet")
 DATASETS = ("fashion-mnist", "cifar10", "cifar100", "tinyimagenet", "shakespeare")
 
 
@@ -105,6 +105,7 @@ class RunConfig:
     max_keep_ratio: float = 1.0
     keep_ratio_table: str = ""
     lr_schedule: str = "cosine"
+    factor_step: str = "plain"
     tensorboard: bool = False
     anneal_exponent: float = 8.0
     anneal_rounds: int = 30
@@ -113,6 +114,9 @@ class RunConfig:
     fedavg_cosine: bool = False
     max_weight_ratio: float = 10.0
     trust_declared_keys: bool = False
+    align_factors: bool = True
+    max_update_spread: float = 5.0
+    reference_run: str = ""
 
     def __post_init__(self) -> None:
         problems = self._problems()
@@ -174,7 +178,9 @@ class RunConfig:
                            update_policy=self.update_policy,
                            max_num_examples=self.max_num_examples or None,
                            aggregation=self.aggregation, trim_fraction=self.trim_fraction,
-                           max_weight_ratio=self.max_weight_ratio)
+                           max_weight_ratio=self.max_weight_ratio,
+                           align_factors=self.align_factors,
+                           max_update_spread=self.max_update_spread)
 
     @property
     def nodes(self) -> NodePolicy:
@@ -187,7 +193,8 @@ class RunConfig:
         return LocalTraining(lr=self.lr, lr_schedule=self.lr_schedule,
                              local_epochs=self.local_epochs, batch_size=self.batch_size,
                              momentum=self.momentum, frobenius_decay=self.frobenius_decay,
-                             clip_lr_tau=self.clip_lr_tau, weight_decay=self.weight_decay)
+                             clip_lr_tau=self.clip_lr_tau, weight_decay=self.weight_decay,
+                             factor_step=self.factor_step)
 
     def _node_policy(self, table: Mapping[str, float] | None) -> NodePolicy:
         return NodePolicy(max_keep_ratio=self.max_keep_ratio, keep_ratio_table=table,

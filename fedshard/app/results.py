@@ -5,7 +5,8 @@ Layout of ``<results-dir>/<run-name>/``::
     config.json     run config, seed, git commit, versions, start time
     metrics.jsonl   one JSON object per round (round 0 = the initial model's evaluation)
     model.pt        final global model (torch state_dict)
-    summary.json    final accuracy, best accuracy, wall time, rounds completed, rounds trained
+    summary.json    final accuracy, best accuracy, wall time, rounds completed, rounds trained,
+                    what sharding bought (bytes, FLOPs; accuracy against an r = 1 run)
     checkpoint.pt, checkpoint.prev.pt   the last two rounds' checkpoints (fedshard.app.checkpoint)
     run.lock        held by the run writing the directory (fedshard.app.rundir)
 
@@ -282,8 +283,11 @@ class RunRecorder:
         parts.append(f"{row['round-s']:.1f}s")
         return " | ".join(parts)
 
-    def finish(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        """Save the final model and a summary, then release the run directory's lock."""
+    def finish(self, state_dict: Mapping[str, torch.Tensor],
+               extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Save the final model and a summary (with ``extra``'s entries added, e.g.
+        ``"sharding"``: :func:`fedshard.app.savings.sharding_savings`), then release the run
+        directory's lock."""
         buffer = io.BytesIO()
         torch.save(dict(state_dict), buffer)
         write_private(self.directory / "model.pt", buffer.getvalue())
@@ -298,6 +302,7 @@ class RunRecorder:
             "best-test-accuracy": max(accs) if accs else None,
             "wall-s": time.time() - self._start,
         }
+        summary.update(extra or {})
         write_private(self.directory / "summary.json", json.dumps(summary, indent=2))
         self.close()
         return summary

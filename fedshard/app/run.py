@@ -27,7 +27,14 @@ from fedshard.app.callbacks import (
 from fedshard.app.checkpoint import RESUME_MAY_CHANGE, Checkpoint
 from fedshard.app.config import RunConfig
 from fedshard.app.results import RunRecorder
-from fedshard.app.task import build_model, example_input, resolve_device
+from fedshard.app.savings import reference_summary, savings_line, sharding_savings
+from fedshard.app.task import (
+    RUNTIME_KEY,
+    build_model,
+    example_input,
+    grid_runtime,
+    resolve_device,
+)
 from fedshard.server.strategy import NoRoundTrainedError, SpectralSharding
 from fedshard.spectral import sharded_layer_names
 from fedshard.spectral.truncation import truncate_
@@ -113,6 +120,7 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
                     "fedshard's lines give the run's round.", directory, done,
                     cfg.num_server_rounds, done + 1, cfg.num_server_rounds,
                     cfg.num_server_rounds - done, done)
+    runtime = grid_runtime(grid)
     recorder = RunRecorder(directory, cfg.as_dict(), cfg.num_server_rounds,
                            resume_round=done if checkpoint is not None else None,
                            overwrite=cfg.overwrite)
@@ -124,7 +132,8 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
             initial_arrays=initial,
             num_rounds=cfg.num_server_rounds - done,
             timeout=cfg.round_timeout,
-            train_config=ConfigRecord(),
+            # where this ServerApp runs, so that a deployed node that looks simulated is warned
+            train_config=ConfigRecord({RUNTIME_KEY: runtime} if runtime else {}),
             evaluate_fn=after_each_round,
         )
     except NoRoundTrainedError as err:  # the files are written first; raised again below
@@ -134,7 +143,8 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
     # Flower's Result holds no arrays when no round produced an update, and then the model
     # is still the one the rounds started from.
     final = result.arrays if len(result.arrays) > 0 else initial
-    summary = recorder.finish(final.to_torch_state_dict())
+    summary = recorder.finish(final.to_torch_state_dict(),
+                              {"sharding": _savings(cfg, model, strategy, recorder.rows)})
     if strategy.rounds_trained == 0:
         raise RuntimeError(
             f"No round trained: none of the {cfg.num_server_rounds - done} round(s) of run "
@@ -144,6 +154,23 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
             "keep ratio, error replies from the ClientApp, round-timeout too short, or replies "
             "refused by max-update-ratio/max-num-examples.")
     return summary
+
+
+def _savings(cfg: RunConfig, model: nn.Module, strategy: SpectralSharding,
+             rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What sharding bought (:func:`~fedshard.app.savings.sharding_savings`), logged; ``None``
+    (with a warning) where it cannot be counted: the run's results are written either way."""
+    reference = (reference_summary(cfg.reference_run, cfg.results_path.parent)
+                 if cfg.reference_run else None)
+    try:
+        savings = sharding_savings(rows, model, strategy.sharded_layers, example_input(cfg),
+                                   reference)
+    except Exception as err:  # a report at the end must not lose the run's files
+        logger.warning("what sharding bought could not be counted (%s: %s); summary.json "
+                       "has no 'sharding' entry", type(err).__name__, err)
+        return None
+    logger.info("%s", savings_line(savings))
+    return savings
 
 
 def side_jobs(cfg: RunConfig, model: nn.Module, strategy: SpectralSharding,

@@ -8,10 +8,13 @@ ServerApp shares with it: the model builder). The server's orchestration is in
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
+from logging import DEBUG, WARNING
 from typing import Any
 
 import numpy as np
 import torch
+from flwr.common.logger import log
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -21,11 +24,22 @@ from fedshard.client.keep_ratios import (  # re-exported: the library's rule
     is_simulated_node,
     node_keep_ratio,
 )
-from fedshard.data import dataset_info, load_partition
+from fedshard.data import ImageDataset, dataset_info, load_partition
 
 __all__ = [
-    "SIMULATION_NODE_CONFIG", "build_model", "client_dataset", "declared_keep_ratio",
-    "example_input", "is_simulated_node", "node_partition", "resolve_device", "template_model",
+    "CLIENT_DATA_CACHE_BYTES",
+    "RUNTIME_KEY",
+    "SIMULATION_NODE_CONFIG",
+    "build_model",
+    "client_dataset",
+    "declared_keep_ratio",
+    "example_input",
+    "grid_runtime",
+    "is_simulated_node",
+    "node_partition",
+    "resolve_device",
+    "template_model",
+    "warn_if_looks_simulated",
 ]
 
 
@@ -69,6 +83,12 @@ def build_model(cfg: RunConfig) -> nn.Module:
             _need_images(cfg, info)
             return mlp(info.in_channels * info.image_size**2, info.num_classes,
                        width=cfg.model_width)
+        if cfg.model == "lenet":
+            from fedshard.models import lenet
+
+            _need_images(cfg, info)
+            return lenet(info.num_classes, in_channels=info.in_channels,
+                         image_size=info.image_size)
         if cfg.model == "cct":
             from fedshard.models import cct_6_3x2
 
@@ -100,15 +120,76 @@ def example_input(cfg: RunConfig) -> torch.Tensor:
     return torch.zeros(1, info.in_channels, info.image_size, info.image_size)
 
 
+#: Prepared client data a process keeps (:func:`client_dataset`), in bytes, unless the
+#: environment variable ``FEDSHARD_CLIENT_DATA_CACHE_BYTES`` says otherwise (``0``: keep
+#: nothing, prepare the data for every message); the least recently used partition goes first
+#: when more would be kept. A Ray worker of a simulation serves several simulated nodes.
+CLIENT_DATA_CACHE_BYTES = 1 << 30
+
+
+def _cache_budget() -> int:
+    text = os.environ.get("FEDSHARD_CLIENT_DATA_CACHE_BYTES")
+    if text is None:
+        return CLIENT_DATA_CACHE_BYTES
+    try:
+        budget = int(text)
+    except ValueError:
+        budget = -1
+    if budget < 0:
+        raise ValueError(
+            f"FEDSHARD_CLIENT_DATA_CACHE_BYTES={text!r}: expected a whole number of bytes >= 0 "
+            "(0: keep no client data between messages); unset it for the default "
+            f"{CLIENT_DATA_CACHE_BYTES}. This node handles no message until then")
+    return budget
+
+
 def client_dataset(cfg: RunConfig, partition_id: int, num_partitions: int) -> Dataset[Any]:
     """This node's training partition (``dirichlet-alpha = 0``: the data set's paper α;
-    Shakespeare is split by speaking role and takes no α)."""
+    Shakespeare is split by speaking role and takes no α), prepared once per process.
+
+    The partition and its standardized tensors (``example_tensors()``, what training reads)
+    are kept per process, keyed on everything that determines them (data set, ``data-dir``,
+    ``download``, α, ``seed``, partition id and count), up to :data:`CLIENT_DATA_CACHE_BYTES`
+    (or ``$FEDSHARD_CLIENT_DATA_CACHE_BYTES``):
+    a client that trains every round reads and standardizes its images in its first round
+    only. The examples are the same either way (fedshard's data sets have no random
+    augmentation), so a run's results do not depend on what was kept. Logs at DEBUG which
+    partition a message uses (``FLWR_LOG_LEVEL=DEBUG``).
+    """
     info = dataset_info(cfg.dataset)
     alpha = None if info.task == "next-char" or cfg.dirichlet_alpha == 0 else cfg.dirichlet_alpha
-    return load_partition(
+    budget = _cache_budget()
+    key = (cfg.dataset, cfg.data_dir, cfg.download, alpha, cfg.seed, partition_id,
+           num_partitions)
+    dataset = _DATASETS.get(key)
+    if dataset is not None:
+        _DATASETS.move_to_end(key)
+        log(DEBUG, "fedshard ClientApp: partition %d of %d, %d examples (prepared earlier in "
+            "this process, pid %d)", partition_id, num_partitions,
+            len(dataset), os.getpid())  # type: ignore[arg-type]
+        return dataset
+    dataset = load_partition(
         cfg.dataset, partition_id, num_partitions, data_dir=cfg.data_dir or None,
         alpha=alpha, seed=cfg.seed, download=cfg.download,
     )
+    if isinstance(dataset, ImageDataset):
+        dataset.example_tensors()  # standardize now, once: the data set keeps the tensors
+    if budget > 0 and _nbytes(dataset) <= budget:
+        _DATASETS[key] = dataset
+    while _DATASETS and (budget == 0 or sum(_nbytes(d) for d in _DATASETS.values()) > budget):
+        _DATASETS.popitem(last=False)
+    log(DEBUG, "fedshard ClientApp: partition %d of %d, %d examples (prepared now, pid %d)",
+        partition_id, num_partitions, len(dataset), os.getpid())  # type: ignore[arg-type]
+    return dataset
+
+
+_DATASETS: OrderedDict[tuple[Any, ...], Dataset[Any]] = OrderedDict()
+
+
+def _nbytes(dataset: Dataset[Any]) -> int:
+    """What a kept data set holds in memory (images); Shakespeare's ``uint8`` rows count as 0
+    (a few MB for all roles together)."""
+    return dataset.nbytes if isinstance(dataset, ImageDataset) else 0
 
 
 def node_partition(cfg: RunConfig, node_config: dict[str, Any]) -> tuple[int, int]:
@@ -138,6 +219,60 @@ def declared_keep_ratio(cfg: RunConfig, node_config: dict[str, Any]) -> float:
     library's (:func:`fedshard.client.keep_ratios.node_keep_ratio`), the one any project's
     ``ShardingClientApp(keep_ratios=...)`` applies."""
     return node_keep_ratio(node_config, cfg.mixture)
+
+
+#: Train-config key by which the ServerApp tells its nodes where it runs: ``"simulation"``
+#: (Flower's simulation runtime) or ``"deployment"`` (a SuperLink); absent where it cannot
+#: tell (e.g. a test's own grid).
+RUNTIME_KEY = "fedshard-runtime"
+
+
+def grid_runtime(grid: object) -> str | None:
+    """``"simulation"`` for the grid Flower's simulation runtime gives the ServerApp
+    (``InMemoryGrid``), ``"deployment"`` for a SuperLink's (``HttpGrid``, Flower 1.42), else
+    ``None``."""
+    try:
+        from flwr.superlink.grid.http_grid import HttpGrid
+        from flwr.superlink.grid.inmemory_grid import InMemoryGrid
+    except ImportError:  # another Flower layout: say nothing rather than guess
+        return None
+    if isinstance(grid, InMemoryGrid):
+        return "simulation"
+    if isinstance(grid, HttpGrid):
+        return "deployment"
+    return None
+
+
+def warn_if_looks_simulated(cfg: RunConfig, node_config: dict[str, Any],
+                            train_config: Any) -> bool:
+    """Warn (once per process and node) when a deployed node took a simulated node's settings.
+
+    A SuperNode started with only ``partition-id`` and ``num-partitions`` in its node config
+    looks like a simulated node (:func:`is_simulated_node`): it takes its keep ratio from the
+    run's ``keep-ratios`` mixture and trains that partition of the data set on its disk. The
+    ServerApp says in every train message's config (:data:`RUNTIME_KEY`) whether it runs in
+    a simulation or on a SuperLink; on a SuperLink such a node is warned, naming what it took.
+    Returns whether it warned.
+    """
+    runtime = train_config.get(RUNTIME_KEY) if hasattr(train_config, "get") else None
+    if runtime != "deployment" or not is_simulated_node(node_config):
+        return False
+    pid, num = int(node_config["partition-id"]), int(node_config["num-partitions"])
+    key = (cfg.keep_ratios, pid, num)
+    if key in _WARNED:
+        return False
+    _WARNED.add(key)
+    log(WARNING, "fedshard ClientApp: this SuperNode is deployed (the ServerApp runs on a "
+        "SuperLink), but its node config has only partition-id=%d and num-partitions=%d, as "
+        "a simulated node's: it took keep ratio r=%g from the run's simulated mixture "
+        "keep-ratios=%r and trains partition %d of %d of %s. Give the node its own "
+        "--node-config \"keep-ratio=<r> data-dir='<its data>'\" (see the deployment docs) "
+        "unless this is what you want.", pid, num, declared_keep_ratio(cfg, node_config),
+        cfg.keep_ratios, pid, num, cfg.dataset)
+    return True
+
+
+_WARNED: set[tuple[Any, ...]] = set()
 
 
 def resolve_device(setting: str) -> str:

@@ -7,7 +7,9 @@ settings and the checked reply (:meth:`Shard.reply`).
 **The paper's client rules travel with the sub-model** (Sec. 3.3): by default the factors
 ``u``, ``v`` carry gradient hooks (:func:`~fedshard.client.train.optim.attach_client_rules`)
 that add Frobenius decay's gradient ``γ ∂‖UΩVᵀ‖²_F`` and scale column i by ClipLR's
-``min(1, τ/ω_i)``, so any loop and any torch optimizer applies both with no extra line.
+``min(1, τ/ω_i)``, so any loop and any torch optimizer applies both with no extra line; with
+the server's ``factor_step="dense"`` they also make each step move ``W = UΩVᵀ`` as a dense step
+would (:mod:`fedshard.client.train.precondition`), so the dense model's lr works.
 ``receive(msg, model, client_rules=False)`` leaves them off: then :meth:`Shard.optimizer`
 (ClipLR) and :meth:`Shard.penalty` (the decay term) apply them, as fedshard's own loop does.
 """
@@ -100,7 +102,8 @@ class Shard:
         dev = torch.device(device)
         sub = sub.to(dev)
         if client_rules:
-            attach_client_rules(sub, settings.frobenius_decay, settings.clip_lr_tau)
+            attach_client_rules(sub, settings.frobenius_decay, settings.clip_lr_tau,
+                                settings.factor_step)
         return cls(sub, settings, tuple(layers), msg, dev, client_rules)
 
     def train_config(self, **overrides: Any) -> TrainConfig:
@@ -113,7 +116,9 @@ class Shard:
         cfg = TrainConfig(local_epochs=s.local_epochs, lr=s.lr, momentum=s.momentum,
                           frobenius_decay=0.0 if hooked else s.frobenius_decay,
                           clip_lr_tau=None if hooked else s.clip_lr_tau,
-                          weight_decay=s.weight_decay, device=self.device, seed=s.train_seed)
+                          weight_decay=s.weight_decay,
+                          factor_step="plain" if hooked else s.factor_step,
+                          device=self.device, seed=s.train_seed)
         return replace(cfg, **overrides) if overrides else cfg
 
     def optimizer(self, **overrides: Any) -> torch.optim.SGD:
@@ -179,8 +184,9 @@ def shard_reply(msg: Message, state: Mapping[str, np.ndarray], num_examples: Any
         raise FloatingPointError(
             f"Training diverged at lr={lr:g}: {', '.join(sorted(bad)[:4])} hold NaN or inf; "
             "nothing is sent this round. The factorized layers take larger steps than the dense "
-            "model at the same lr: give the strategy about 1/10 of the dense learning rate, clip "
-            "the gradient norm, or add a normalization layer.")
+            "model at the same lr (the paper's factor step): give the strategy "
+            "LocalTraining(factor_step='dense') (run config factor-step = \"dense\"), whose "
+            "steps are the dense model's, or about 1/10 of the dense learning rate.")
     return P.train_reply(msg, dict(state), int(num_examples), values)
 
 
@@ -198,8 +204,10 @@ def receive(msg: Message, model: nn.Module, *, device: str | torch.device = "cpu
         Where the sub-model is put.
     client_rules : bool
         ``True`` (default): the sub-model's factors carry the paper's client rules, Frobenius
-        decay and ClipLR with the server's γ and τ, as gradient hooks: train ``shard.model``
-        with any loop and any optimizer, nothing else to add (one ``backward()`` per step).
+        decay and ClipLR with the server's γ and τ, and the server's factor step
+        (``factor_step="dense"``: the dense-equivalent step), as gradient hooks: train
+        ``shard.model`` with any loop and any optimizer, nothing else to add (one
+        ``backward()`` per step).
         ``False``: a plain sub-model; apply them with :meth:`Shard.optimizer` and
         :meth:`Shard.penalty` (or fedshard's loop, as :func:`handle_train` does).
 

@@ -8,6 +8,7 @@ nothing could start, 130 interrupted (Ctrl-C or SIGTERM).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -15,6 +16,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
+from fedshard.experiments.launch import ENGINES
 from fedshard.experiments.report import write_report
 from fedshard.experiments.runner import (
     RunState,
@@ -127,6 +129,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "--label Collective; with --seed a run must match both")
             p.add_argument("-v", "--verbose", action="store_true",
                            help="also print flwr's output")
+            p.add_argument("--engine", choices=ENGINES, default=None,
+                           help="how the runs are executed: flower (flwr run), sequential or "
+                           "batched (in process); default: the suite's [suite] engine, else "
+                           "flower")
         if name == "report":
             p.add_argument("--out", type=Path, default=None,
                            help="write the report here (default: the suite's results-dir)")
@@ -138,6 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _status(suite)
         if args.command == "report":
             return _report(suite, args)
+        if args.engine is not None:
+            suite = dataclasses.replace(suite, engine=args.engine)
         return _run(suite, args)
     except BrokenPipeError:  # e.g. `status | head`: the reader has gone, so has our output
         _quiet_stdout()

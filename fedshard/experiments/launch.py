@@ -8,6 +8,7 @@ terminates that SuperLink and all its descendants (SuperExec, the simulation pro
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -22,9 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SimulationRun", "free_port", "kill_tree", "processes_matching",
-           "processes_with_env", "run_simulation",
+__all__ = ["ENGINES", "SimulationRun", "free_port", "kill_tree", "launcher_for",
+           "processes_matching", "processes_with_env", "run_engine_simulation", "run_simulation",
            "toml_value"]
+
+#: How a suite's runs are executed: ``flwr run`` (Ray, the default), or fedshard's in-process
+#: engines (:mod:`fedshard.app.engine`: clients one after another, or batched).
+ENGINES = ("flower", "sequential", "batched")
 
 logger = logging.getLogger(__name__)
 
@@ -214,3 +219,93 @@ def run_simulation(
         watchdog.cancel()
         stop_all()
     return SimulationRun(returncode, "".join(lines), time.monotonic() - start)
+
+
+def run_engine_simulation(
+    app_dir: Path,
+    run_config: Mapping[str, Any],
+    *,
+    num_supernodes: int,
+    engine: str = "sequential",
+    flwr_home: Path | None = None,
+    client_num_cpus: int = 1,
+    timeout_s: float = 3600.0,
+    on_line: Callable[[str], None] | None = None,
+    env: Mapping[str, str] | None = None,
+    client_num_gpus: float = 0.0,
+) -> SimulationRun:
+    """The run through fedshard's in-process engine: ``python -m fedshard.app.engine`` in a
+    process of its own (:mod:`fedshard.app.engine`), the same strategy, Messages, results and
+    checkpoints as :func:`run_simulation`, without the SuperLink and Ray.
+
+    The arguments are :func:`run_simulation`'s; ``engine`` is ``"sequential"`` or
+    ``"batched"``. ``flwr_home`` only holds the run-config file; ``client_num_cpus`` and
+    ``client_num_gpus`` are Ray's and not used (the process trains where the run config's
+    ``client-device`` says). The process and anything it started are stopped by PID on
+    return, also on error or timeout.
+    """
+    if engine not in ENGINES[1:]:
+        raise ValueError(f"engine={engine!r}: expected one of {', '.join(ENGINES[1:])} here "
+                         "(run_simulation runs 'flower'); nothing was launched")
+    home = Path(flwr_home) if flwr_home else Path(tempfile.mkdtemp(prefix="fedshard-engine-"))
+    home.mkdir(parents=True, exist_ok=True)
+    overrides = home / "run-config.toml"
+    overrides.write_text("".join(f"{k} = {toml_value(v)}\n" for k, v in run_config.items()))
+    cmd = [sys.executable, "-m", "fedshard.app.engine", str(app_dir), "--num-nodes",
+           str(num_supernodes), "--run-config", str(overrides), "--engine", engine]
+    child_env = {**os.environ, "FEDSHARD_ENGINE_HOME": str(home), **(env or {})}
+    logger.info("launching: %s", " ".join(cmd))
+    start = time.monotonic()
+    lines: list[str] = []
+    proc = subprocess.Popen(cmd, env=child_env, cwd=str(app_dir), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            start_new_session=True)
+
+    def stop_all() -> None:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+        for pid in processes_with_env("FEDSHARD_ENGINE_HOME", str(home)):
+            kill_tree(pid)
+
+    expired = threading.Event()
+
+    def expire() -> None:
+        expired.set()
+        stop_all()
+
+    watchdog = threading.Timer(timeout_s, expire)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if on_line is not None:
+                on_line(line.rstrip("\n"))
+            if expired.is_set():
+                break
+        if expired.is_set():
+            raise TimeoutError(f"the {engine} engine exceeded {timeout_s:.0f} s; its process "
+                               "was stopped")
+        returncode = proc.wait(timeout=60)
+    finally:
+        watchdog.cancel()
+        stop_all()
+    return SimulationRun(returncode, "".join(lines), time.monotonic() - start)
+
+
+def launcher_for(engine: str) -> Callable[..., SimulationRun]:
+    """The launcher of ``engine`` (:data:`ENGINES`): :func:`run_simulation` for
+    ``"flower"``, :func:`run_engine_simulation` for the in-process engines.
+
+    Raises
+    ------
+    ValueError
+        For an engine not in :data:`ENGINES`.
+    """
+    if engine == "flower":
+        return run_simulation
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r}: expected one of {', '.join(ENGINES)}; nothing "
+                         "was launched")
+    return functools.partial(run_engine_simulation, engine=engine)

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 from fedshard.app.config import ProblemsError
 from fedshard.app.rundir import RunLock, RunLockedError
-from fedshard.experiments.launch import SimulationRun, run_simulation
+from fedshard.experiments.launch import SimulationRun, launcher_for
 from fedshard.experiments.progress import MetricsTail, Progress, format_duration
 from fedshard.experiments.status import (
     RunState,
@@ -160,7 +160,7 @@ def _remove_run_folder(suite: Suite, spec: RunSpec) -> None:
 def run_suite(
     suite: Suite,
     *,
-    launch: Launcher = run_simulation,
+    launch: Launcher | None = None,
     emit: Callable[[str], None] | None = None,
     echo: Callable[[str], None] | None = None,
     rerun_stale: bool = False,
@@ -176,9 +176,10 @@ def run_suite(
     ----------
     suite : Suite
         A validated suite (:func:`fedshard.experiments.load_suite`).
-    launch : Launcher
-        Runs one simulation; :func:`fedshard.experiments.launch.run_simulation` by default
-        (tests inject a fake).
+    launch : Launcher, optional
+        Runs one simulation; by default the suite's engine's
+        (:func:`fedshard.experiments.launch.launcher_for`: ``flwr run`` for ``"flower"``, the
+        in-process engine otherwise; tests inject a fake).
     emit : callable, optional
         Receives one progress line per event (run started/skipped/done/failed, each round);
         default: ``logger.info``.
@@ -218,6 +219,7 @@ def run_suite(
         interrupted run resumes from its last checkpoint next time.
     """
     say = emit if emit is not None else logger.info
+    launch = launch if launch is not None else launcher_for(suite.engine)
     selected = _selection(suite, seeds, labels)
     statuses = selected(suite_status(suite))
     stale = [s for s in statuses if s.state is RunState.STALE]
@@ -326,6 +328,7 @@ def _launch_one(suite: Suite, spec: RunSpec, launch: Launcher, progress: Progres
         "run-config": spec.run_config, "num-supernodes": suite.num_supernodes,
         "client-num-cpus": suite.client_num_cpus,
         "client-num-gpus": suite.client_num_gpus, "app-dir": str(suite.app_dir),
+        "engine": suite.engine,
         "flwr-home": str(home), "launched": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "status": "running",
     }

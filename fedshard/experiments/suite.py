@@ -50,6 +50,7 @@ from fedshard.experiments.fields import (
     read_table,
     unique,
 )
+from fedshard.experiments.launch import ENGINES
 from fedshard.experiments.tables import TableSpec, parse_tables
 
 if sys.version_info >= (3, 11):
@@ -76,7 +77,7 @@ logger = logging.getLogger(__name__)
 #: Run-config keys the runner sets for every run; a suite must not set them.
 RUNNER_KEYS = ("num-partitions", "results-dir", "run-name", "seed")
 
-_SUITE_KEYS = ("client-num-cpus", "client-num-gpus", "columns", "description", "name",
+_SUITE_KEYS = ("client-num-cpus", "client-num-gpus", "columns", "description", "engine", "name",
                "num-supernodes", "results-dir", "rows", "seeds", "timeout-s")
 _ENTRY_KEYS = ("column", "label", "seeds")
 _TOP_KEYS = ("compare", "defaults", "runs", "suite", "tables")
@@ -174,6 +175,10 @@ class Suite:
         GPU share Ray reserves per simulated client (0: CPU only).
     comparisons : tuple of Comparison
         Cells of other suites shown in the report as rows of their own (never run here).
+    engine : str
+        How each run is executed (:data:`fedshard.experiments.launch.ENGINES`): ``"flower"``
+        (``flwr run``, the default), ``"sequential"`` or ``"batched"`` (fedshard's in-process
+        engines, :mod:`fedshard.app.engine`); not part of a run's settings.
     """
 
     name: str
@@ -190,6 +195,7 @@ class Suite:
     reference_rows: tuple[str, ...]
     client_num_gpus: float = 0.0
     comparisons: tuple[Comparison, ...] = ()
+    engine: str = "flower"
 
     def cell(self, label: str, column: str | None) -> tuple[RunSpec, ...]:
         """The runs (one per seed) of row ``label`` and column ``column``."""
@@ -288,6 +294,9 @@ def parse_suite(
     timeout_s = float(read_field(head, "timeout-s", float, "[suite]", problems) or 4 * 3600.0)
     if not (math.isfinite(timeout_s) and timeout_s > 0):
         problems.append(f"[suite] timeout-s={timeout_s}: expected a positive number of seconds")
+    engine = read_field(head, "engine", str, "[suite]", problems) or "flower"
+    if engine not in ENGINES:
+        problems.append(f"[suite] engine={engine!r}: expected one of {', '.join(ENGINES)}")
     seeds = read_seeds(head.get("seeds", [0]), "[suite] seeds", problems)
     row_order = read_strings(head.get("rows"), "[suite] rows", problems)
     column_order = read_strings(head.get("columns"), "[suite] columns", problems)
@@ -428,4 +437,5 @@ def parse_suite(
         num_supernodes=num_supernodes, client_num_cpus=client_num_cpus, timeout_s=timeout_s,
         seeds=seeds, main_rounds=main.num_server_rounds, runs=tuple(runs), tables=tuple(tables),
         reference_rows=reference, client_num_gpus=client_num_gpus, comparisons=comparisons,
+        engine=engine,
     )

@@ -16,13 +16,17 @@ __all__ = ["TRAIN_CONFIG_KEYS", "TrainSettings"]
 #: The ``train`` config's keys, in the order they are written.
 TRAIN_CONFIG_KEYS = (
     "server-round", "lr", "local-epochs", "batch-size", "momentum", "frobenius-decay",
-    "clip-lr-tau", "weight-decay", "keep-ratio", "train-seed", "method",
+    "clip-lr-tau", "weight-decay", "keep-ratio", "train-seed", "method", "factor-step",
 )
 
 # key -> its type on the wire (lr_schedule stays on the server: a node gets its round's lr)
 _WIRE_TYPES = {"server-round": int, "lr": float, "local-epochs": int, "batch-size": int,
                "momentum": float, "frobenius-decay": float, "clip-lr-tau": float,
-               "weight-decay": float, "keep-ratio": float, "train-seed": int, "method": str}
+               "weight-decay": float, "keep-ratio": float, "train-seed": int, "method": str,
+               "factor-step": str}
+
+#: Keys a node may miss (a server from before the key existed) -> the value that means.
+_WIRE_DEFAULTS = {"factor-step": "plain"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +52,7 @@ class TrainSettings(LocalTraining):
     -----
     Every field but ``lr_schedule`` travels as its name in kebab case
     (:data:`TRAIN_CONFIG_KEYS`); ClipLR off is ``clip_lr_tau=None`` here and ``0.0`` on the wire.
+    A config without ``factor-step`` (an older server) means ``"plain"``.
     """
 
     _RULE_OF: ClassVar[dict[str, str]] = {"lr": "round_lr"}
@@ -93,7 +98,7 @@ class TrainSettings(LocalTraining):
         ``ValueError`` (the node's reply becomes an error and this round is not trained)."""
         values: dict[str, Any] = {}
         for key, kind in _WIRE_TYPES.items():
-            value: Any = cfg.get(key)
+            value: Any = cfg.get(key, _WIRE_DEFAULTS.get(key))
             if kind is str:
                 ok = isinstance(value, str)
             else:

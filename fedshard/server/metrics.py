@@ -57,10 +57,12 @@ def send_metrics(arrays: ArrayRecord, sent: dict[int, P.SentShard], lr: float,
 
 
 def reply_metrics(sent_metrics: dict[str, float], accepted: Sequence[P.TrainReply],
-                  dropped: Counter[str], missing: int) -> dict[str, float]:
+                  dropped: Counter[str], missing: int,
+                  keep_ratios: dict[int, float] | None = None) -> dict[str, float]:
     """The round's metrics: ``sent_metrics``, replies used/dropped (per reason)/clipped/
     missing, metric values left out, the largest update ratio, the weighted training loss and
-    accuracy, and the bytes received."""
+    accuracy, and the bytes received (per keep-ratio group too where ``keep_ratios``, node ->
+    the ratio it was sent, is given)."""
     metrics = dict(sent_metrics)
     metrics["replies-used"] = float(len(accepted))
     metrics["replies-dropped"] = float(sum(dropped.values()))
@@ -79,6 +81,11 @@ def reply_metrics(sent_metrics: dict[str, float], accepted: Sequence[P.TrainRepl
         received = np.mean([r.nbytes for r in accepted])
         metrics["bytes-received-mean"] = float(received)
         metrics["bytes-received-ratio-mean"] = float(received / metrics["dense-bytes"])
+        ratios = keep_ratios or {}
+        for r in sorted({ratios[a.node] for a in accepted if a.node in ratios}):
+            group = [a.nbytes for a in accepted if ratios.get(a.node) == r]
+            metrics[f"bytes-received-ratio-r{r:g}"] = float(np.mean(group) /
+                                                            metrics["dense-bytes"])
     return metrics
 
 

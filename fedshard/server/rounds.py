@@ -29,8 +29,9 @@ from fedshard.server.metrics import (
     send_metrics,
     weighted_means,
 )
+from fedshard.server.robust import align_replies, dense_rule, spread_replies
 from fedshard.settings import LocalTraining, ReplyPolicy, Sharding
-from fedshard.spectral.aggregate import aggregate_state
+from fedshard.spectral.aggregate import DENSE_AGGREGATIONS, aggregate_state
 from fedshard.spectral.decompose import LayerSpectrum, layer_spectrum
 
 __all__ = [
@@ -149,8 +150,12 @@ class RoundState:
         t0 = time.perf_counter()
         accepted, dropped, missing = self.collect(replies)
         accepted = self.bound_weights(accepted)
+        accepted = spread_replies(self.server_round, align_replies(
+            self.server_round, accepted, self.sent, self.replies, self.metrics), self.sent,
+            self.spectra, self.replies, self.metrics)
         new_arrays = self.aggregate(accepted) if accepted else None
-        metrics = reply_metrics(self.metrics, accepted, dropped, missing)
+        metrics = reply_metrics(self.metrics, accepted, dropped, missing,
+                                {n: s.keep_ratio for n, s in self.sent.items()})
         if self.reference and new_arrays is not None:
             metrics.update(self.cosines(accepted, new_arrays))
         if new_arrays is None:
@@ -194,9 +199,13 @@ class RoundState:
         ``None`` if it holds NaN or inf (then the previous model is kept, and
         ``aggregate-non-finite`` is set in the round's metrics)."""
         current = self.current or {k: a.numpy() for k, a in self.arrays.items()}
-        new = aggregate_state(current, self.spectra, [r.weight for r in accepted],
-                              [r.values for r in accepted], [r.terms() for r in accepted],
-                              self.replies.aggregation, self.replies.trim_fraction, self.device)
+        if self.replies.aggregation in DENSE_AGGREGATIONS:
+            new = dense_rule(current, self.spectra, accepted, self.replies)
+        else:
+            new = aggregate_state(current, self.spectra, [r.weight for r in accepted],
+                                  [r.values for r in accepted], [r.terms() for r in accepted],
+                                  self.replies.aggregation, self.replies.trim_fraction,
+                                  self.device)
         bad = [k for k, v in new.items()
                if np.issubdtype(v.dtype, np.floating) and not np.isfinite(v).all()]
         if bad:

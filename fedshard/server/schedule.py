@@ -83,7 +83,7 @@ def schedule_length(given: int | None, at_start: int | None, completed: int = 0)
 #: The ``train`` config's keys that are the local-training recipe: a value the user's config
 #: sets for one of them is sent as is (see :func:`round_recipe`).
 RECIPE_KEYS = ("lr", "local-epochs", "batch-size", "momentum", "frobenius-decay", "clip-lr-tau",
-               "weight-decay")
+               "weight-decay", "factor-step")
 
 #: The per-node keys of the ``train`` config: always the strategy's (the node's keep ratio,
 #: its training seed, the method and the run's round describe what it was sent).

@@ -23,11 +23,127 @@ import numpy as np
 from fedshard.spectral.decompose import LayerSpectrum
 
 __all__ = [
-    "AGGREGATIONS", "TermUpdate", "aggregate_state", "dense_mean",
-    "rebuild_weight", "robust_reduce", "term_means",
+    "AGGREGATIONS", "DENSE_AGGREGATIONS", "Alignment", "TermUpdate", "aggregate_state",
+    "align_factors", "dense_equivalents", "dense_mean", "rebuild_weight", "relative_change",
+    "robust_reduce", "shrink_change", "spread_scales", "term_means",
 ]
 
-AGGREGATIONS = ("mean", "median", "trimmed-mean")
+#: The rules over whole dense-equivalent models (:func:`dense_equivalents`), as Flower's
+#: ``FedMedian``, ``FedTrimmedAvg`` and ``Krum`` aggregate dense replies.
+DENSE_AGGREGATIONS = ("dense-median", "dense-trimmed-mean", "krum")
+AGGREGATIONS = ("mean", "median", "trimmed-mean", *DENSE_AGGREGATIONS)
+
+#: RMS per entry below which a dense array's reference norm is floored (as the update bound
+#: does: a zero-initialised bias must still be allowed to move).
+DENSE_RMS_FLOOR = 0.1
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """One client's factors of one layer, re-expressed against the terms it was sent.
+
+    Attributes
+    ----------
+    u, v : np.ndarray
+        ``(c_out, n)`` and ``(c_in·k·k, n)``: the columns with the same products
+        ``u'_i v'_iᵀ`` as the client's, sign and balance chosen as the sent terms' (the
+        client's own arrays when nothing changed).
+    flipped, rebalanced : int
+        How many columns were re-signed / re-balanced.
+    """
+
+    u: np.ndarray
+    v: np.ndarray
+    flipped: int = 0
+    rebalanced: int = 0
+
+
+def align_factors(sent_u: np.ndarray, sent_v: np.ndarray, u: np.ndarray, v: np.ndarray,
+                  max_imbalance: float = 4.0) -> Alignment:
+    """Choose the representative of each returned term ``(u'_i, v'_i)`` closest to the sent
+    one among those with the same product ``u'_i v'_iᵀ``.
+
+    A term is a product: ``(c·u'_i, v'_i/c)`` is the same term for every ``c ≠ 0``, but the
+    server averages ``u`` and ``v`` separately, so the representative a client returns
+    matters. Two gauge moves are undone, each leaving the client's product unchanged:
+
+    * **balance**: where ``(‖u'_i‖/‖u_i‖) / (‖v'_i‖/‖v_i‖)`` lies outside
+      ``[1/max_imbalance, max_imbalance]``, the column pair is rescaled by ``c`` and ``1/c``
+      so that the ratio is 1 (the sent terms are balanced: ``‖u_i‖ = ‖v_i‖ = √λ_i``);
+    * **sign**: where ``⟨u'_i, u_i⟩ + ⟨v'_i, v_i⟩ < 0``, both columns are negated; this is
+      the sign that minimises ``‖u'_i − u_i‖² + ‖v'_i − v_i‖²``.
+
+    An honest client changes its terms little, so neither move applies and its arrays are
+    returned as they are (the same objects, bit for bit).
+
+    Parameters
+    ----------
+    sent_u, sent_v : np.ndarray
+        ``(c_out, n)``, ``(c_in·k·k, n)``: the terms the client was sent.
+    u, v : np.ndarray
+        The same shapes: what it returned.
+    max_imbalance : float
+        ≥ 1; ``inf`` turns the balance move off.
+    """
+    u64, v64 = u.astype(np.float64), v.astype(np.float64)
+    su, sv = sent_u.astype(np.float64), sent_v.astype(np.float64)
+    nu, nv = np.linalg.norm(u64, axis=0), np.linalg.norm(v64, axis=0)  # (n,)
+    nsu, nsv = np.linalg.norm(su, axis=0), np.linalg.norm(sv, axis=0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        # ratio of the relative growths; c² = ‖u_i‖‖v'_i‖ / (‖v_i‖‖u'_i‖) balances them
+        imbalance = (nu * nsv) / (nv * nsu)
+        off = np.isfinite(imbalance) & (imbalance > 0) & (
+            (imbalance > max_imbalance) | (imbalance < 1.0 / max_imbalance))
+    c = np.where(off, 1.0 / np.sqrt(np.where(off, imbalance, 1.0)), 1.0)  # (n,)
+    score = np.einsum("ij,ij->j", u64, su) * c + np.einsum("ij,ij->j", v64, sv) / c
+    flip = score < 0
+    if not off.any() and not flip.any():
+        return Alignment(u, v)
+    sign = np.where(flip, -1.0, 1.0)
+    return Alignment((u64 * (sign * c)).astype(u.dtype), (v64 * (sign / c)).astype(v.dtype),
+                     int(np.count_nonzero(flip)), int(np.count_nonzero(off)))
+
+
+def relative_change(sent: Sequence[np.ndarray], got: Sequence[np.ndarray],
+                    dense: bool = False) -> float:
+    """``‖got − sent‖ / ‖sent‖`` over several arrays taken together (a layer's ``u`` and
+    ``v``), in float64; ``dense``: the reference norm is floored at ``0.1·√size`` as the
+    dense update bound's is (:data:`DENSE_RMS_FLOOR`)."""
+    change = sum(float(np.sum((g.astype(np.float64) - s) ** 2)) for s, g in zip(
+        sent, got, strict=True))
+    ref = sum(float(np.sum(np.asarray(s, dtype=np.float64) ** 2)) for s in sent)
+    if dense:
+        ref = max(ref, DENSE_RMS_FLOOR**2 * sum(s.size for s in sent))
+    return float(np.sqrt(change / ref)) if ref > 0 else (0.0 if change == 0 else np.inf)
+
+
+def spread_scales(changes: Sequence[float], kappa: float, min_count: int = 3) -> np.ndarray:
+    """Per client, the factor ``s_k ≤ 1`` that brings its change ``δ_k`` to at most
+    ``κ·median_k δ_k`` (1 where it is within, and for everyone with fewer than
+    ``min_count`` clients: a median of two is their mean, which one client controls).
+
+    Notes
+    -----
+    One step of centred clipping (Karimireddy, He & Jaggi, ICML 2021, Alg. 2, with the
+    broadcast model as the centre and L = 1) with the radius ``τ = κ·median_k δ_k`` taken
+    from the round itself: a minority of clients cannot move the median, so a client's pull
+    on the average is at most κ times a typical honest client's.
+    """
+    d = np.asarray(changes, dtype=np.float64)
+    if kappa <= 0 or d.size < min_count:
+        return np.ones(d.size)
+    tau = kappa * float(np.median(d))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(d > tau, tau / d, 1.0)
+
+
+def shrink_change(sent: np.ndarray, got: np.ndarray, scale: float) -> np.ndarray:
+    """``sent + scale·(got − sent)`` in float64, in ``got``'s dtype (``got`` itself when
+    ``scale`` is 1)."""
+    if scale >= 1.0:
+        return got
+    s64 = sent.astype(np.float64)
+    return (s64 + (got.astype(np.float64) - s64) * scale).astype(got.dtype)
 
 
 def robust_reduce(stack: np.ndarray, aggregation: str, trim_fraction: float) -> np.ndarray:
@@ -219,4 +335,31 @@ def aggregate_state(
         else:
             out[key] = dense_mean([d[key] for d in dense], weights, aggregation,
                                   trim_fraction)
+    return out
+
+
+def dense_equivalents(
+    current: Mapping[str, np.ndarray],
+    spectra: Mapping[str, LayerSpectrum],
+    dense: Sequence[Mapping[str, np.ndarray]],
+    terms: Sequence[Mapping[str, TermUpdate]],
+) -> list[dict[str, np.ndarray]]:
+    """Each client's reply as the whole model it stands for (float64, floating entries only):
+    a sharded weight is ``W + Σ_{i∈I_k} (u'_i v'_iᵀ − u_i v_iᵀ)`` (its terms replaced by
+    the client's, the others as they were), a dense entry is the client's own. The products
+    do not depend on the sign or balance a client returns its factors in, so the dense rules
+    (:data:`DENSE_AGGREGATIONS`) need no alignment."""
+    out = []
+    for d, t in zip(dense, terms, strict=True):
+        state: dict[str, np.ndarray] = {}
+        for key, value in current.items():
+            layer = key[: -len(".weight")] if key.endswith(".weight") else None
+            if layer is not None and layer in spectra:
+                spec, up = spectra[layer], t[layer]
+                w = spec.w + up.u.astype(np.float64) @ up.v.astype(np.float64).T
+                w -= spec.ut[up.indices].T @ spec.vt[up.indices]
+                state[key] = w.reshape(spec.shape)
+            elif np.issubdtype(value.dtype, np.floating):
+                state[key] = np.asarray(d[key], dtype=np.float64)
+        out.append(state)
     return out

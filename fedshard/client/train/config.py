@@ -17,7 +17,7 @@ __all__ = ["EvalResult", "TrainConfig", "TrainResult", "finite_real"]
 #: -> their rule in :data:`fedshard.settings.RULES` (``lr`` is the round's scheduled rate).
 RECIPE_RULES = {"local_epochs": "local_epochs", "lr": "round_lr", "momentum": "momentum",
                 "frobenius_decay": "frobenius_decay", "clip_lr_tau": "clip_lr_tau",
-                "weight_decay": "weight_decay"}
+                "weight_decay": "weight_decay", "factor_step": "factor_step"}
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,10 @@ class TrainConfig:
     weight_decay : float
         Ordinary (L2) weight decay ``>= 0`` of the non-spectral parameters (dense weights,
         biases, norms). Never applied to ``u``/``v`` (paper: Frobenius decay only).
+    factor_step : str
+        ``"plain"`` (the paper's SGD on the factors) or ``"dense"``: the factor gradients are
+        transformed before each step so that it moves ``W = U Ω Vᵀ`` as a dense step at the
+        same lr (:class:`~fedshard.client.train.precondition.DenseFactorStep`).
     device : str or torch.device
         Where to train, e.g. ``"cpu"`` or ``"cuda:0"``.
     seed : int
@@ -113,6 +117,7 @@ class TrainConfig:
     frobenius_decay: float = 1e-4
     clip_lr_tau: float | None = 10.0
     weight_decay: float = 0.0
+    factor_step: str = "plain"
     device: str | torch.device = "cpu"
     seed: int = 0
     log_every_epoch: bool = True

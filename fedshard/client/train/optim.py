@@ -18,6 +18,11 @@ import torch
 from torch import nn
 
 from fedshard.client.train.config import TrainConfig, finite_real
+from fedshard.client.train.precondition import (
+    FACTOR_STEPS,
+    DenseFactorStep,
+    dense_factor_gradient,
+)
 from fedshard.spectral.layers import SpectralLayer
 
 __all__ = ["ClipLR", "FrobeniusDecay", "attach_client_rules", "build_optimizer",
@@ -25,7 +30,8 @@ __all__ = ["ClipLR", "FrobeniusDecay", "attach_client_rules", "build_optimizer",
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.SGD:
-    """SGD with momentum for ``model``, with :class:`ClipLR` attached (if ``cfg.clip_lr_tau``).
+    """SGD with momentum for ``model``, with :class:`ClipLR` attached (if ``cfg.clip_lr_tau``)
+    and, under ``cfg.factor_step == "dense"``, :class:`DenseFactorStep` before it.
 
     Parameters
     ----------
@@ -41,7 +47,8 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.SGD:
         parameter groups: the spectral factors ``u``, ``v`` with ``weight_decay=0`` (they get
         Frobenius decay instead, see :func:`frobenius_penalty`), and all other trainable
         parameters with ``cfg.weight_decay``. Empty groups are left out. Each ``step()``
-        applies ClipLR first (a step pre-hook).
+        transforms the factor gradients first (step pre-hooks: the dense factor step if
+        asked, then ClipLR).
 
     Raises
     ------
@@ -62,6 +69,8 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.SGD:
     if not groups:
         raise ValueError("the model has no trainable parameters; there is nothing to train.")
     sgd = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+    if cfg.factor_step == "dense":
+        DenseFactorStep(sgd, model)  # registered first: ClipLR scales its gradient
     ClipLR(sgd, model, cfg.clip_lr_tau)  # registers itself on sgd; sgd keeps it alive
     return sgd
 
@@ -233,10 +242,10 @@ class FrobeniusDecay:
                 factor.grad.addmm_(factor, gram * weight)  # (rows, n) += (rows, n) @ (n, n)
 
 
-def attach_client_rules(model: nn.Module, gamma: float,
-                        tau: float | None) -> list[torch.utils.hooks.RemovableHandle]:
-    """Put Frobenius decay and ClipLR on the gradients of every factor ``u``, ``v`` of
-    ``model``, so that any loop and any optimizer applies them.
+def attach_client_rules(model: nn.Module, gamma: float, tau: float | None,
+                        factor_step: str = "plain") -> list[torch.utils.hooks.RemovableHandle]:
+    """Put Frobenius decay, ClipLR and the factor step on the gradients of every factor ``u``,
+    ``v`` of ``model``, so that any loop and any optimizer applies them.
 
     Parameters
     ----------
@@ -246,6 +255,10 @@ def attach_client_rules(model: nn.Module, gamma: float,
         Frobenius decay's γ ≥ 0 (0: none).
     tau : float or None
         ClipLR's τ > 0 (``None``: none).
+    factor_step : str
+        ``"plain"`` (the paper's) or ``"dense"``: the gradient becomes
+        :func:`~fedshard.client.train.precondition.dense_factor_gradient`'s, so that an SGD
+        step moves ``W = U Ω Vᵀ`` as a dense step at the same lr.
 
     Returns
     -------
@@ -256,35 +269,42 @@ def attach_client_rules(model: nn.Module, gamma: float,
     -----
     A gradient hook per factor (``Tensor.register_hook``) returns, for column i,
     ``(∂L/∂u_i + ∂R/∂u_i) · min(1, τ/ω_i)`` with ``R = γ ‖U Ω Vᵀ‖²_F`` (paper, Sec. 3.3;
-    ``∂R/∂U = U (2γ ωωᵀ ⊙ VᵀV)``, :class:`FrobeniusDecay`) and the same for ``v``. That is
-    fedshard's step exactly (decay added after ``backward()``, then ClipLR on the full gradient
-    before ``step()``): both are linear in the gradient, so scaling it before it reaches
-    ``.grad`` is the same for SGD, momentum included. The decay is added once per
+    ``∂R/∂U = U (2γ ωωᵀ ⊙ VᵀV)``, :class:`FrobeniusDecay`) and the same for ``v``; with
+    ``factor_step="dense"`` the dense-step transform comes between the two. That is
+    fedshard's step exactly (decay added after ``backward()``, then the transform and ClipLR
+    on the full gradient before ``step()``): all are linear in the gradient and read only the
+    factors (unchanged during ``backward()``), so applying them before it reaches ``.grad``
+    is the same for SGD, momentum included. The decay is added once per
     ``backward()``: with gradient accumulation over k backward passes per step it counts k
     times (divide γ by k). ω is read from the layer at each call.
     """
     bad_tau = tau is not None and (not finite_real(tau) or tau <= 0)
-    if not finite_real(gamma) or gamma < 0 or bad_tau:
-        raise ValueError(f"attach_client_rules(gamma={gamma!r}, tau={tau!r}): expected γ ≥ 0 "
-                         "and τ > 0 or None; no rule was attached.")
+    if not finite_real(gamma) or gamma < 0 or bad_tau or factor_step not in FACTOR_STEPS:
+        raise ValueError(f"attach_client_rules(gamma={gamma!r}, tau={tau!r}, factor_step="
+                         f"{factor_step!r}): expected γ ≥ 0, τ > 0 or None and a factor step "
+                         f"in {FACTOR_STEPS}; no rule was attached.")
     handles: list[torch.utils.hooks.RemovableHandle] = []
-    if gamma == 0 and tau is None:
+    dense = factor_step == "dense"
+    if gamma == 0 and tau is None and not dense:
         return handles
     for layer in (m for m in model.modules() if isinstance(m, SpectralLayer)):
         for factor, other in ((layer.u, layer.v), (layer.v, layer.u)):
             if factor.requires_grad:
-                handles.append(factor.register_hook(_rule(layer, factor, other, gamma, tau)))
+                handles.append(factor.register_hook(
+                    _rule(layer, factor, other, gamma, tau, dense)))
     return handles
 
 
 def _rule(layer: SpectralLayer, factor: torch.Tensor, other: torch.Tensor, gamma: float,
-          tau: float | None) -> Callable[[torch.Tensor], torch.Tensor]:
+          tau: float | None, dense: bool) -> Callable[[torch.Tensor], torch.Tensor]:
     def hook(grad: torch.Tensor) -> torch.Tensor:  # (rows, n)
         with torch.no_grad():
             omega = layer.omega.to(grad.dtype)
             if gamma:
                 weight = 2.0 * gamma * torch.outer(omega, omega)  # 2γ ωωᵀ, (n, n)
                 grad = grad + factor.detach() @ ((other.detach().mT @ other.detach()) * weight)
+            if dense:
+                grad = dense_factor_gradient(grad, factor, other, omega)
             if tau is not None:
                 grad = grad * torch.clamp(tau / omega, max=1.0)  # (n,) over the rows
         return grad

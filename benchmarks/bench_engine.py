@@ -1,0 +1,401 @@
+"""Seconds per round: ``flwr run`` (Ray) vs fedshard's in-process engine vs a bare torch loop.
+
+The same rounds three ways, side by side, interleaved (each repeat runs every path once, in
+turn), on one device:
+
+* **flower**: ``flwr run`` of this app (local SuperLink, Ray simulation engine, one ClientApp
+  per node), launched as the experiment runner launches it
+  (:func:`fedshard.experiments.launch.run_simulation`) while holding the lock file
+  ``/tmp/fedshard-flwr.lock`` (two local SuperLinks would collide on their port);
+* **sequential** / **batched**: :func:`fedshard.app.engine.run_engine`, the same ServerApp code
+  (strategy, central evaluation, results, checkpoints) over the in-process engine;
+* **bare**: a single-process torch loop doing the same training, averaging and evaluation as
+  dense FedAvg: every client copies the global model and trains it (SGD, momentum 0.9, the
+  same lr, batches and epochs) on its examples held as tensors, then the weighted average,
+  then the same test examples are evaluated.
+
+A path's s/round is the median of ``round-s`` in its ``metrics.jsonl`` over the rounds after the
+first (which includes reading the data and warm-up); the bare loop times its rounds the same
+way. The ratios are taken per repeat (each path against that repeat's bare loop) and their
+median is printed. ``max_rel_diff_float64`` is the largest relative difference, in float64,
+between the engine(s) and fedshard's real ClientApp over Flower's Message API (the in-process
+grid of ``tests/flower_grid.py``) after ``--equality-rounds`` rounds of every method measured:
+final model, every reply's arrays and metrics (each client cut to ``--equality-examples``).
+
+Presets:
+
+* ``fmnist`` (default; a CPU): ``mlp`` width 200, 10 clients × 500 real Fashion-MNIST
+  images (the first 5,000 of the training set, from ``--fmnist``), 1 epoch, batch 32, all
+  clients every round, methods ``none`` (FedAvg) and ``collective`` at r = 0.1, 1,000 test
+  images evaluated every round;
+* ``cifar10`` (a GPU, ``--device cuda``): ResNet-18 (GroupNorm) width 64, 10 clients × 500
+  CIFAR-10-shaped synthetic images, 2 epochs, batch 32, Collective r = 0.1; the engine is the
+  batched one and ``speedup_batched_vs_sequential`` its gain over the per-client path.
+
+``--tiny`` shrinks either preset to seconds (for a test). Prints one JSON object.
+
+Usage: ``python benchmarks/bench_engine.py [--preset fmnist|cifar10] [--device cpu|cuda]
+[--repeats 5] [--rounds 4] [--paths bare,sequential,flower] [--tiny]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import fcntl
+import gzip
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+import fakedata  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from flwr.common import logger as flwr_logger  # noqa: E402
+
+from fedshard.app.config import RunConfig  # noqa: E402
+from fedshard.app.engine import run_engine  # noqa: E402
+from fedshard.app.task import build_model, client_dataset  # noqa: E402
+from fedshard.data import load_test_set  # noqa: E402
+from fedshard.experiments.launch import run_simulation  # noqa: E402
+
+FLWR_LOCK = Path("/tmp/fedshard-flwr.lock")
+
+
+def tensors(dataset: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """All examples of one of fedshard's data sets (``HasTensors``) as two tensors."""
+    inputs, targets = dataset.example_tensors()
+    return inputs, targets
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------- data
+def _read_idx(path: Path) -> np.ndarray:
+    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    ndim = raw[3]
+    dims = np.frombuffer(raw[4:4 + 4 * ndim], dtype=">u4").astype(int)
+    return np.frombuffer(raw[4 + 4 * ndim:], dtype=np.uint8).reshape(tuple(dims))
+
+
+def _idx_file(folder: Path, stem: str) -> Path:
+    for name in (f"{stem}.gz", stem):
+        if (folder / name).is_file():
+            return folder / name
+    found = sorted(folder.rglob(f"{stem}*"))
+    if not found:
+        raise SystemExit(f"bench_engine: {stem} not found under {folder}; give --fmnist")
+    return found[0]
+
+
+def write_data(preset: str, root: Path, n_train: int, n_test: int, fmnist: Path) -> None:
+    """``n_train`` training and ``n_test`` test images in the data set's own file format."""
+    if preset == "cifar10":  # synthetic: this measures time, not accuracy
+        fakedata.write_cifar10(root, -(-n_train // 5), n_test, np.random.default_rng(0))
+        return
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        images = _read_idx(_idx_file(fmnist, f"{prefix}-images-idx3-ubyte"))[:n]
+        labels = _read_idx(_idx_file(fmnist, f"{prefix}-labels-idx1-ubyte"))[:n]
+        fakedata.write_idx(root / f"{prefix}-images-idx3-ubyte.gz", np.ascontiguousarray(images))
+        fakedata.write_idx(root / f"{prefix}-labels-idx1-ubyte.gz", np.ascontiguousarray(labels))
+
+
+# ---------------------------------------------------------------------------- paths
+def _round_s(folder: Path) -> float:
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    steady = [float(r["round-s"]) for r in rows if int(r.get("round", 0)) >= 2]
+    if not steady:
+        raise SystemExit(f"bench_engine: {folder} has no round ≥ 2 (use --rounds ≥ 2)")
+    return statistics.median(steady)
+
+
+@contextlib.contextmanager
+def flwr_lock() -> Iterator[None]:
+    with FLWR_LOCK.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def run_flower(settings: dict[str, Any], clients: int, gpus: float) -> float:
+    with flwr_lock():
+        sim = run_simulation(ROOT, settings, num_supernodes=clients, client_num_cpus=1,
+                             client_num_gpus=gpus, timeout_s=3600)
+    folder = Path(settings["results-dir"]) / settings["run-name"]
+    if sim.returncode != 0 or not (folder / "summary.json").is_file():
+        raise SystemExit(f"bench_engine: flwr run failed ({sim.returncode}):\n"
+                         + sim.output[-3000:])
+    return _round_s(folder)
+
+
+def run_in_process(settings: dict[str, Any], clients: int, engine: str, device: str) -> float:
+    run_engine(RunConfig.from_mapping(settings), clients, engine=engine, device=device,
+               server_device=device)
+    return _round_s(Path(settings["results-dir"]) / settings["run-name"])
+
+
+class BareLoop:
+    """Dense FedAvg in a plain loop: local SGD-m per client, weighted average, evaluation."""
+
+    def __init__(self, cfg: RunConfig, clients: int, device: str) -> None:
+        self.cfg, self.device = cfg, device
+        self.model = build_model(cfg).to(device)
+        self.work = copy.deepcopy(self.model)
+        self.data = []
+        for pid in range(clients):
+            x, y = tensors(client_dataset(cfg, pid, clients))
+            self.data.append((x.to(device), y.to(device)))
+        test = load_test_set(cfg.dataset, data_dir=cfg.data_dir,
+                             max_examples=cfg.test_max_examples or None)
+        tx, ty = tensors(test)
+        self.test = (tx.to(device), ty.to(device))
+
+    def round(self, server_round: int) -> float:
+        cfg = self.cfg
+        sync(self.device)
+        t0 = time.perf_counter()
+        total = {k: torch.zeros_like(v) for k, v in self.model.state_dict().items()}
+        weight = 0
+        for pid, (x, y) in enumerate(self.data):
+            self.work.load_state_dict(self.model.state_dict())
+            opt = torch.optim.SGD(self.work.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                                  weight_decay=cfg.weight_decay)
+            seed = int(np.random.default_rng([cfg.seed, server_round, pid]).integers(2**62))
+            gen = torch.Generator().manual_seed(seed)
+            for _ in range(cfg.local_epochs):
+                order = torch.randperm(len(x), generator=gen).to(self.device)
+                for start in range(0, len(x), cfg.batch_size):
+                    idx = order[start:start + cfg.batch_size]
+                    opt.zero_grad(set_to_none=True)
+                    F.cross_entropy(self.work(x[idx]), y[idx]).backward()
+                    opt.step()
+            for k, v in self.work.state_dict().items():
+                total[k] += len(x) * v
+            weight += len(x)
+        self.model.load_state_dict({k: v / weight for k, v in total.items()})
+        self.model.eval()
+        with torch.no_grad():
+            tx, ty = self.test
+            correct = sum(int((self.model(tx[i:i + 256]).argmax(-1) == ty[i:i + 256]).sum())
+                          for i in range(0, len(tx), 256))
+        self.model.train()
+        sync(self.device)
+        assert 0 <= correct <= len(tx)
+        return time.perf_counter() - t0
+
+
+def run_bare(cfg: RunConfig, clients: int, device: str, rounds: int) -> float:
+    loop = BareLoop(cfg, clients, device)
+    return statistics.median([loop.round(r) for r in range(1, rounds + 1)][1:])
+
+
+# ---------------------------------------------------------------------------- equality
+def max_rel_diff_float64(settings: dict[str, Any], clients: int, engines: list[str],
+                         rounds: int, examples: int) -> float:
+    """Largest relative difference, in float64, of the engines against the real ClientApp
+    over Flower's Message API (final model, every train/evaluate reply)."""
+    from flower_grid import InProcessGrid
+    from flwr.app import ArrayRecord, ConfigRecord
+    from torch.utils.data import TensorDataset
+
+    import client_app
+    from fedshard.app import task
+    from fedshard.app.engine import engine_grid
+    from fedshard.app.run import build_strategy
+
+    cfg = RunConfig.from_mapping({**settings, "num-server-rounds": rounds,
+                                  "client-device": "cpu", "server-device": "cpu",
+                                  "cuda-graph": False})
+
+    def data(c: RunConfig, pid: int, num: int) -> TensorDataset:
+        x, y = tensors(client_dataset(c, pid, num))
+        return TensorDataset(x[:examples].double(), y[:examples])
+
+    def drive(grid: Any, first: int) -> tuple[dict[str, np.ndarray], dict[Any, Any]]:
+        model = build_model(cfg)
+        strategy = build_strategy(cfg, model, "cpu")
+        replies: dict[Any, Any] = {}
+        calls: dict[str, int] = {}
+        inner = grid.send_and_receive
+
+        def send(messages: Any, *, timeout: float | None = None) -> list[Any]:
+            sent = list(messages)
+            for kind in {m.metadata.message_type for m in sent}:
+                calls[kind] = calls.get(kind, 0) + 1
+            out = list(inner(sent, timeout=timeout))
+            for r in out:
+                kind = r.metadata.message_type
+                if kind in ("train", "evaluate"):
+                    replies[(calls[kind], kind, r.metadata.src_node_id - first)] = r
+            return out
+
+        grid.send_and_receive = send
+        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(model.state_dict()),
+                                num_rounds=rounds, timeout=600, train_config=ConfigRecord())
+        return {k: a.numpy() for k, a in result.arrays.items()}, replies
+
+    def rel(a: Any, b: Any) -> float:
+        a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+        return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-300)) \
+            if b.size else 0.0
+
+    old = torch.get_default_dtype()
+    old_data, old_templates = client_app.client_dataset, task._TEMPLATES
+    torch.set_default_dtype(torch.float64)
+    client_app.client_dataset = data  # type: ignore[assignment]  # float64 data
+    task._TEMPLATES = {}
+    worst = 0.0
+    try:
+        ref_model, ref = drive(InProcessGrid(client_app.app, [
+            {"partition-id": i, "num-partitions": clients} for i in range(clients)],
+            cfg.as_dict(), first_node_id=1000), 1000)
+        for engine in engines:
+            grid = engine_grid(cfg, clients, engine=engine, device="cpu",
+                               data=lambda pid, num: data(cfg, pid, num))
+            got_model, got = drive(grid, 1)
+            if got.keys() != ref.keys() or any(r.has_error() for r in got.values()):
+                raise SystemExit(f"bench_engine: the {engine} engine's replies differ in kind "
+                                 "or are errors")
+            worst = max(worst, *(rel(got_model[k], ref_model[k]) for k in ref_model))
+            for key, r in ref.items():
+                g = got[key]
+                for name, record in r.content.array_records.items():
+                    for k in record:
+                        worst = max(worst, rel(g.content.array_records[name][k].numpy(),
+                                               record[k].numpy()))
+                for name, metrics in r.content.metric_records.items():
+                    for k, v in metrics.items():
+                        worst = max(worst, rel(g.content.metric_records[name][k], v))
+    finally:
+        torch.set_default_dtype(old)
+        client_app.client_dataset, task._TEMPLATES = old_data, old_templates
+    return worst
+
+
+# ---------------------------------------------------------------------------- main
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", choices=("fmnist", "cifar10"), default="fmnist")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=4, help="rounds per run (≥ 2)")
+    ap.add_argument("--paths", default=None,
+                    help="comma-separated among bare, sequential, batched, flower (default: "
+                    "bare,sequential,flower for fmnist; bare,sequential,batched for cifar10)")
+    ap.add_argument("--methods", default=None,
+                    help="comma-separated sharding methods (default: none,collective for "
+                    "fmnist; collective for cifar10)")
+    ap.add_argument("--tiny", action="store_true", help="a size that runs in seconds")
+    ap.add_argument("--fmnist", type=Path, default=Path("/usr/share/datasets/fashion-mnist"))
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="cuda-graph=true for the per-client paths (sequential, flower): the "
+                    "fastest per-client baseline on a GPU; the batched engine does not use it")
+    ap.add_argument("--equality-rounds", type=int, default=1, help="0: skip the check")
+    ap.add_argument("--equality-examples", type=int, default=100)
+    args = ap.parse_args()
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # the bare loop and the engine; Ray's workers set their own
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" \
+        else args.device
+    flwr_logger.update_console_handler(level=30)  # WARNING: keep the output to the JSON
+    cifar = args.preset == "cifar10"
+    paths = (args.paths or ("bare,sequential,batched" if cifar else "bare,sequential,flower")
+             ).split(",")
+    methods = (args.methods or ("collective" if cifar else "none,collective")).split(",")
+    unknown = set(paths) - {"bare", "sequential", "batched", "flower"}
+    if unknown or args.rounds < 2 or args.repeats < 1:
+        raise SystemExit(f"bench_engine: paths {sorted(unknown)} unknown, or --rounds < 2, "
+                         "or --repeats < 1")
+    clients, examples, test = (2, 40, 40) if args.tiny else (10, 500, 1000)
+    width = (4 if args.tiny else 64) if cifar else (16 if args.tiny else 200)
+    epochs = 2 if cifar else 1
+    engine = "batched" if cifar else "sequential"
+    with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
+        root = Path(tmp)
+        write_data(args.preset, root / "data", clients * examples, test, args.fmnist)
+        base = {"dataset": "cifar10" if cifar else "fashion-mnist",
+                "data-dir": str(root / "data"), "model": "resnet18" if cifar else "mlp",
+                "model-width": width, "num-partitions": clients, "min-available-nodes": clients,
+                "fraction-train": 1.0, "fraction-evaluate": 0.0, "batch-size": 32,
+                "local-epochs": epochs, "num-server-rounds": args.rounds,
+                "test-max-examples": test, "eval-every": 1, "seed": 0,
+                "client-device": device, "server-device": device,
+                "results-dir": str(root / "out"), "overwrite": True,
+                "cuda-graph": args.cuda_graph}
+        per_method = {m: {**base, "method": m, "keep-ratios": "1.0" if m == "none" else "0.1"}
+                      for m in methods}
+        times: dict[str, dict[str, list[float]]] = {p: {m: [] for m in methods} for p in paths}
+        for rep in range(args.repeats):
+            for path in paths:
+                for m in methods:
+                    s = {**per_method[m], "run-name": f"{path}-{m}-{rep}"}
+                    if path == "bare":
+                        t = run_bare(RunConfig.from_mapping(s), clients, device, args.rounds)
+                    elif path == "flower":
+                        t = run_flower(s, clients, 1.0 if device.startswith("cuda") else 0.0)
+                    else:
+                        t = run_in_process(s, clients, path, device)
+                    times[path][m].append(t)
+        equality = None
+        if args.equality_rounds > 0:
+            engines = [p for p in paths if p in ("sequential", "batched")] or [engine]
+            equality = max(max_rel_diff_float64({**per_method[m], "run-name": "eq"}, clients,
+                                                engines, args.equality_rounds,
+                                                args.equality_examples) for m in methods)
+
+    def ratio(a: str, b: str) -> dict[str, float] | None:
+        if a not in times or b not in times:
+            return None
+        return {m: round(statistics.median(x / y for x, y in zip(times[a][m], times[b][m],
+                                                                   strict=True)), 3)
+                for m in methods}
+
+    print(json.dumps({
+        "device": torch.cuda.get_device_name() if device.startswith("cuda") else cpu_name(),
+        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "preset": args.preset,
+        "shape": {"clients": clients, "examples_per_client": examples, "epochs": epochs,
+                  "batch": 32, "model": base["model"], "width": width,
+                  "test_examples": test, "cuda_graph": args.cuda_graph,
+                  "keep_ratio": {m: 1.0 if m == "none" else 0.1 for m in methods}},
+        "repeats": args.repeats, "rounds": args.rounds, "engine": engine,
+        "s_per_round": {p: {m: round(statistics.median(v), 4) for m, v in t.items()}
+                        for p, t in times.items()},
+        "engine_vs_bare": ratio(engine, "bare"),
+        "flower_vs_bare": ratio("flower", "bare"),
+        "speedup_vs_flower": ratio("flower", engine),
+        "speedup_batched_vs_sequential": ratio("sequential", "batched"),
+        "max_rel_diff_float64": equality,
+    }))
+
+
+if __name__ == "__main__":
+    main()

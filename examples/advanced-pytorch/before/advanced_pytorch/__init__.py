@@ -1,0 +1,1 @@
+"""advanced_pytorch: A Flower / PyTorch app."""

@@ -1,0 +1,181 @@
+"""What sharding bought a run: per client, the bytes it received and sent and its sub-model's
+forward FLOPs against the dense model; the final accuracy against an r = 1 reference run.
+
+The ServerApp adds this to the end of a run (a log line and ``summary.json``'s ``"sharding"``
+entry; :func:`fedshard.app.run.run_server`). Bytes are the ones measured on the round's real
+messages (the ``bytes-sent-ratio-r<r>`` and ``bytes-received-ratio-r<r>`` columns of
+``metrics.jsonl``, averaged over the rounds); FLOPs are counted by
+:class:`torch.utils.flop_counter.FlopCounterMode` on the sub-model a client at keep ratio ``r``
+trains (the first ``⌈rN⌉`` terms of each sharded layer).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from fedshard.sampling import num_terms
+from fedshard.spectral import shard_model
+
+__all__ = ["forward_flops", "reference_summary", "savings_line", "sharding_savings",
+           "submodel_at"]
+
+_RATIO_KEY = re.compile(r"^bytes-sent-ratio-r(.+)$")
+
+
+def forward_flops(model: nn.Module, example_input: torch.Tensor) -> int:
+    """FLOPs of one forward pass of ``model`` on ``example_input`` (one example), as
+    :class:`~torch.utils.flop_counter.FlopCounterMode` counts them: matrix products and
+    convolutions, 2 per multiply-add; normalizations, activations and ``ω`` scalings are not
+    counted (they are a small, equal share of both models)."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(example_input)
+    finally:
+        model.train(was_training)
+    return int(counter.get_total_flops())
+
+
+def submodel_at(model: nn.Module, layers: Iterable[str], keep_ratio: float) -> nn.Module:
+    """The sub-model a client at ``keep_ratio`` trains: each of ``layers`` (``N`` terms) as
+    its first ``n = ⌈rN⌉`` terms, ``ω = 1`` (shapes, not values, set its cost)."""
+    modules = dict(model.named_modules())
+    indices: dict[str, list[int]] = {}
+    for name in layers:
+        weight = modules[name].weight
+        total = min(int(weight.shape[0]), int(weight[0].numel()))
+        indices[name] = list(range(num_terms(total, keep_ratio)))
+    omegas = {name: torch.ones(len(idx), dtype=torch.float64) for name, idx in indices.items()}
+    sub, _ = shard_model(model, indices, omegas)
+    return sub
+
+
+def sharding_savings(rows: Sequence[Mapping[str, Any]], model: nn.Module, layers: Sequence[str],
+                     example_input: torch.Tensor,
+                     reference: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The ``"sharding"`` entry of ``summary.json``.
+
+    Parameters
+    ----------
+    rows : sequence of mapping
+        The run's ``metrics.jsonl`` rows; the keep ratios are those of the
+        ``bytes-sent-ratio-r<r>`` columns (every ratio some node was sent).
+    model : nn.Module
+        The run's dense model (not modified; only its shapes matter).
+    layers : sequence of str
+        Its sharded layers.
+    example_input : torch.Tensor
+        One example's input (batch of 1).
+    reference : mapping or None
+        :func:`reference_summary`'s result, or ``None`` (no reference run named).
+
+    Returns
+    -------
+    dict
+        ``dense``: ``bytes`` (the model's arrays) and ``forward-flops``; ``clients``: per keep
+        ratio ``r<r>``, per client and round, ``bytes-received`` (server → client),
+        ``bytes-sent`` (client → server), ``forward-flops`` (per example), each with its
+        ``-ratio`` to the dense model, and ``nodes-per-round``; ``reference`` as given, with
+        this run's ``final-test-accuracy`` and the ``accuracy-difference`` added.
+    """
+    dense_model = copy.deepcopy(model).cpu()
+    x = example_input.cpu()
+    dense_flops = forward_flops(dense_model, x)
+    dense_bytes = [float(r["dense-bytes"]) for r in rows if "dense-bytes" in r]
+    clients: dict[str, dict[str, float]] = {}
+    ratios = sorted({float(m.group(1)) for r in rows for k in r if (m := _RATIO_KEY.match(k))})
+    for ratio in ratios:
+        key = f"r{ratio:g}"
+        down = [float(r[f"bytes-sent-ratio-{key}"]) * float(r["dense-bytes"]) for r in rows
+                if f"bytes-sent-ratio-{key}" in r]
+        up = [float(r[f"bytes-received-ratio-{key}"]) * float(r["dense-bytes"]) for r in rows
+              if f"bytes-received-ratio-{key}" in r]
+        flops = forward_flops(submodel_at(dense_model, layers, ratio), x)
+        entry = {"bytes-received": _mean(down), "bytes-sent": _mean(up),
+                 "forward-flops": float(flops)}
+        if dense_bytes:
+            entry["bytes-received-ratio"] = entry["bytes-received"] / dense_bytes[-1]
+            entry["bytes-sent-ratio"] = entry["bytes-sent"] / dense_bytes[-1]
+        entry["forward-flops-ratio"] = flops / dense_flops if dense_flops else math.nan
+        clients[key] = entry
+    out: dict[str, Any] = {
+        "dense": {"bytes": dense_bytes[-1] if dense_bytes else None,
+                  "forward-flops": float(dense_flops)},
+        "clients": clients,
+        "reference": None,
+    }
+    if reference is not None:
+        accs = [float(r["test-accuracy"]) for r in rows if "test-accuracy" in r]
+        final = accs[-1] if accs else None
+        ref = dict(reference)
+        ref["final-test-accuracy-here"] = final
+        ref_acc = ref.get("final-test-accuracy")
+        ref["accuracy-difference"] = (final - ref_acc if final is not None
+                                      and isinstance(ref_acc, (int, float)) else None)
+        out["reference"] = ref
+    return out
+
+
+def reference_summary(name: str, results_dir: Path) -> dict[str, Any]:
+    """The reference run's final accuracy: ``name`` is a run name in ``results_dir`` or a
+    path; its ``summary.json`` gives ``final-test-accuracy``.
+
+    Returns ``{"run": <path>, "final-test-accuracy": <float or None>, "problem": <str or
+    None>}``: a reference that cannot be read is reported, never fatal (the run is done).
+    """
+    path = Path(name).expanduser()
+    if not path.is_absolute():
+        path = results_dir / path
+    out: dict[str, Any] = {"run": str(path), "final-test-accuracy": None, "problem": None}
+    try:
+        summary = json.loads((path / "summary.json").read_text())
+        acc = summary.get("final-test-accuracy") if isinstance(summary, dict) else None
+        if not isinstance(acc, (int, float)) or isinstance(acc, bool):
+            out["problem"] = (f"{path / 'summary.json'} holds no final-test-accuracy "
+                              f"(found {acc!r})")
+        else:
+            out["final-test-accuracy"] = float(acc)
+    except (OSError, ValueError) as err:
+        out["problem"] = f"{path / 'summary.json'} cannot be read ({err})"
+    return out
+
+
+def savings_line(savings: Mapping[str, Any]) -> str:
+    """One log line: per keep ratio, MB received/sent and forward FLOPs against dense, and the
+    accuracy against the reference."""
+    parts = []
+    for key, c in savings["clients"].items():
+        parts.append(
+            f"{key.replace('r', 'r = ', 1)}: received {c['bytes-received'] / 1e6:.3g} MB "
+            f"({c.get('bytes-received-ratio', math.nan):.2f}x), sent "
+            f"{c['bytes-sent'] / 1e6:.3g} MB ({c.get('bytes-sent-ratio', math.nan):.2f}x), "
+            f"forward {c['forward-flops'] / 1e6:.3g} MFLOP/example "
+            f"({c['forward-flops-ratio']:.2f}x)")
+    dense = savings["dense"]
+    line = ("what sharding bought, per client and round against the dense model ("
+            f"{(dense['bytes'] or math.nan) / 1e6:.3g} MB, "
+            f"{dense['forward-flops'] / 1e6:.3g} MFLOP/example): " + "; ".join(parts))
+    ref = savings.get("reference")
+    if ref:
+        if ref.get("accuracy-difference") is not None:
+            line += (f"; final test accuracy {ref['final-test-accuracy-here']:.2%} vs "
+                     f"{ref['final-test-accuracy']:.2%} at r = 1 ({ref['run']}): "
+                     f"{100 * ref['accuracy-difference']:+.1f} points")
+        else:
+            line += f"; no accuracy comparison: {ref.get('problem') or 'no test accuracy'}"
+    return line
+
+
+def _mean(values: Sequence[float]) -> float:
+    return float(sum(values) / len(values)) if values else math.nan
