@@ -175,6 +175,8 @@ RULES: dict[str, Rule] = {
     "align_factors": _BOOL,
     "max_update_spread": _rule(lambda v: _real(v) and (v == 0 or v >= 1),
                                "expected 0 (off) or a finite number ≥ 1"),
+    "max_diverged_fraction": _rule(lambda v: _real(v) and 0 <= v <= 1,
+                                   "expected a share in [0, 1] (1: never stop)"),
     # NodePolicy
     "max_keep_ratio": _rule(lambda v: _real(v) and 0 < v <= 1,
                             "expected a keep ratio in (0, 1]"),
@@ -361,6 +363,11 @@ class ReplyPolicy(_Settings):
         median (over the nodes, at least 3) is shrunk to it, logged and counted
         (``clipped-update-spread``): one step of centred clipping around the sent model
         (:mod:`fedshard.server.robust`). 0: off.
+    max_diverged_fraction : float
+        In ``[0, 1]``: the run stops (``TrainingDivergedError``, logged as an ERROR) after a
+        round in which more than this share of the replies are nodes reporting that their
+        training diverged (NaN or inf): a learning rate too large for the sub-models is a
+        setting to change, not a fault to average around. 1: never stop.
     """
 
     max_update_ratio: float = 10.0
@@ -371,6 +378,7 @@ class ReplyPolicy(_Settings):
     max_weight_ratio: float = 10.0
     align_factors: bool = True
     max_update_spread: float = 5.0
+    max_diverged_fraction: float = 0.5
 
 
 @dataclass(frozen=True)

@@ -116,6 +116,7 @@ class RunConfig:
     trust_declared_keys: bool = False
     align_factors: bool = True
     max_update_spread: float = 5.0
+    max_diverged_fraction: float = 0.5
     reference_run: str = ""
 
     def __post_init__(self) -> None:
@@ -180,7 +181,8 @@ class RunConfig:
                            aggregation=self.aggregation, trim_fraction=self.trim_fraction,
                            max_weight_ratio=self.max_weight_ratio,
                            align_factors=self.align_factors,
-                           max_update_spread=self.max_update_spread)
+                           max_update_spread=self.max_update_spread,
+                           max_diverged_fraction=self.max_diverged_fraction)
 
     @property
     def nodes(self) -> NodePolicy:

@@ -182,7 +182,7 @@ def shard_reply(msg: Message, state: Mapping[str, np.ndarray], num_examples: Any
            if np.issubdtype(v.dtype, np.floating) and not np.isfinite(v).all()]
     if bad:
         raise FloatingPointError(
-            f"Training diverged at lr={lr:g}: {', '.join(sorted(bad)[:4])} hold NaN or inf; "
+            f"{P.DIVERGED} at lr={lr:g}: {', '.join(sorted(bad)[:4])} hold NaN or inf; "
             "nothing is sent this round. The factorized layers take larger steps than the dense "
             "model at the same lr (the paper's factor step): give the strategy "
             "LocalTraining(factor_step='dense') (run config factor-step = \"dense\"), whose "

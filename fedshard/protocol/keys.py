@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 __all__ = [
-    "ARRAYS", "CAPABILITIES", "CONFIG", "EVAL_ACCURACY", "EVAL_LOSS", "KEEP_RATIO", "LR", "METRICS",
-    "NODE_KEY", "NUM_EXAMPLES", "QUERY", "REFERENCE", "SERVER_ROUND", "TRAIN_ACCURACY",
-    "TRAIN_LOSS", "factor_key", "is_factor_key", "layer_of",
+    "ARRAYS", "CAPABILITIES", "CONFIG", "DIVERGED", "EVAL_ACCURACY", "EVAL_LOSS", "KEEP_RATIO",
+    "LR", "METRICS", "NODE_KEY", "NUM_EXAMPLES", "QUERY", "REFERENCE", "SERVER_ROUND",
+    "TRAIN_ACCURACY", "TRAIN_LOSS", "factor_key", "is_factor_key", "layer_of",
 ]
 
 # Record names inside a RecordDict
@@ -26,6 +26,9 @@ TRAIN_LOSS = "train-loss"
 TRAIN_ACCURACY = "train-accuracy"
 EVAL_LOSS = "eval-loss"
 EVAL_ACCURACY = "eval-accuracy"
+
+# How a node's error reply says that its training diverged (the reason starts with it)
+DIVERGED = "Training diverged"
 
 _FACTOR_PARTS = ("u", "v", "omega", "indices")
 

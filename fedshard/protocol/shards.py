@@ -18,6 +18,7 @@ from fedshard.protocol.bounds import (
 from fedshard.protocol.keys import (
     ARRAYS,
     CONFIG,
+    DIVERGED,
     METRICS,
     NUM_EXAMPLES,
     SERVER_ROUND,
@@ -175,7 +176,10 @@ def check_train_reply(msg: Message, sent: SentShard | None, seen: set[int],
     limits = limits if limits is not None else ReplyPolicy()
     node = msg.metadata.src_node_id if node is None else node
     if msg.has_error():
-        return f"error-reply: code {msg.error.code}, {msg.error.reason}"
+        # a node whose training diverged says so (fedshard.client.shard_reply): counted apart,
+        # the strategy stops a run in which most nodes diverge (ReplyPolicy.max_diverged_fraction)
+        kind = "diverged" if DIVERGED in str(msg.error.reason) else "error-reply"
+        return f"{kind}: code {msg.error.code}, {msg.error.reason}"
     if sent is None:
         return "unexpected-sender: this node was not sent a training message this round"
     if node in seen:

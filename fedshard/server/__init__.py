@@ -3,6 +3,8 @@
 - :mod:`~fedshard.server.strategy` - :class:`SpectralSharding`, the Flower strategy.
 - :mod:`~fedshard.server.rounds` - one training round: shard per keep-ratio group, check the
   replies, aggregate every term over its holders, rebuild W.
+- :mod:`~fedshard.server.robust` - what one dishonest node can do within the bounds, undone:
+  terms re-signed and re-balanced, the spread bound, Flower's robust rules on dense replies.
 - :mod:`~fedshard.server.nodes` - waiting for nodes, their declared keep ratios, the rules
   that bound them, seeded node sampling.
 - :mod:`~fedshard.server.schedule` - the learning-rate schedule over rounds (cosine).
@@ -14,12 +16,19 @@
 from fedshard.server.metrics import mean_client_metrics
 from fedshard.server.nodes import load_keep_ratio_table
 from fedshard.server.schedule import LR_SCHEDULES, cosine_lr
-from fedshard.server.strategy import SHARDING_METHODS, SpectralSharding
+from fedshard.server.strategy import (
+    SHARDING_METHODS,
+    NoRoundTrainedError,
+    SpectralSharding,
+    TrainingDivergedError,
+)
 
 __all__ = [
     "LR_SCHEDULES",
     "SHARDING_METHODS",
+    "NoRoundTrainedError",
     "SpectralSharding",
+    "TrainingDivergedError",
     "cosine_lr",
     "load_keep_ratio_table",
     "mean_client_metrics",

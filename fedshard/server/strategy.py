@@ -41,7 +41,8 @@ from fedshard.settings import (
 )
 from fedshard.spectral import multipliers_can_compound, sharded_layer_names
 
-__all__ = ["NO_TRAINING_PATIENCE", "SHARDING_METHODS", "NoRoundTrainedError", "SpectralSharding"]
+__all__ = ["NO_TRAINING_PATIENCE", "SHARDING_METHODS", "NoRoundTrainedError", "SpectralSharding",
+           "TrainingDivergedError"]
 
 #: When the run's number of rounds is unknown (no ``num_rounds`` given to the constructor, and
 #: ``start()`` overridden without calling this strategy's), the run is stopped with a
@@ -60,6 +61,12 @@ class NoRoundTrainedError(RuntimeError):
     def __init__(self, message: str, result: Result) -> None:
         super().__init__(message)
         self.result = result
+
+
+class TrainingDivergedError(RuntimeError):
+    """More than :attr:`~fedshard.settings.ReplyPolicy.max_diverged_fraction` of a round's
+    replies reported that training diverged: the run stops after that round (the global model
+    is the previous round's), whoever wrote ``start()``."""
 
 
 class SpectralSharding(FedAvg):
@@ -457,8 +464,34 @@ class SpectralSharding(FedAvg):
             self.rounds_trained += 1
         metrics["rounds-trained"] = float(self.rounds_trained)
         self.history[server_round] = metrics
+        self._check_divergence(server_round, metrics, state)
         self._check_progress(server_round, trained=new_arrays is not None)
         return new_arrays, client
+
+    def _check_divergence(self, server_round: int, metrics: dict[str, float],
+                          state: rounds.RoundState) -> None:
+        """Stop the run when most nodes' training diverged (NaN or inf): the nodes were sent an
+        lr their sub-models cannot take, and averaging the few that survived hides it."""
+        diverged = metrics.get("dropped-diverged", 0.0)
+        replied = metrics.get("replies-used", 0.0) + metrics.get("replies-dropped", 0.0)
+        if not diverged or diverged <= self.replies.max_diverged_fraction * replied:
+            return
+        sent = [m.content[P.CONFIG] for m in state.messages]
+        lrs = sorted({float(lr) for c in sent if isinstance(lr := c.get(P.LR), (int, float))})
+        steps = sorted({str(c.get("factor-step", "plain")) for c in sent})
+        lr_text = "/".join(f"{v:g}" for v in lrs) or "?"
+        advice = [f"lower the lr the nodes are sent (lr={lr_text}: the strategy's lr, or "
+                  "config['lr'] where your train config or configure_train sets it), e.g. to "
+                  f"{lrs[0] / 10:g}" if lrs else "lower the lr the nodes are sent"]
+        if "plain" in steps:
+            advice.append("take the dense model's steps on the factors: factor_step='dense' "
+                          "(LocalTraining / from_model) or run config factor-step = \"dense\"")
+        message = (f"Round {server_round}: training diverged (NaN or inf) on {diverged:.0f} of "
+                   f"the {replied:.0f} nodes that replied (max_diverged_fraction="
+                   f"{self.replies.max_diverged_fraction:g}); the run stops here and the global "
+                   f"model stays the previous round's. To fix: {'; or '.join(advice)}.")
+        log(ERROR, "%s", message)
+        raise TrainingDivergedError(message)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

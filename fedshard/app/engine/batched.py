@@ -224,9 +224,9 @@ def train_together(shards: Sequence[Shard], loaders: Sequence[TensorBatches]
         loss = total["loss"][c].item() / seen_c
         if not torch.isfinite(total["loss"][c]):
             replies.append(FloatingPointError(
-                f"training loss became {loss} (trained with the clients of the same sub-model "
-                "shapes); the model's parameters are not usable. Lower the learning rate (lr) "
-                "or enable ClipLR (clip-lr)."))
+                f"{P.DIVERGED}: the training loss became {loss} (trained with the clients of "
+                "the same sub-model shapes); the model's parameters are not usable. Lower the "
+                "learning rate (lr), set factor-step = \"dense\" or enable ClipLR (clip-lr)."))
             continue
         metrics = {P.TRAIN_LOSS: loss, P.TRAIN_ACCURACY: total["correct"][c].item() / seen_c}
         try:

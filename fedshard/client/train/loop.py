@@ -140,16 +140,20 @@ def _check_finite(loss_sum: torch.Tensor, epoch: int, steps: int, cfg: TrainConf
     if bool(torch.isfinite(loss_sum)):
         return
     remedies = ["lower the learning rate (lr)", "add normalization layers to the model"]
+    if cfg.factor_step == "plain":
+        remedies.insert(1, "take the dense model's steps on the factors (factor_step='dense')")
     if cfg.max_grad_norm is None:
         remedies.append("set TrainConfig.max_grad_norm to clip the gradient norm")
     else:
         remedies.append(f"lower max_grad_norm (now {cfg.max_grad_norm})")
     if cfg.clip_lr_tau is None:
         remedies.append("enable ClipLR (clip_lr_tau)")
+    # "Training diverged" is how the server recognises the cause (fedshard.protocol.DIVERGED)
     raise FloatingPointError(
-        f"training loss became {loss_sum.item()} in epoch {epoch + 1} (found after step "
-        f"{steps}; checked every {_CHECK_EVERY} steps); training stopped and the model's "
-        f"parameters are not usable. To fix: {', '.join(remedies[:-1])} or {remedies[-1]}."
+        f"Training diverged: the training loss became {loss_sum.item()} in epoch {epoch + 1} "
+        f"(found after step {steps}; checked every {_CHECK_EVERY} steps); training stopped "
+        f"and the model's parameters are not usable. To fix: {', '.join(remedies[:-1])} or "
+        f"{remedies[-1]}."
     )
 
 

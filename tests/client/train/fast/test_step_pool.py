@@ -258,11 +258,13 @@ def test_clients_training_in_threads_at_once_each_get_their_own_result() -> None
         except BaseException as err:  # pragma: no cover - reported below
             errors.append(err)
 
-    threads = [threading.Thread(target=work, args=(c,)) for c in range(6)]
+    # daemon threads and a bounded join: a deadlock fails this test instead of hanging the suite
+    threads = [threading.Thread(target=work, args=(c,), daemon=True) for c in range(6)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a training thread did not finish in 300 s"
     assert not errors
     for c, model in enumerate(models):
         fresh = _client_model(c)
