@@ -179,7 +179,6 @@ def run_simulation(
            f"client-resources-num-gpus={float(client_num_gpus)}"]
     logger.info("launching: %s (FLWR_HOME=%s, port %d)", " ".join(cmd), home, http_port)
     start = time.monotonic()
-    lines: list[str] = []
     proc = subprocess.Popen(cmd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, bufsize=1, start_new_session=True)
 
@@ -193,32 +192,8 @@ def run_simulation(
         for pid in processes_with_env("FLWR_HOME", str(home)):
             kill_tree(pid)
 
-    # A run that hangs without printing must time out too: the watchdog stops every process
-    # of the launch, which closes the pipe and ends the read loop below.
-    expired = threading.Event()
-
-    def expire() -> None:
-        expired.set()
-        stop_all()
-
-    watchdog = threading.Timer(timeout_s, expire)
-    watchdog.daemon = True
-    watchdog.start()
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if on_line is not None:
-                on_line(line.rstrip("\n"))
-            if expired.is_set():
-                break
-        if expired.is_set():
-            raise TimeoutError(f"flwr run exceeded {timeout_s:.0f} s; its processes were stopped")
-        returncode = proc.wait(timeout=60)
-    finally:
-        watchdog.cancel()
-        stop_all()
-    return SimulationRun(returncode, "".join(lines), time.monotonic() - start)
+    returncode, output = _follow(proc, stop_all, timeout_s, on_line, "flwr run")
+    return SimulationRun(returncode, output, time.monotonic() - start)
 
 
 def run_engine_simulation(
@@ -256,7 +231,6 @@ def run_engine_simulation(
     child_env = {**os.environ, "FEDSHARD_ENGINE_HOME": str(home), **(env or {})}
     logger.info("launching: %s", " ".join(cmd))
     start = time.monotonic()
-    lines: list[str] = []
     proc = subprocess.Popen(cmd, env=child_env, cwd=str(app_dir), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1,
                             start_new_session=True)
@@ -267,6 +241,20 @@ def run_engine_simulation(
         for pid in processes_with_env("FEDSHARD_ENGINE_HOME", str(home)):
             kill_tree(pid)
 
+    returncode, output = _follow(proc, stop_all, timeout_s, on_line, f"the {engine} engine")
+    return SimulationRun(returncode, output, time.monotonic() - start)
+
+
+def _follow(proc: subprocess.Popen[str], stop_all: Callable[[], None], timeout_s: float,
+            on_line: Callable[[str], None] | None, what: str) -> tuple[int, str]:
+    """``proc``'s exit status and output, read to its end (each line also to ``on_line``).
+
+    A launch that hangs without printing must time out too: a watchdog calls ``stop_all``
+    (which stops every process of the launch, closing the pipe and so ending the read) after
+    ``timeout_s`` and a ``TimeoutError`` naming ``what`` is raised. ``stop_all`` runs at the
+    end either way.
+    """
+    lines: list[str] = []
     expired = threading.Event()
 
     def expire() -> None:
@@ -285,13 +273,12 @@ def run_engine_simulation(
             if expired.is_set():
                 break
         if expired.is_set():
-            raise TimeoutError(f"the {engine} engine exceeded {timeout_s:.0f} s; its process "
-                               "was stopped")
+            raise TimeoutError(f"{what} exceeded {timeout_s:.0f} s; its processes were stopped")
         returncode = proc.wait(timeout=60)
     finally:
         watchdog.cancel()
         stop_all()
-    return SimulationRun(returncode, "".join(lines), time.monotonic() - start)
+    return returncode, "".join(lines)
 
 
 def launcher_for(engine: str) -> Callable[..., SimulationRun]:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from fedshard.client.train.config import TrainConfig, finite_real
+from fedshard.client.train.hooks import before_step
 from fedshard.client.train.precondition import (
     FACTOR_STEPS,
     DenseFactorStep,
@@ -134,7 +135,8 @@ class ClipLR:
             raise ValueError(f"ClipLR tau={tau!r}: expected a finite number > 0 or None.")
         self.tau = tau
         self.layers = [m for m in model.modules() if isinstance(m, SpectralLayer)]
-        self.handle = None if tau is None else optimizer.register_step_pre_hook(self._pre_step)
+        self.handle = None if tau is None else optimizer.register_step_pre_hook(
+            before_step(self.clip_gradients))
 
     def column_scale(self, omega: torch.Tensor) -> torch.Tensor:
         """Per-column gradient factor ``min(1, τ/ω)``, shape ``(n,)``."""
@@ -157,21 +159,6 @@ class ClipLR:
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
-
-    def _pre_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
-                  kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        closure: Callable[[], Any] | None = kwargs.get(
-            "closure", args[1] if len(args) > 1 else None)
-        if closure is None:
-            self.clip_gradients()
-            return None
-        # the gradients the step will use come from the closure: run it, scale, and hand the
-        # optimizer a closure that returns the loss already computed
-        with torch.enable_grad():
-            loss = closure()
-        self.clip_gradients()
-        rest = {k: v for k, v in kwargs.items() if k != "closure"}
-        return (args[0], *args[2:]), {**rest, "closure": lambda: loss}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(tau={self.tau}, layers={len(self.layers)})"

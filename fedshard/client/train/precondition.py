@@ -17,12 +17,10 @@ hooks (:func:`fedshard.client.receive`). The paper's plain factor step stays the
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 from torch import nn
 
+from fedshard.client.train.hooks import before_step
 from fedshard.settings import FACTOR_STEPS  # re-exported: the setting's values
 from fedshard.spectral.layers import SpectralLayer
 
@@ -173,7 +171,7 @@ class DenseFactorStep:
         self.damping = float(damping)
         self.layers = [m for m in model.modules() if isinstance(m, SpectralLayer)]
         self.handle: torch.utils.hooks.RemovableHandle | None = (
-            optimizer.register_step_pre_hook(self._pre_step))
+            optimizer.register_step_pre_hook(before_step(self.transform_gradients)))
 
     @torch.no_grad()
     def transform_gradients(self) -> None:
@@ -190,21 +188,6 @@ class DenseFactorStep:
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
-
-    def _pre_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
-                  kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        closure: Callable[[], Any] | None = kwargs.get(
-            "closure", args[1] if len(args) > 1 else None)
-        if closure is None:
-            self.transform_gradients()
-            return None
-        # the step's gradients come from the closure: run it, transform, and hand the
-        # optimizer (and the pre-hooks after this one, ClipLR) a closure returning its loss
-        with torch.enable_grad():
-            loss = closure()
-        self.transform_gradients()
-        rest = {k: v for k, v in kwargs.items() if k != "closure"}
-        return (args[0], *args[2:]), {**rest, "closure": lambda: loss}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(layers={len(self.layers)})"
