@@ -141,7 +141,7 @@ def _check_finite(loss_sum: torch.Tensor, epoch: int, steps: int, cfg: TrainConf
         return
     remedies = ["lower the learning rate (lr)", "add normalization layers to the model"]
     if cfg.factor_step == "plain":
-        remedies.insert(1, "take the dense model's steps on the factors (factor_step='dense')")
+        remedies.append("take the dense model's steps on the factors (factor_step='dense')")
     if cfg.max_grad_norm is None:
         remedies.append("set TrainConfig.max_grad_norm to clip the gradient norm")
     else:

@@ -395,10 +395,15 @@ def test_non_finite_loss_raises_with_remedies_that_apply() -> None:
         FloatingPointError,
         match=r"became nan in epoch 1 \(found after step 32; "
         r"checked every 32 steps\).*lower the learning rate \(lr\), add "
-        r"normalization layers.* set TrainConfig\.max_grad_norm",
+        r"normalization layers to the model, take the dense model's steps on the factors "
+        r"\(factor_step='dense'\) or set TrainConfig\.max_grad_norm",
     ) as info:
         train(_broken(), loader, on)
+    assert str(info.value).startswith("Training diverged: ")  # how the server counts it
     assert "ClipLR" not in str(info.value)  # already on: not a remedy
+    with pytest.raises(FloatingPointError) as info:
+        train(_broken(), loader, dataclasses.replace(on, factor_step="dense"))
+    assert "factor_step" not in str(info.value)  # already on: not a remedy
     off = dataclasses.replace(on, clip_lr_tau=None, max_grad_norm=1.0)
     with pytest.raises(
         FloatingPointError,
