@@ -163,3 +163,14 @@ def test_flops_of_a_convolution_by_hand() -> None:
     # conv: each of 4 x 6 x 6 outputs is 3 x 3 x 3 multiply-adds; then a 144 -> 5 Linear
     assert forward_flops(conv, torch.zeros(1, 3, 8, 8)) == 2 * (4 * 36 * 27 + 144 * 5)
     assert not math.isnan(forward_flops(conv, torch.zeros(1, 3, 8, 8)))
+
+
+def test_a_resumed_run_may_name_another_reference_run_but_not_another_lr() -> None:
+    from fedshard.app.checkpoint import RESUME_MAY_CHANGE, Checkpoint
+    from fedshard.app.config import RunConfig
+
+    saved = RunConfig().as_dict()
+    ckpt = Checkpoint(server_round=2, arrays={}, config=saved)
+    ckpt.check_config({**saved, "reference-run": "dense-r1"}, ignore=RESUME_MAY_CHANGE)
+    with pytest.raises(ValueError, match=r"Cannot resume: .*lr"):
+        ckpt.check_config({**saved, "lr": 0.5}, ignore=RESUME_MAY_CHANGE)
