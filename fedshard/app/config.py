@@ -73,7 +73,7 @@ class RunConfig:
     momentum: float = 0.9
     batch_size: int = 32
     local_epochs: int = 1
-    num_server_rounds: int = 8
+    num_server_rounds: int = 7
     fraction_train: float = 1.0
     fraction_evaluate: float = 0.0
     min_available_nodes: int = 2

@@ -125,11 +125,15 @@ class NodeDirectory:
         Nodes that must be connected before a round starts.
     policy : fedshard.settings.NodePolicy or None
         The operator's keep-ratio cap and table and the timeouts (default: its defaults).
+    sharded : bool
+        Whether a keep ratio decides what a node is sent (``False`` for ``method = "none"``,
+        where every node gets the dense model: no warning about a node's declared ratio).
     """
 
     def __init__(self, *, seed: int, min_available_nodes: int,
-                 policy: NodePolicy | None = None) -> None:
+                 policy: NodePolicy | None = None, sharded: bool = True) -> None:
         self.seed = seed
+        self.sharded = sharded
         self.min_available_nodes = min_available_nodes
         self.policy = policy if policy is not None else NodePolicy()
         self.capabilities: dict[int, P.Capabilities] = {}
@@ -214,6 +218,8 @@ class NodeDirectory:
                     "training seed and the same random streams, and one may be posing as the "
                     "other; give every node its own key.", *sorted((twin, node)),
                     caps.key)
+            if not self.sharded:
+                continue
             if (self.policy.keep_ratio_table is None and not reason
                     and caps.keep_ratio >= self.policy.max_keep_ratio):
                 log(WARNING, "Node %d declares keep ratio %g, the largest this run allows "

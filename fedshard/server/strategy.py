@@ -207,7 +207,7 @@ class SpectralSharding(FedAvg):
         self.base_lr = self.training.lr if self.training.lr is not None else DEFAULT_LR
         self.seed, self.device = seed, device
         self.nodes = NodeDirectory(seed=seed, min_available_nodes=min_available_nodes,
-                                   policy=node_policy)
+                                   policy=node_policy, sharded=self.sharding.method != "none")
         self.rounds_trained = 0  # rounds whose aggregate replaced the global model
         # server_round -> the round's metrics (server statistics and client aggregates).
         self.history: dict[int, dict[str, float]] = {}

@@ -68,6 +68,28 @@ def test_standardization_matches_the_tensorflow_formula():
     assert double.dtype == torch.float64
 
 
+def test_uint8_images_standardize_the_same_alone_or_in_any_batch():
+    """Bit for bit, whatever the batch (a float reduction would round by its vectorization),
+    and within float32 rounding of the float64 formula."""
+    rng = np.random.default_rng(1)
+    images = rng.integers(0, 256, size=(300, 3, 32, 32), dtype=np.uint8)
+    images[5] = 200  # constant
+    images[6] = np.where(rng.random((3, 32, 32)) < 0.5, 0, 255)  # largest variance
+    x = torch.from_numpy(images)
+    alone = torch.stack([per_image_standardization(img) for img in x])
+    for size in (1, 7, 64, 300):
+        batched = torch.cat([per_image_standardization(x[i:i + size])
+                             for i in range(0, len(x), size)])
+        assert torch.equal(batched, alone), size
+    want = np.stack([_standardize_reference(img) for img in images])
+    err = np.abs(alone.numpy().astype(np.float64) - want)
+    assert err.max() <= 4 * np.finfo(np.float32).eps * max(1.0, np.abs(want).max())
+    assert torch.count_nonzero(alone[5]) == 0
+    strided = x.transpose(2, 3)  # not contiguous
+    assert torch.equal(per_image_standardization(strided),
+                       torch.stack([per_image_standardization(i.contiguous()) for i in strided]))
+
+
 def test_standardization_rejects_wrong_rank():
     with pytest.raises(
         ValueError, match=r"expects \(C, H, W\) or \(B, C, H, W\), got shape \(5, 5\)"

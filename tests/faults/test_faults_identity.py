@@ -99,6 +99,20 @@ def test_a_node_reusing_a_key_and_claiming_the_full_model_is_warned(flower_logs)
                 if "declare the same node-key" in r.getMessage()}) == 1
 
 
+def test_no_full_model_warning_where_every_node_gets_the_dense_model(flower_logs) -> None:
+    configs = [{"keep-ratio": 1.0, "node-key": "a"}, {"keep-ratio": 1.0, "node-key": "b"}]
+    sharded = strategy()
+    list(sharded.configure_train(1, initial(), ConfigRecord(), InProcessGrid(client, configs)))
+    claim = "declares keep ratio 1, the largest this run allows"
+    assert claim in flower_logs.text  # the check's premise: sharded runs warn
+    flower_logs.clear()
+    dense = strategy(method="none")
+    msgs = list(dense.configure_train(1, initial(), ConfigRecord(),
+                                      InProcessGrid(client, configs)))
+    assert len(msgs) == 2
+    assert claim not in flower_logs.text  # FedAvg: a declared ratio decides nothing
+
+
 def test_trust_declared_keys_is_a_validated_run_config_key() -> None:
     assert RunConfig.from_mapping({"trust-declared-keys": True}).nodes.trust_declared_keys
     assert NodePolicy().trust_declared_keys is False
