@@ -12,7 +12,6 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torchvision.models.resnet import BasicBlock, conv1x1
 
 __all__ = ["ResNet", "resnet18"]
 
@@ -91,6 +90,10 @@ class ResNet(nn.Module):
                 nn.init.zeros_(m.bias)
 
     def _make_stage(self, planes: int, blocks: int, stride: int) -> nn.Sequential:
+        # imported here: torchvision takes ~3 s to import, and a process that never builds a
+        # ResNet (the MLP's ServerApp and ClientApps) need not pay it
+        from torchvision.models.resnet import BasicBlock, conv1x1
+
         downsample = None
         if stride != 1 or self.inplanes != planes:
             # 1x1 projection shortcut (torchvision's "option B").
