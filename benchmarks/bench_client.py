@@ -44,7 +44,6 @@ import copy
 import dataclasses
 import gc
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -61,6 +60,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from machine import cpu_name
 
 from fedshard.client.train import EagerStep, TrainConfig, train
 from fedshard.client.train.fast import TrainStep, configure_convolutions
@@ -266,14 +267,7 @@ def kernel_table(model: nn.Module, cfg: TrainConfig,
 
 
 def setup(args: argparse.Namespace, device: torch.device) -> dict[str, object]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_name()
     return {
         "model": f"resnet18(width={args.width})",
         "input": [args.batch, 3, 32, 32],

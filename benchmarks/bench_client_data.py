@@ -33,7 +33,6 @@ import fcntl
 import hashlib
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -48,17 +47,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from machine import cpu_name  # noqa: E402
 
 ENV = "FEDSHARD_CLIENT_DATA_CACHE_BYTES"
 LOCK = Path("/tmp/fedshard-flwr.lock")
 
-
-def cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def model_hash(path: Path) -> str:
@@ -191,7 +184,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "workload": "flwr run . defaults (mlp width 256, fashion-mnist, 10 partitions, "
                     f"collective 0.2:0.6,0.4:0.4), {args.rounds} rounds",
-        "cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
+        "cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
         "threads": torch.get_num_threads()}
     result["client_data"] = client_data(args.repeats)
     with tempfile.TemporaryDirectory(prefix="bench-client-data-") as tmp:

@@ -44,9 +44,7 @@ import argparse
 import contextlib
 import copy
 import fcntl
-import gzip
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -65,11 +63,13 @@ sys.path.insert(0, str(ROOT))
 import fakedata  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from flwr.common import logger as flwr_logger  # noqa: E402
+from machine import cpu_name  # noqa: E402
 
 from fedshard.app.config import RunConfig  # noqa: E402
 from fedshard.app.engine import run_engine  # noqa: E402
 from fedshard.app.task import build_model, client_dataset  # noqa: E402
 from fedshard.data import load_test_set  # noqa: E402
+from fedshard.data.image_files import read_idx  # noqa: E402
 from fedshard.experiments.launch import run_simulation  # noqa: E402
 
 FLWR_LOCK = Path("/tmp/fedshard-flwr.lock")
@@ -81,15 +81,6 @@ def tensors(dataset: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return inputs, targets
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
-
 
 def sync(device: str) -> None:
     if device.startswith("cuda"):
@@ -97,12 +88,6 @@ def sync(device: str) -> None:
 
 
 # ---------------------------------------------------------------------------- data
-def _read_idx(path: Path) -> np.ndarray:
-    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-    ndim = raw[3]
-    dims = np.frombuffer(raw[4:4 + 4 * ndim], dtype=">u4").astype(int)
-    return np.frombuffer(raw[4 + 4 * ndim:], dtype=np.uint8).reshape(tuple(dims))
-
 
 def _idx_file(folder: Path, stem: str) -> Path:
     for name in (f"{stem}.gz", stem):
@@ -120,8 +105,8 @@ def write_data(preset: str, root: Path, n_train: int, n_test: int, fmnist: Path)
         fakedata.write_cifar10(root, -(-n_train // 5), n_test, np.random.default_rng(0))
         return
     for prefix, n in (("train", n_train), ("t10k", n_test)):
-        images = _read_idx(_idx_file(fmnist, f"{prefix}-images-idx3-ubyte"))[:n]
-        labels = _read_idx(_idx_file(fmnist, f"{prefix}-labels-idx1-ubyte"))[:n]
+        images = read_idx(_idx_file(fmnist, f"{prefix}-images-idx3-ubyte"))[:n]
+        labels = read_idx(_idx_file(fmnist, f"{prefix}-labels-idx1-ubyte"))[:n]
         fakedata.write_idx(root / f"{prefix}-images-idx3-ubyte.gz", np.ascontiguousarray(images))
         fakedata.write_idx(root / f"{prefix}-labels-idx1-ubyte.gz", np.ascontiguousarray(labels))
 

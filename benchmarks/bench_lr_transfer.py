@@ -35,11 +35,9 @@ results). Usage::
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import logging
 import platform
-import struct
 import sys
 import tempfile
 import time
@@ -53,6 +51,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from fakedata import write_idx  # noqa: E402
+
+from fedshard.data.image_files import read_idx  # noqa: E402
+
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
 VARIANTS = {
     "dense": {"method": "none", "keep-ratios": "1"},
@@ -64,18 +66,6 @@ VARIANTS = {
 WIDTHS = {"lenet": 1, "mlp": 256, "resnet18": 16}
 
 
-def _read_idx(path: Path) -> np.ndarray:
-    with gzip.open(path) as f:
-        data = f.read()
-    ndim = data[3]
-    dims = struct.unpack(f">{ndim}I", data[4:4 + 4 * ndim])
-    return np.frombuffer(data, np.uint8, offset=4 + 4 * ndim).reshape(dims)
-
-
-def _write_idx(path: Path, array: np.ndarray) -> None:
-    header = bytes([0, 0, 8, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
-    with gzip.open(path, "wb") as f:
-        f.write(header + np.ascontiguousarray(array, np.uint8).tobytes())
 
 
 def write_subset(folder: Path, n_train: int, n_test: int) -> None:
@@ -83,8 +73,8 @@ def write_subset(folder: Path, n_train: int, n_test: int) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for prefix, n in (("train", n_train), ("t10k", n_test)):
         for kind in ("images-idx3-ubyte", "labels-idx1-ubyte"):
-            _write_idx(folder / f"{prefix}-{kind}.gz",
-                       _read_idx(FMNIST / f"{prefix}-{kind}.gz")[:n])
+            write_idx(folder / f"{prefix}-{kind}.gz",
+                       read_idx(FMNIST / f"{prefix}-{kind}.gz")[:n])
 
 
 def run_cell(data: Path, out: Path, model: str, variant: str, lr: float, rounds: int,
@@ -135,11 +125,11 @@ def step_ratio(model_name: str, probe_steps: int, lr: float, seed: int) -> dict[
     cfg = RunConfig.from_mapping({"model": model_name, "model-width": WIDTHS[model_name]})
     dense = build_model(cfg)
     names = sharded_layer_names(dense, example_input=example_input(cfg))
-    images = torch.tensor(_read_idx(FMNIST / "train-images-idx3-ubyte.gz")[:2048],
+    images = torch.tensor(read_idx(FMNIST / "train-images-idx3-ubyte.gz")[:2048],
                           dtype=torch.float32)[:, None] / 255
     images = (images - images.mean((1, 2, 3), keepdim=True)) / images.std((1, 2, 3),
                                                                          keepdim=True)
-    labels = torch.tensor(_read_idx(FMNIST / "train-labels-idx1-ubyte.gz")[:2048].astype(
+    labels = torch.tensor(read_idx(FMNIST / "train-labels-idx1-ubyte.gz")[:2048].astype(
         np.int64))
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.SGD(dense.parameters(), lr=0.01, momentum=0.9)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -50,6 +49,7 @@ import numpy as np  # noqa: E402
 from flower_grid import InProcessGrid  # noqa: E402
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message  # noqa: E402
 from flwr.common import logger as flwr_logger  # noqa: E402
+from machine import cpu_name  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 
 from fedshard import (  # noqa: E402
@@ -63,16 +63,6 @@ from fedshard.client.train import TrainConfig, train  # noqa: E402
 from fedshard.client.train.batches import batches_for  # noqa: E402
 from fedshard.data.images import ImageArrays, ImageDataset  # noqa: E402
 from fedshard.models import resnet18  # noqa: E402
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
 
 
 class NoTensors(Dataset[Any]):

@@ -18,9 +18,7 @@ Usage: ``python benchmarks/bench_standardize.py [--fmnist DIR] [--cifar N] [--re
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
-import platform
 import statistics
 import sys
 import time
@@ -31,23 +29,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from machine import cpu_name
+
 from fedshard.data import per_image_standardization
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
+from fedshard.data.image_files import read_idx
 
 
 def fashion_mnist(folder: Path) -> torch.Tensor:
-    raw = gzip.decompress((folder / "train-images-idx3-ubyte.gz").read_bytes())
-    return torch.from_numpy(np.frombuffer(raw, np.uint8, offset=16).reshape(-1, 1, 28, 28)
-                            .copy())
+    images = read_idx(folder / "train-images-idx3-ubyte.gz")  # (N, 28, 28) uint8
+    return torch.from_numpy(images.copy())[:, None]
 
 
 def main() -> None:
