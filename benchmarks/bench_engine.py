@@ -7,8 +7,10 @@ turn), on one device:
   per node), launched as the experiment runner launches it
   (:func:`fedshard.experiments.launch.run_simulation`) while holding the lock file
   ``/tmp/fedshard-flwr.lock`` (two local SuperLinks would collide on their port);
-* **sequential** / **batched**: :func:`fedshard.app.engine.run_engine`, the same ServerApp code
-  (strategy, central evaluation, results, checkpoints) over the in-process engine;
+* **sequential** / **batched**: :func:`fedshard.app.engine.engine_grid` under
+  :func:`fedshard.app.run.run_server` (what :func:`fedshard.app.engine.run_engine` runs), the
+  same ServerApp code (strategy, central evaluation, results, checkpoints) over the in-process
+  engine;
 * **bare**: a single-process torch loop doing the same training, averaging and evaluation as
   dense FedAvg: every client copies the global model and trains it (SGD, momentum 0.9, the
   same lr, batches and epochs) on its examples held as tensors, then the weighted average,
@@ -16,11 +18,16 @@ turn), on one device:
 
 A path's s/round is the median of ``round-s`` in its ``metrics.jsonl`` over the rounds after the
 first (which includes reading the data and warm-up); the bare loop times its rounds the same
-way. The ratios are taken per repeat (each path against that repeat's bare loop) and their
-median is printed. ``max_rel_diff_float64`` is the largest relative difference, in float64,
-between the engine(s) and fedshard's real ClientApp over Flower's Message API (the in-process
-grid of ``tests/flower_grid.py``) after ``--equality-rounds`` rounds of every method measured:
-final model, every reply's arrays and metrics (each client cut to ``--equality-examples``).
+way. ``engine_vs_bare`` pairs rounds: in every engine run, one round of a bare loop runs right
+before each engine round's training (timed apart and taken out of its ``round-s``), and the
+median of the per-round ratios over all repeats is printed. The speed of a shared cloud CPU
+drifts by ±30 % over seconds, so ratios of whole runs (``engine_vs_bare_per_run``, and the
+``flower`` ratios: each path against that repeat's bare run, median over repeats) move by
+that much from one run of this script to the next. ``max_rel_diff_float64`` is the largest
+relative difference, in float64, between the engine(s) and fedshard's real ClientApp over
+Flower's Message API (the in-process grid of ``tests/flower_grid.py``) after
+``--equality-rounds`` rounds of every method measured: final model, every reply's arrays and
+metrics (each client cut to ``--equality-examples``).
 
 Presets:
 
@@ -66,7 +73,8 @@ from flwr.common import logger as flwr_logger  # noqa: E402
 from machine import cpu_name  # noqa: E402
 
 from fedshard.app.config import RunConfig  # noqa: E402
-from fedshard.app.engine import run_engine  # noqa: E402
+from fedshard.app.engine import engine_grid  # noqa: E402
+from fedshard.app.run import run_server  # noqa: E402
 from fedshard.app.task import build_model, client_dataset  # noqa: E402
 from fedshard.data import load_test_set  # noqa: E402
 from fedshard.data.image_files import read_idx  # noqa: E402
@@ -141,10 +149,32 @@ def run_flower(settings: dict[str, Any], clients: int, gpus: float) -> float:
     return _round_s(folder)
 
 
-def run_in_process(settings: dict[str, Any], clients: int, engine: str, device: str) -> float:
-    run_engine(RunConfig.from_mapping(settings), clients, engine=engine, device=device,
-               server_device=device)
-    return _round_s(Path(settings["results-dir"]) / settings["run-name"])
+def run_in_process(settings: dict[str, Any], clients: int, engine: str,
+                   device: str) -> tuple[float, list[float]]:
+    """The engine's s/round, and its per-round ratios to a bare round run just before it.
+
+    Each round, right before the engine trains its clients, the bare loop runs one round of
+    its own (timed apart and taken out of the engine's ``round-s``): the two are measured
+    within a second of each other, so a machine whose speed drifts over seconds (a shared
+    cloud CPU) moves both alike."""
+    cfg = RunConfig.from_mapping(settings)
+    grid = engine_grid(cfg, clients, engine=engine, device=device)
+    bare = BareLoop(cfg, clients, device)
+    inner, bare_s = grid.trainer, {}
+
+    def paired(jobs: Any) -> Any:
+        server_round = len(bare_s) + 1
+        bare_s[server_round] = bare.round(server_round)
+        return inner(jobs)
+
+    grid.trainer = paired
+    run_server(grid, cfg, device=device)
+    folder = Path(settings["results-dir"]) / settings["run-name"]
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    engine_s = {int(r["round"]): float(r["round-s"]) - bare_s[int(r["round"])]
+                for r in rows if int(r.get("round", 0)) >= 2}
+    return (statistics.median(engine_s.values()),
+            [engine_s[r] / bare_s[r] for r in sorted(engine_s)])
 
 
 class BareLoop:
@@ -338,6 +368,7 @@ def main() -> None:
         per_method = {m: {**base, "method": m, "keep-ratios": "1.0" if m == "none" else "0.1"}
                       for m in methods}
         times: dict[str, dict[str, list[float]]] = {p: {m: [] for m in methods} for p in paths}
+        paired: dict[str, dict[str, list[float]]] = {p: {m: [] for m in methods} for p in paths}
         for rep in range(args.repeats):
             for path in paths:
                 for m in methods:
@@ -347,7 +378,8 @@ def main() -> None:
                     elif path == "flower":
                         t = run_flower(s, clients, 1.0 if device.startswith("cuda") else 0.0)
                     else:
-                        t = run_in_process(s, clients, path, device)
+                        t, ratios = run_in_process(s, clients, path, device)
+                        paired[path][m] += ratios
                     times[path][m].append(t)
         equality = None
         if args.equality_rounds > 0:
@@ -374,7 +406,9 @@ def main() -> None:
         "repeats": args.repeats, "rounds": args.rounds, "engine": engine,
         "s_per_round": {p: {m: round(statistics.median(v), 4) for m, v in t.items()}
                         for p, t in times.items()},
-        "engine_vs_bare": ratio(engine, "bare"),
+        "engine_vs_bare": {m: round(statistics.median(v), 3) for m, v in paired[engine].items()}
+        if engine in paired else None,
+        "engine_vs_bare_per_run": ratio(engine, "bare"),
         "flower_vs_bare": ratio("flower", "bare"),
         "speedup_vs_flower": ratio("flower", engine),
         "speedup_batched_vs_sequential": ratio("sequential", "batched"),

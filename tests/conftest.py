@@ -18,6 +18,8 @@ that cross packages.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -29,3 +31,16 @@ def _restore_torch_threads():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _restore_library_logging():
+    """A run started in a test gives the ``fedshard`` logger Flower's handlers
+    (:func:`fedshard.app.run.log_with_flower`), among them a test's ``caplog`` handler when the
+    test put one on Flower's logger: they are taken off again, so no later test sees its log
+    lines twice."""
+    library = logging.getLogger("fedshard")
+    handlers, level = list(library.handlers), library.level
+    yield
+    library.handlers[:] = handlers
+    library.setLevel(level)

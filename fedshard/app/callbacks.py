@@ -33,6 +33,7 @@ from fedshard.app.results import RunRecorder
 from fedshard.client.train.batches import TensorBatches, batches_for
 from fedshard.client.train.loop import evaluate
 from fedshard.data import load_test_set
+from fedshard.protocol import decode_array
 from fedshard.server.strategy import SpectralSharding
 from fedshard.spectral.truncation import truncate_state
 
@@ -199,7 +200,7 @@ class CentralEvaluation(RoundCallback):
         """The test metrics of ``arrays`` if the round is due, else ``None``."""
         if not self.is_due(server_round):
             return None
-        state = arrays.to_torch_state_dict()
+        state = {k: torch.from_numpy(decode_array(a)) for k, a in arrays.items()}
         self.model.load_state_dict(state, strict=True)
         res = evaluate(self.model, self.batches, device=self.device)
         out = {"test-loss": res.loss, "test-accuracy": res.accuracy,
@@ -309,7 +310,7 @@ class Checkpointing(RoundCallback):
         """Save the round's checkpoint (rounds ≥ 1); a non-finite model raises ``ValueError``
         (see :meth:`Checkpoint.save`)."""
         if server_round > 0:
-            Checkpoint(server_round, {k: a.numpy() for k, a in arrays.items()}, self.config,
-                       self.strategy.capability_table(), self.strategy.history
+            Checkpoint(server_round, {k: decode_array(a) for k, a in arrays.items()},
+                       self.config, self.strategy.capability_table(), self.strategy.history
                        ).save(self.directory)
         return None

@@ -21,7 +21,13 @@ from fedshard.client.handlers import (
     keep_ratio_of,
 )
 from fedshard.client.keep_ratios import KeepRatioMixture, node_keep_ratio
-from fedshard.client.shard import Shard, receive, shard_reply, submodel_from_record
+from fedshard.client.shard import (
+    Shard,
+    SubmodelCache,
+    receive,
+    shard_reply,
+    submodel_from_record,
+)
 from fedshard.client.train import (
     ClipLR,
     EvalResult,
@@ -40,6 +46,7 @@ __all__ = [
     "NodeOptions",
     "Shard",
     "ShardingClientApp",
+    "SubmodelCache",
     "TensorBatches",
     "TrainConfig",
     "TrainResult",

@@ -35,8 +35,8 @@ def sharding_mod(msg: Message, context: Context, call_next: Any) -> Message:
     metrics = dict(reply.content.metric_records.get(P.METRICS, {}))
     num_examples = metrics.pop(P.NUM_EXAMPLES, None)
     lr = P.TrainSettings.from_record(msg.content.config_records[P.CONFIG]).lr
-    return shard_reply(msg, {k: a.numpy() for k, a in arrays.items()}, num_examples, metrics,
-                       lr)
+    return shard_reply(msg, {k: P.decode_array(a) for k, a in arrays.items()}, num_examples,
+                       metrics, lr)
 
 
 class ShardingClientApp(ClientApp):

@@ -31,15 +31,20 @@ import copy
 import logging
 from typing import Any, TypedDict, Unpack
 
-import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from fedshard import protocol as P
 from fedshard.client.keep_ratios import KEEP_RATIOS, KeepRatioMixture, node_keep_ratio
-from fedshard.client.shard import Shard, receive, submodel_from_record  # re-exported
+from fedshard.client.shard import (  # re-exported
+    Shard,
+    SubmodelCache,
+    receive,
+    submodel_from_record,
+)
+from fedshard.client.train import fast
 from fedshard.client.train.batches import TensorBatches, batches_for
 from fedshard.client.train.loop import (
     evaluate,
@@ -50,6 +55,7 @@ from fedshard.sampling import as_keep_ratio
 __all__ = [
     "NodeOptions",
     "Shard",
+    "SubmodelCache",
     "handle_evaluate",
     "handle_query",
     "handle_train",
@@ -172,6 +178,7 @@ def handle_train(
     device: str = "cpu",
     input_key: str | None = None,
     target_key: str | None = None,
+    submodels: SubmodelCache | None = None,
     **options: Unpack[NodeOptions],
 ) -> Message:
     """Train the received shard of ``model`` with fedshard's loop; reply with the factors.
@@ -196,6 +203,11 @@ def handle_train(
         Where to train.
     input_key, target_key : str, optional
         Keys of dict samples.
+    submodels : SubmodelCache, optional
+        Sub-models of ``model`` kept between calls (:class:`~fedshard.client.shard.SubmodelCache`;
+        fedshard's in-process engine passes one): a kept sub-model of the same shape is loaded
+        instead of copying ``model`` again, and this one is kept after the reply is built
+        (when trained with the eager step). The same numbers either way.
     **options
         This node's own :class:`~fedshard.client.train.TrainConfig` fields (:class:`NodeOptions`:
         speed and logging, e.g. ``compile=True``, ``cuda_graph=True``, ``merge_terms=True``);
@@ -210,22 +222,26 @@ def handle_train(
         and sent back under that name (its ``fedavg-train-loss`` in the metrics).
     """
     dense = copy.deepcopy(model) if P.REFERENCE in msg.content.array_records else None
-    shard = receive(msg, model, device=device, client_rules=False)  # train() applies them
+    # train() applies the client rules
+    shard = Shard.from_message(msg, model, device=device, client_rules=False, cache=submodels)
     s = shard.settings
     cfg = shard.train_config(input_key=input_key, target_key=target_key, **options)
     loader = _loader(data, s.batch_size, s.train_seed, shard.device)
     result = train(shard.model, loader, cfg)
     metrics = {P.TRAIN_LOSS: result.loss, P.TRAIN_ACCURACY: result.accuracy}
     if dense is None:
-        return shard.reply(result.num_examples, metrics)
+        reply = shard.reply(result.num_examples, metrics)
+        if submodels is not None and not fast.enabled(cfg):  # the fast step may reshape it
+            submodels.give(shard.model)
+        return reply
     record = msg.content.array_records[P.REFERENCE]
-    dense.load_state_dict({k: torch.as_tensor(np.array(a.numpy())) for k, a in record.items()},
+    dense.load_state_dict({k: torch.from_numpy(P.decode_array(a)) for k, a in record.items()},
                           strict=True)
     ref = train(dense.to(shard.device),
                 _again(loader, data, s.batch_size, s.train_seed, shard.device), cfg)
     reply = shard.reply(result.num_examples, {**metrics, "fedavg-train-loss": ref.loss})
     reply.content[P.REFERENCE] = ArrayRecord(
-        {k: Array(v.detach().cpu().numpy()) for k, v in dense.state_dict().items()})
+        {k: P.encode_array(v.detach().cpu().numpy()) for k, v in dense.state_dict().items()})
     return reply
 
 
@@ -237,7 +253,7 @@ def handle_evaluate(
     """Evaluate the received dense global model on ``data`` (a Dataset or a DataLoader used
     as is; dict samples as in :func:`handle_train`)."""
     record = msg.content.array_records[P.ARRAYS]
-    state = {k: torch.as_tensor(np.array(a.numpy())) for k, a in record.items()}
+    state = {k: torch.from_numpy(P.decode_array(a)) for k, a in record.items()}
     model.load_state_dict(state, strict=True)
     loader = _loader(data, batch_size, None, device)
     result = evaluate(model, loader, device=device, input_key=input_key, target_key=target_key)

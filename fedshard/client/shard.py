@@ -16,6 +16,7 @@ would (:mod:`fedshard.client.train.precondition`), so the dense model's lr works
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -30,23 +31,96 @@ from fedshard.client.train.config import TrainConfig
 from fedshard.client.train.optim import attach_client_rules, build_optimizer, frobenius_penalty
 from fedshard.spectral import LayerFactors, build_submodel
 
-__all__ = ["Shard", "receive", "shard_reply", "submodel_from_record"]
+__all__ = ["Shard", "SubmodelCache", "receive", "shard_reply", "submodel_from_record"]
+
+#: A sub-model's shape: ``(layer, u's shape, v's shape)`` of each sharded layer, sorted.
+SubmodelShape = tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]
 
 
-def submodel_from_record(model: nn.Module, record: ArrayRecord) -> tuple[nn.Module, list[str]]:
+class SubmodelCache:
+    """Sub-models of one model kept for the next shard of the same shape, for a process that
+    trains many shards one after another (fedshard's in-process engine does).
+
+    Building a sub-model copies the whole model (``copy.deepcopy``: most of the time it takes
+    to receive a shard of a small model); a kept sub-model whose sharded layers have the same
+    ranks only takes the received values (``load_state_dict``), which gives the same
+    sub-model, value for value. :func:`fedshard.client.handlers.handle_train` gives its
+    sub-model back once its reply is built, when it trained with the eager step (the fast
+    options may change a sub-model's convolutions) and its factors carry no hooks. What a
+    sub-model holds beyond its ``state_dict`` (non-persistent buffers, attributes its forward
+    pass changes) is carried over to the next shard: use it with models whose forward pass
+    changes nothing but their parameters and buffers (fedshard's models are such).
+
+    Parameters
+    ----------
+    model : nn.Module
+        The model the sub-models are built from (only read).
+    max_shapes : int
+        At most this many shapes are kept (one sub-model each); a shape beyond them is built
+        and dropped after use.
+    """
+
+    def __init__(self, model: nn.Module, max_shapes: int = 8) -> None:
+        if isinstance(max_shapes, bool) or not isinstance(max_shapes, int) or max_shapes < 1:
+            raise ValueError(f"SubmodelCache(max_shapes={max_shapes!r}): expected an int ≥ 1; "
+                             "no cache was made.")
+        self.model = model
+        self.max_shapes = max_shapes
+        self._free: dict[SubmodelShape, nn.Module] = {}
+        self._lent: weakref.WeakKeyDictionary[nn.Module, SubmodelShape] = \
+            weakref.WeakKeyDictionary()
+
+    def take(self, shape: SubmodelShape) -> nn.Module | None:
+        """A kept sub-model of ``shape`` (no longer kept), or ``None``."""
+        return self._free.pop(shape, None)
+
+    def lend(self, sub: nn.Module, shape: SubmodelShape) -> None:
+        """Note that ``sub``, of ``shape``, is in use (:meth:`give` takes it back)."""
+        self._lent[sub] = shape
+
+    def give(self, sub: nn.Module) -> None:
+        """Keep ``sub`` (from :meth:`lend`; its trainer is done with it) for the next shard of
+        its shape; a sub-model this cache did not lend is ignored."""
+        shape = self._lent.pop(sub, None)
+        if shape is not None and (shape in self._free or len(self._free) < self.max_shapes):
+            self._free[shape] = sub
+
+    def __len__(self) -> int:
+        """Sub-models kept now."""
+        return len(self._free)
+
+
+def _shape(factors: Mapping[str, Mapping[str, np.ndarray]]) -> SubmodelShape:
+    return tuple(sorted((layer, tuple(parts["u"].shape), tuple(parts["v"].shape))
+                        for layer, parts in factors.items()))
+
+
+def submodel_from_record(model: nn.Module, record: ArrayRecord,
+                         cache: SubmodelCache | None = None) -> tuple[nn.Module, list[str]]:
     """Build the sub-model described by a train ``record`` on a copy of ``model``.
 
     Returns the sub-model with every received entry loaded (strictly: a missing or extra key
-    raises) and the names of its sharded layers. ``model`` itself is not modified.
+    raises) and the names of its sharded layers. ``model`` itself is not modified. With a
+    ``cache`` (of ``model``), a kept sub-model of the same shape is loaded instead of a new
+    copy (:class:`SubmodelCache`).
     """
     factors, state = P.decode_shard(record)
-    dtype = next(iter(model.parameters())).dtype
-    sub = build_submodel(model, {
-        layer: LayerFactors(**{p: torch.as_tensor(x, dtype=dtype) for p, x in parts.items()})
-        for layer, parts in factors.items()
-    })
+    sub = None
+    if cache is not None:
+        if cache.model is not model:
+            raise ValueError("submodel_from_record: the cache holds sub-models of another "
+                             "model; give the model it was made with. Nothing was built.")
+        sub = cache.take(_shape(factors))
+    if sub is None:
+        dtype = next(iter(model.parameters())).dtype
+        sub = build_submodel(model, {
+            layer: LayerFactors(**{p: torch.as_tensor(x, dtype=dtype) for p, x in parts.items()})
+            for layer, parts in factors.items()
+        })
+    if cache is not None:
+        cache.lend(sub, _shape(factors))
     missing, unexpected = sub.load_state_dict(
-        {k: torch.as_tensor(np.array(x)) for k, x in state.items()}, strict=False)
+        {k: torch.as_tensor(x) for k, x in state.items()}, strict=False)  # fresh arrays
     if missing or unexpected:
         raise ValueError(
             f"The received arrays do not fit this node's model: missing {sorted(missing)[:8]}, "
@@ -91,14 +165,19 @@ class Shard:
 
     @classmethod
     def from_message(cls, msg: Message, model: nn.Module, *,
-                     device: str | torch.device = "cpu", client_rules: bool = True) -> Shard:
+                     device: str | torch.device = "cpu", client_rules: bool = True,
+                     cache: SubmodelCache | None = None) -> Shard:
         """Same as :func:`receive`."""
         if not isinstance(client_rules, bool):
             raise TypeError(f"receive(client_rules={client_rules!r}): expected True (the "
                             "factors carry Frobenius decay and ClipLR) or False; nothing was "
                             "received.")
+        if client_rules and cache is not None:
+            raise ValueError("Shard.from_message(client_rules=True, cache=...): a kept sub-model "
+                             "would carry the hooks of every shard it trained; use the cache with "
+                             "client_rules=False. Nothing was received.")
         settings = P.TrainSettings.from_record(msg.content.config_records[P.CONFIG])
-        sub, layers = submodel_from_record(model, msg.content.array_records[P.ARRAYS])
+        sub, layers = submodel_from_record(model, msg.content.array_records[P.ARRAYS], cache)
         dev = torch.device(device)
         sub = sub.to(dev)
         if client_rules:

@@ -39,6 +39,7 @@ Messages
     ``"metrics"``: ``num-examples``, ``eval-loss``, ``eval-accuracy``.
 """
 
+from fedshard.protocol.arrays import decode_array, encode_array
 from fedshard.protocol.bounds import UPDATE_POLICIES, read_count, scalar_metrics
 from fedshard.protocol.capabilities import (
     Capabilities,
@@ -104,7 +105,9 @@ __all__ = [
     "capabilities_reply",
     "check_eval_reply",
     "check_train_reply",
+    "decode_array",
     "decode_shard",
+    "encode_array",
     "encode_shard",
     "factor_key",
     "is_factor_key",

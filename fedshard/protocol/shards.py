@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
+from fedshard.protocol.arrays import decode_array, encode_array
 from fedshard.protocol.bounds import (
     bound_dense,
     bound_terms,
@@ -68,7 +69,7 @@ def encode_shard(
             continue
         out[key] = arr  # dense entries are read-only on the wire; sharing the Array is safe
         expected[key] = (tuple(arr.shape), np.dtype(arr.dtype))
-        values[key] = current[key] if current is not None else arr.numpy()
+        values[key] = current[key] if current is not None else decode_array(arr)
     indices = {}
     for layer, spec in spectra.items():
         idx, omega = terms[layer]
@@ -80,7 +81,7 @@ def encode_shard(
         }
         for part, value in parts.items():
             key = factor_key(layer, part)
-            out[key] = Array(value)
+            out[key] = encode_array(value)
             if part != "omega":
                 expected[key] = (value.shape, value.dtype)
             if part in ("u", "v"):
@@ -97,9 +98,9 @@ def decode_shard(
     ``v``, ``omega`` (numpy views); ``state`` every entry but the indices (a state dict of the
     sub-model, factors included)."""
     layers = sorted(layer_of(k) for k in record if k.endswith(".indices"))
-    factors = {layer: {p: record[factor_key(layer, p)].numpy() for p in ("u", "v", "omega")}
+    factors = {layer: {p: decode_array(record[factor_key(layer, p)]) for p in ("u", "v", "omega")}
                for layer in layers}
-    state = {k: a.numpy() for k, a in record.items() if not k.endswith(".indices")}
+    state = {k: decode_array(a) for k, a in record.items() if not k.endswith(".indices")}
     return factors, state
 
 
@@ -112,7 +113,7 @@ def train_reply(msg: Message, state: dict[str, np.ndarray], num_examples: int,
     record = msg.content.array_records[ARRAYS]
     indices = [k for k in record if k.endswith(".indices")]
     omega = {factor_key(layer_of(k), "omega") for k in indices}
-    out = {k: Array(v) for k, v in state.items() if k not in omega}
+    out = {k: encode_array(v) for k, v in state.items() if k not in omega}
     out.update({k: record[k] for k in indices})
     values: dict[str, int | float | list[int] | list[float]] = {NUM_EXAMPLES: int(num_examples)}
     values.update({k: float(v) for k, v in metrics.items()})
@@ -206,7 +207,7 @@ def check_train_reply(msg: Message, sent: SentShard | None, seen: set[int],
     values: dict[str, np.ndarray] = {}
     for key, (shape, dtype) in sent.expected.items():
         try:
-            x = record[key].numpy()
+            x = decode_array(record[key])
         except Exception as err:  # a corrupt payload must not crash the server
             return f"bad-array: {key} cannot be decoded ({err})"
         if tuple(x.shape) != shape:

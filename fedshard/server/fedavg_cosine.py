@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from flwr.app import Message
 
-from fedshard.protocol import REFERENCE
+from fedshard.protocol import REFERENCE, decode_array
 
 __all__ = ["check_reference", "fedavg_cosines", "update_cosine"]
 
@@ -41,7 +41,7 @@ def check_reference(msg: Message, current: Mapping[str, np.ndarray]) -> dict[str
     out = {}
     for key, before in current.items():
         try:
-            x = record[key].numpy()
+            x = decode_array(record[key])
         except Exception as err:  # a corrupt payload must not crash the server
             return f"{REFERENCE}: {key} cannot be decoded ({err})"
         if x.shape != before.shape or x.dtype != before.dtype:

@@ -38,6 +38,7 @@ from fedshard.spectral.aggregate import (
     relative_change,
     shrink_change,
     spread_scales,
+    squared_norm,
 )
 from fedshard.spectral.decompose import LayerSpectrum
 
@@ -120,8 +121,13 @@ def spread_replies(server_round: int, accepted: Sequence[P.TrainReply],
     notes: dict[int, list[str]] = {}
     for name, keys in _groups(accepted[0], spectra).items():
         before = [[sent[r.node].values[k] for k in keys] for r in accepted]
-        changes = [relative_change(b, [v[k] for k in keys], dense=name not in spectra)
-                   for b, v in zip(before, values, strict=True)]
+        # a dense entry was sent to every node as the same array: its norm is taken once
+        norms: dict[tuple[int, ...], float] = {}
+        for arrays in before:
+            norms.setdefault(tuple(map(id, arrays)), squared_norm(arrays))
+        changes = [relative_change(arrays, [v[k] for k in keys], dense=name not in spectra,
+                                   sent_sq=norms[tuple(map(id, arrays))])
+                   for arrays, v in zip(before, values, strict=True)]
         median = float(np.median(changes))
         if median > 0:
             metrics["update-spread-max"] = max(metrics.get("update-spread-max", 0.0),

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from logging import DEBUG, ERROR, INFO, WARNING
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import MessageType
 from flwr.common.logger import log
 
@@ -171,7 +171,7 @@ class RoundState:
         return new_arrays, client, metrics
 
     def _keep_reference(self, msg: Message, node: int) -> None:
-        current = self.current or {k: a.numpy() for k, a in self.arrays.items()}
+        current = self.current or {k: P.decode_array(a) for k, a in self.arrays.items()}
         ref = check_reference(msg, current)
         if isinstance(ref, str):
             log(WARNING, "Round %d: node %d's dense reference is not used for fedavg-cosine "
@@ -187,8 +187,8 @@ class RoundState:
         used = [r for r in accepted if r.node in self.references]
         out = {"fedavg-references": float(len(used))}
         if used:
-            current = self.current or {k: a.numpy() for k, a in self.arrays.items()}
-            new = {k: a.numpy() for k, a in new_arrays.items()}
+            current = self.current or {k: P.decode_array(a) for k, a in self.arrays.items()}
+            new = {k: P.decode_array(a) for k, a in new_arrays.items()}
             out.update(fedavg_cosines(current, new, [self.references[r.node] for r in used],
                                       [r.weight for r in used], list(self.spectra)))
         self.references.clear()
@@ -198,7 +198,7 @@ class RoundState:
         """The new global model from the valid replies (:func:`aggregate_state`), or
         ``None`` if it holds NaN or inf (then the previous model is kept, and
         ``aggregate-non-finite`` is set in the round's metrics)."""
-        current = self.current or {k: a.numpy() for k, a in self.arrays.items()}
+        current = self.current or {k: P.decode_array(a) for k, a in self.arrays.items()}
         if self.replies.aggregation in DENSE_AGGREGATIONS:
             new = dense_rule(current, self.spectra, accepted, self.replies)
         else:
@@ -214,7 +214,7 @@ class RoundState:
                 "not applied, the previous global model is kept.", self.server_round,
                 len(accepted), ", ".join(bad[:5]))
             return None
-        return ArrayRecord({k: Array(v) for k, v in new.items()})
+        return ArrayRecord({k: P.encode_array(v) for k, v in new.items()})
 
 
 def shard_round(
@@ -257,7 +257,7 @@ def shard_round(
     t2 = time.perf_counter()
     reference = sharding.fedavg_cosine
     messages, sent = [], {}
-    current = {k: a.numpy() for k, a in arrays.items()}  # decoded once, shared by all nodes
+    current = {k: P.decode_array(a) for k, a in arrays.items()}  # decoded once, shared by all nodes
     for node, terms in plan.terms.items():
         caps = nodes[node]
         record, sent[node] = P.encode_shard(arrays, spectra, terms, caps.keep_ratio, current)
@@ -288,7 +288,7 @@ def _weight(arrays: ArrayRecord, layer: str) -> np.ndarray:
         raise KeyError(f"Sharded layer {layer!r} has no {key!r} in the global arrays; expected "
                        "the state_dict of the model whose layer names were given as "
                        "sharded_layers.")
-    return arrays[key].numpy()
+    return P.decode_array(arrays[key])
 
 
 def evaluate_messages(server_round: int, nodes: Sequence[int], arrays: ArrayRecord,

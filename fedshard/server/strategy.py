@@ -431,7 +431,7 @@ class SpectralSharding(FedAvg):
         normalization layer (:meth:`from_model`)."""
         if not self._unnormalized or "compound" in self._told:
             return
-        top = max((float(np.max(a.numpy())) for m in messages
+        top = max((float(np.max(P.decode_array(a))) for m in messages
                    for k, a in m.content.array_records[P.ARRAYS].items()
                    if k.endswith(".omega")),
                   default=1.0)

@@ -25,7 +25,7 @@ from fedshard.spectral.decompose import LayerSpectrum
 __all__ = [
     "AGGREGATIONS", "DENSE_AGGREGATIONS", "Alignment", "TermUpdate", "aggregate_state",
     "align_factors", "dense_equivalents", "dense_mean", "rebuild_weight", "relative_change",
-    "robust_reduce", "shrink_change", "spread_scales", "term_means",
+    "robust_reduce", "shrink_change", "spread_scales", "squared_norm", "term_means",
 ]
 
 #: The rules over whole dense-equivalent models (:func:`dense_equivalents`), as Flower's
@@ -105,16 +105,28 @@ def align_factors(sent_u: np.ndarray, sent_v: np.ndarray, u: np.ndarray, v: np.n
 
 
 def relative_change(sent: Sequence[np.ndarray], got: Sequence[np.ndarray],
-                    dense: bool = False) -> float:
+                    dense: bool = False, sent_sq: float | None = None) -> float:
     """``‖got − sent‖ / ‖sent‖`` over several arrays taken together (a layer's ``u`` and
     ``v``), in float64; ``dense``: the reference norm is floored at ``0.1·√size`` as the
-    dense update bound's is (:data:`DENSE_RMS_FLOOR`)."""
-    change = sum(float(np.sum((g.astype(np.float64) - s) ** 2)) for s, g in zip(
-        sent, got, strict=True))
-    ref = sum(float(np.sum(np.asarray(s, dtype=np.float64) ** 2)) for s in sent)
+    dense update bound's is (:data:`DENSE_RMS_FLOOR`). ``sent_sq``: ``‖sent‖²`` if known
+    (:func:`squared_norm`; the same ``sent`` for every node of a round needs it once)."""
+    change = 0.0
+    for s, g in zip(sent, got, strict=True):
+        d = (g.astype(np.float64) - s).ravel()
+        change += float(np.dot(d, d))
+    ref = squared_norm(sent) if sent_sq is None else sent_sq
     if dense:
         ref = max(ref, DENSE_RMS_FLOOR**2 * sum(s.size for s in sent))
     return float(np.sqrt(change / ref)) if ref > 0 else (0.0 if change == 0 else np.inf)
+
+
+def squared_norm(arrays: Sequence[np.ndarray]) -> float:
+    """``Σ ‖a‖²`` over ``arrays``, in float64."""
+    total = 0.0
+    for a in arrays:
+        flat = np.asarray(a, dtype=np.float64).ravel()
+        total += float(np.dot(flat, flat))
+    return total
 
 
 def spread_scales(changes: Sequence[float], kappa: float, min_count: int = 3) -> np.ndarray:

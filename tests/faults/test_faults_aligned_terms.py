@@ -23,6 +23,7 @@ from fedshard.spectral.aggregate import (
     relative_change,
     shrink_change,
     spread_scales,
+    squared_norm,
 )
 from fedshard.spectral.decompose import layer_spectrum
 
@@ -130,6 +131,19 @@ def test_the_dense_floor_of_the_relative_change() -> None:
     # ‖Δ‖ = 0.05·4 = 0.2, reference floored at 0.1·√16 = 0.4
     assert relative_change([zero], [moved], dense=True) == pytest.approx(0.5)
     assert relative_change([zero], [moved]) == math.inf
+
+
+def test_the_relative_change_is_the_norms_ratio_with_or_without_a_given_sent_norm() -> None:
+    rng = np.random.default_rng([31, 7])
+    sent = [rng.normal(size=(30, 4)).astype(np.float32), rng.normal(size=(9, 4))]
+    got = [(s + 0.3 * rng.normal(size=s.shape)).astype(s.dtype) for s in sent]
+    want = math.sqrt(sum(np.linalg.norm(g.astype(np.float64) - s) ** 2
+                         for s, g in zip(sent, got, strict=True))
+                     / sum(np.linalg.norm(s.astype(np.float64)) ** 2 for s in sent))
+    assert squared_norm(sent) == pytest.approx(
+        sum(float(np.sum(s.astype(np.float64) ** 2)) for s in sent), rel=1e-14)
+    assert relative_change(sent, got) == pytest.approx(want, rel=1e-13)
+    assert relative_change(sent, got, sent_sq=squared_norm(sent)) == relative_change(sent, got)
 
 
 def _mean_and_rebuild(sent: dict[int, Message], replies: dict[int, Message],

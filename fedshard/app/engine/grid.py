@@ -37,7 +37,12 @@ from torch.utils.data import Dataset
 from fedshard.app.config import RunConfig
 from fedshard.app.engine.clients import DataSource, SimulatedNode
 from fedshard.app.task import client_dataset
-from fedshard.client.handlers import handle_evaluate, handle_query, handle_train
+from fedshard.client.handlers import (
+    SubmodelCache,
+    handle_evaluate,
+    handle_query,
+    handle_train,
+)
 
 __all__ = ["EngineGrid", "SequentialTrainer", "TrainJob", "Trainer"]
 
@@ -69,11 +74,14 @@ class SequentialTrainer:
 
     def __init__(self, model: nn.Module, cfg: RunConfig, device: str) -> None:
         self.model, self.cfg, self.device = model, cfg, device
+        # one node's sub-model is the next one's of the same shape (no copy of the model)
+        self.submodels = SubmodelCache(model)
 
     def one(self, msg: Message, data: Dataset[Any]) -> Message:
         """One client's reply (raises what the handler raises)."""
         return handle_train(msg, self.model, data, device=self.device, compile=self.cfg.compile,
-                            cuda_graph=self.cfg.cuda_graph, merge_terms=self.cfg.merge_terms)
+                            cuda_graph=self.cfg.cuda_graph, merge_terms=self.cfg.merge_terms,
+                            submodels=self.submodels)
 
     def __call__(self, jobs: Sequence[TrainJob]) -> list[Message | Exception]:
         replies: list[Message | Exception] = []

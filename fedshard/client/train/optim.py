@@ -100,7 +100,8 @@ class ClipLR:
     Attributes
     ----------
     handle : torch.utils.hooks.RemovableHandle or None
-        The registered hook; :meth:`remove` detaches it.
+        The registered hook (``None`` when ``tau`` is ``None`` or ``model`` has no spectral
+        layer: then there is nothing to scale); :meth:`remove` detaches it.
 
     Raises
     ------
@@ -135,8 +136,9 @@ class ClipLR:
             raise ValueError(f"ClipLR tau={tau!r}: expected a finite number > 0 or None.")
         self.tau = tau
         self.layers = [m for m in model.modules() if isinstance(m, SpectralLayer)]
-        self.handle = None if tau is None else optimizer.register_step_pre_hook(
-            before_step(self.clip_gradients))
+        # no spectral layer, nothing to scale: no hook (one call less in every step)
+        self.handle = None if tau is None or not self.layers else \
+            optimizer.register_step_pre_hook(before_step(self.clip_gradients))
 
     def column_scale(self, omega: torch.Tensor) -> torch.Tensor:
         """Per-column gradient factor ``min(1, τ/ω)``, shape ``(n,)``."""

@@ -105,5 +105,5 @@ def cross_entropy_sums(
     flat_targets = targets.reshape(-1)  # (B*T,)
     valid = flat_targets != -100
     loss_sum = F.cross_entropy(flat_logits, flat_targets, reduction="sum")
-    correct = ((flat_logits.argmax(dim=-1) == flat_targets) & valid).sum()
+    correct = (flat_logits.argmax(dim=-1) == flat_targets).sum()  # argmax ≥ 0: never -100
     return loss_sum, correct, valid.sum()

@@ -150,6 +150,10 @@ def test_cliplr_without_tau_or_removed_is_the_plain_optimizer() -> None:
     model, removed, reference = _model(), _model(), _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     assert ClipLR(opt, model, tau=None).handle is None
+    dense = nn.Linear(4, 3)  # no spectral layer: nothing to scale, no hook on the optimizer
+    dense_opt = torch.optim.SGD(dense.parameters(), lr=0.1)
+    assert ClipLR(dense_opt, dense, tau=1.0).handle is None
+    assert not dense_opt._optimizer_step_pre_hooks
     opt_removed = torch.optim.SGD(removed.parameters(), lr=0.1, momentum=0.9)
     ClipLR(opt_removed, removed, tau=1.0).remove()
     plain = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
