@@ -4,7 +4,7 @@ same ``.npy`` header again for every array: :func:`encode_array`, :func:`decode_
 A Flower :class:`~flwr.app.Array` holds ``np.save``'s bytes: a header (magic, version, a
 Python-literal dict of dtype, order and shape) and the raw data. ``Array(ndarray)`` writes that
 header and ``Array.numpy()`` parses it with ``np.load`` for every array, every time: about
-0.1 ms an array on a 2-core EPYC, as much as a small layer's training step. A round moves
+0.1 ms an array on a 2-core EPYC (``benchmarks/bench_wire_arrays.py``). A round moves
 each array of each node's shard four times (server → node, node → server), with the same few
 shapes every round. Here a header is made (or read) by numpy once per ``(dtype, shape)`` and
 remembered; the data go through ``tobytes`` / ``frombuffer``. Anything else (a non-contiguous
