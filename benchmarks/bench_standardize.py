@@ -59,7 +59,7 @@ def main() -> None:
     def batched() -> torch.Tensor:
         return per_image_standardization(images)
 
-    def one_by_one() -> torch.Tensor:  # the previous way: float32 reductions per image
+    def one_by_one() -> torch.Tensor:  # the baseline: float32 reductions, image by image
         return torch.stack([per_image_standardization(img.to(torch.float32))
                             for img in images])
 

@@ -105,12 +105,12 @@ def submodel_from_record(model: nn.Module, record: ArrayRecord,
     copy (:class:`SubmodelCache`).
     """
     factors, state = P.decode_shard(record)
-    sub = None
+    sub, shape = None, _shape(factors)
     if cache is not None:
         if cache.model is not model:
             raise ValueError("submodel_from_record: the cache holds sub-models of another "
                              "model; give the model it was made with. Nothing was built.")
-        sub = cache.take(_shape(factors))
+        sub = cache.take(shape)
     if sub is None:
         dtype = next(iter(model.parameters())).dtype
         sub = build_submodel(model, {
@@ -118,7 +118,7 @@ def submodel_from_record(model: nn.Module, record: ArrayRecord,
             for layer, parts in factors.items()
         })
     if cache is not None:
-        cache.lend(sub, _shape(factors))
+        cache.lend(sub, shape)
     missing, unexpected = sub.load_state_dict(
         {k: torch.as_tensor(x) for k, x in state.items()}, strict=False)  # fresh arrays
     if missing or unexpected:

@@ -69,7 +69,7 @@ def decode_array(array: Array) -> np.ndarray:
     """
     data = array.data
     offset = _header_end(data) if array.stype == _NUMPY and isinstance(data, bytes) else None
-    if offset is None:
+    if offset is None or offset > _MAX_HEADER_BYTES:  # (a long header is not looked up)
         return array.numpy()
     known = _read.get(data[:offset])
     if known is not None:
@@ -78,8 +78,8 @@ def decode_array(array: Array) -> np.ndarray:
         if len(data) - offset == count * dtype.itemsize:
             return np.frombuffer(data, dtype, count, offset).reshape(shape).copy()
     out = array.numpy()
-    if offset <= _MAX_HEADER_BYTES and len(_read) < _MAX_HEADERS and out.flags.c_contiguous \
-            and not out.dtype.hasobject and len(data) - offset == out.nbytes:
+    if len(_read) < _MAX_HEADERS and out.flags.c_contiguous and not out.dtype.hasobject \
+            and len(data) - offset == out.nbytes:
         _read[data[:offset]] = (out.dtype, out.shape)
     return out
 

@@ -107,6 +107,20 @@ def test_extra_trailing_bytes_give_numpys_reading() -> None:
     _same(decode_array(longer), longer.numpy())
 
 
+def test_a_long_header_is_read_by_numpy_and_not_remembered(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(codec, "_read", {})
+    x = np.arange(8, dtype=np.float32)
+    text = "{'descr': '<f4', 'fortran_order': False, 'shape': (8,), }"
+    body = text + " " * (2047 - 10 - len(text)) + "\n"  # a valid header of 2,048 bytes
+    data = b"\x93NUMPY\x01\x00" + len(body).to_bytes(2, "little") + body.encode() + x.tobytes()
+    a = Array("float32", (8,), "numpy.ndarray", data)
+    for _ in range(2):
+        _same(decode_array(a), a.numpy())
+        np.testing.assert_array_equal(decode_array(a), x)
+    assert codec._read == {}
+
+
 def test_a_node_cannot_grow_the_remembered_headers_without_bound(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(codec, "_read", {})
