@@ -46,13 +46,13 @@ def per_image_standardization(images: torch.Tensor) -> torch.Tensor:
     (it becomes all zeros). The paper (Sec. 4.1) standardizes every image this way, following
     Reddi et al. (2021), and applies no random cropping.
 
-    Integer pixels (``uint8``) are standardized the same way alone or in a batch of any size:
+    ``uint8`` pixels are standardized the same way alone or in a batch of any size:
     each image's sum and sum of squares are exact integers, its variance
     ``(n·Σx² − (Σx)²) / n²`` one float64 division, and every pixel ``(x − mean) / std`` in
     float32 with the mean and standard deviation rounded to float32 (a floating-point
     reduction's rounding would depend on how it is vectorized). So a whole data set is
-    standardized at once, to the values each image gets alone. Floating-point images take
-    torch's float reductions.
+    standardized at once, to the values each image gets alone. Other dtypes take torch's
+    float reductions.
     """
     if images.ndim not in (3, 4):
         raise ValueError(
@@ -64,7 +64,7 @@ def per_image_standardization(images: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"Cannot standardize empty images of shape {tuple(images.shape)}.")
     dims = (-3, -2, -1)
     floor = 1.0 / math.sqrt(numel)
-    if not images.dtype.is_floating_point and not images.dtype.is_complex:
+    if images.dtype == torch.uint8:  # exact int64 sums (wider integers could overflow them)
         if images.ndim == 3:
             return _standardize_integers(images[None], numel, floor)[0]
         return torch.cat([_standardize_integers(images[i:i + _CHUNK], numel, floor)

@@ -90,6 +90,15 @@ def test_uint8_images_standardize_the_same_alone_or_in_any_batch():
                        torch.stack([per_image_standardization(i.contiguous()) for i in strided]))
 
 
+def test_wide_integer_images_take_the_float_formula():
+    """int32 pixels too large for exact int64 sums of squares are standardized as floats."""
+    x = torch.from_numpy(np.random.default_rng(2).integers(0, 2**30, size=(4, 3, 8, 8),
+                                                           dtype=np.int32))
+    want = np.stack([_standardize_reference(img) for img in x.numpy()])
+    got = per_image_standardization(x).numpy().astype(np.float64)
+    assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max())
+
+
 def test_standardization_rejects_wrong_rank():
     with pytest.raises(
         ValueError, match=r"expects \(C, H, W\) or \(B, C, H, W\), got shape \(5, 5\)"
