@@ -5,8 +5,10 @@ The arrays are the state dict of fedshard's ``mlp`` at width 200 (14 arrays: fou
 matrices up to 200 × 784, biases and LayerNorm vectors), what each node's train message and
 reply carry in a FedAvg round of the engine benchmark. Each repeat times every way once, in
 turn, over all 14 arrays; the medians over ``--repeats`` are printed (ms per state dict) with
-their ratios, and the check that both ways give the same bytes and values. Prints one JSON
-object.
+their ratios, and the check that both ways give the same bytes and values. The last pair puts
+the 14 encoded Arrays into an ``ArrayRecord``: Flower's ``ArrayRecord(dict)`` against
+:func:`~fedshard.protocol.array_record` (the same record, each Array built once). Prints one
+JSON object.
 
 Usage: ``python benchmarks/bench_wire_arrays.py [--repeats 300]``.
 """
@@ -27,12 +29,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flwr.app import Array  # noqa: E402
+from flwr.app import Array, ArrayRecord  # noqa: E402
 from machine import cpu_name  # noqa: E402
 
 from fedshard.app.config import RunConfig  # noqa: E402
 from fedshard.app.task import build_model  # noqa: E402
-from fedshard.protocol import decode_array, encode_array  # noqa: E402
+from fedshard.protocol import array_record, decode_array, encode_array  # noqa: E402
 
 
 def main() -> None:
@@ -46,6 +48,7 @@ def main() -> None:
     wire = {k: Array(v) for k, v in state.items()}
     same = all((a.dtype, a.shape, a.stype, a.data) == (b.dtype, b.shape, b.stype, b.data)
                for a, b in ((encode_array(v), wire[k]) for k, v in state.items()))
+    same = same and array_record(wire).object_id == ArrayRecord(dict(wire)).object_id
     same = same and all(np.array_equal(decode_array(a), a.numpy()) and
                         decode_array(a).dtype == a.numpy().dtype for a in wire.values())
     ways: dict[str, Callable[[], object]] = {
@@ -53,6 +56,8 @@ def main() -> None:
         "fedshard_encode": lambda: [encode_array(v) for v in state.values()],
         "flower_decode": lambda: [a.numpy() for a in wire.values()],
         "fedshard_decode": lambda: [decode_array(a) for a in wire.values()],
+        "flower_record": lambda: ArrayRecord(dict(wire)),
+        "fedshard_record": lambda: array_record(wire),
     }
     times: dict[str, list[float]] = {k: [] for k in ways}
     for _ in range(args.repeats):
@@ -68,6 +73,7 @@ def main() -> None:
         "ms_per_state_dict": ms,
         "encode_speedup": round(ms["flower_encode"] / ms["fedshard_encode"], 2),
         "decode_speedup": round(ms["flower_decode"] / ms["fedshard_decode"], 2),
+        "record_speedup": round(ms["flower_record"] / ms["fedshard_record"], 2),
         "same_bytes_and_values": same,
     }))
 

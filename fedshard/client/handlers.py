@@ -32,7 +32,7 @@ import logging
 from typing import Any, TypedDict, Unpack
 
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Context, Message, MetricRecord, RecordDict
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -240,7 +240,7 @@ def handle_train(
     ref = train(dense.to(shard.device),
                 _again(loader, data, s.batch_size, s.train_seed, shard.device), cfg)
     reply = shard.reply(result.num_examples, {**metrics, "fedavg-train-loss": ref.loss})
-    reply.content[P.REFERENCE] = ArrayRecord(
+    reply.content[P.REFERENCE] = P.array_record(
         {k: P.encode_array(v.detach().cpu().numpy()) for k, v in dense.state_dict().items()})
     return reply
 

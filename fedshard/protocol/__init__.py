@@ -39,7 +39,7 @@ Messages
     ``"metrics"``: ``num-examples``, ``eval-loss``, ``eval-accuracy``.
 """
 
-from fedshard.protocol.arrays import decode_array, encode_array
+from fedshard.protocol.arrays import array_record, decode_array, encode_array
 from fedshard.protocol.bounds import UPDATE_POLICIES, read_count, scalar_metrics
 from fedshard.protocol.capabilities import (
     Capabilities,
@@ -102,6 +102,7 @@ __all__ = [
     "SentShard",
     "TrainReply",
     "TrainSettings",
+    "array_record",
     "capabilities_reply",
     "check_eval_reply",
     "check_train_reply",

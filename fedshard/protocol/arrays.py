@@ -1,5 +1,6 @@
 """Flower ``Array`` ⇄ numpy with the same bytes and values as Flower's own, without parsing the
-same ``.npy`` header again for every array: :func:`encode_array`, :func:`decode_array`.
+same ``.npy`` header again for every array: :func:`encode_array`, :func:`decode_array`, and
+:func:`array_record` (an ``ArrayRecord`` of them, each Array built once).
 
 A Flower :class:`~flwr.app.Array` holds ``np.save``'s bytes: a header (magic, version, a
 Python-literal dict of dtype, order and shape) and the raw data. ``Array(ndarray)`` writes that
@@ -7,18 +8,20 @@ header and ``Array.numpy()`` parses it with ``np.load`` for every array, every t
 0.1 ms an array on a 2-core EPYC (``benchmarks/bench_wire_arrays.py``). A round moves
 each array of each node's shard four times (server → node, node → server), with the same few
 shapes every round. Here a header is made (or read) by numpy once per ``(dtype, shape)`` and
-remembered; the data go through ``tobytes`` / ``frombuffer``. Anything else (a non-contiguous
-or object array, a header seen for the first time, data whose length does not match its
-header) goes through numpy as Flower would, so the results, and the errors on malformed bytes,
-are Flower's.
+remembered; encoding copies the data once, after the header, and decoding reads them with
+``frombuffer``. Anything else (a non-contiguous or object array, a header seen for the first
+time, data whose length does not match its header) goes through numpy as Flower would, so the
+results, and the errors on malformed bytes, are Flower's.
 """
 
 from __future__ import annotations
 
-import numpy as np
-from flwr.app import Array
+from collections.abc import Mapping
 
-__all__ = ["decode_array", "encode_array"]
+import numpy as np
+from flwr.app import Array, ArrayRecord
+
+__all__ = ["array_record", "decode_array", "encode_array"]
 
 #: The ``stype`` of an ``np.save`` Array (``flwr.common.constant.SType.NUMPY``).
 _NUMPY = "numpy.ndarray"
@@ -46,7 +49,9 @@ def encode_array(x: np.ndarray) -> Array:
     flwr.app.Array
         Equal, field by field, to ``flwr.app.Array(x)``.
     """
-    if not isinstance(x, np.ndarray) or not x.flags.c_contiguous or x.dtype.hasobject:
+    # exact ndarrays only: a subclass may write other bytes than its buffer (a masked array's
+    # tobytes fills the masked entries)
+    if type(x) is not np.ndarray or not x.flags.c_contiguous or x.dtype.hasobject:
         return Array(x)
     key = (x.dtype, x.shape)
     header = _written.get(key)
@@ -56,7 +61,27 @@ def encode_array(x: np.ndarray) -> Array:
         if len(_written) < _MAX_HEADERS and reference.data[len(header):] == x.tobytes():
             _written[key] = header
         return reference
-    return Array(str(x.dtype), tuple(x.shape), _NUMPY, header + x.tobytes())
+    # one copy of the data (``header + x.tobytes()`` would copy them twice)
+    return Array(str(x.dtype), tuple(x.shape), _NUMPY, b"".join((header, x.data)))
+
+
+def array_record(arrays: Mapping[str, Array]) -> ArrayRecord:
+    """``ArrayRecord(dict(arrays))``, the same keys, order and Arrays.
+
+    ``ArrayRecord(dict)`` builds a second ``Array`` around the data of each one it is given;
+    this record holds the given Arrays themselves (an ``Array`` is not changed once sent, so
+    one may sit in several records).
+
+    Raises
+    ------
+    TypeError
+        What ``ArrayRecord`` raises for a key that is not a ``str`` or a value that is not an
+        ``Array``.
+    """
+    record = ArrayRecord()
+    for key, value in arrays.items():
+        record[key] = value
+    return record
 
 
 def decode_array(array: Array) -> np.ndarray:

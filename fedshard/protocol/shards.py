@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from fedshard.protocol.arrays import decode_array, encode_array
+from fedshard.protocol.arrays import array_record, decode_array, encode_array
 from fedshard.protocol.bounds import (
     bound_dense,
     bound_terms,
@@ -88,7 +88,7 @@ def encode_shard(
                 values[key] = value
         indices[layer] = parts["indices"]
     nbytes = sum(len(a.data) for a in out.values())
-    return ArrayRecord(out), SentShard(keep_ratio, indices, expected, nbytes, values)
+    return array_record(out), SentShard(keep_ratio, indices, expected, nbytes, values)
 
 
 def decode_shard(
@@ -117,7 +117,7 @@ def train_reply(msg: Message, state: dict[str, np.ndarray], num_examples: int,
     out.update({k: record[k] for k in indices})
     values: dict[str, int | float | list[int] | list[float]] = {NUM_EXAMPLES: int(num_examples)}
     values.update({k: float(v) for k, v in metrics.items()})
-    content = RecordDict({ARRAYS: ArrayRecord(out), METRICS: MetricRecord(values)})
+    content = RecordDict({ARRAYS: array_record(out), METRICS: MetricRecord(values)})
     sent_config = msg.content.config_records.get(CONFIG)
     if sent_config is not None and SERVER_ROUND in sent_config:
         content[CONFIG] = ConfigRecord({SERVER_ROUND: sent_config[SERVER_ROUND]})

@@ -214,7 +214,7 @@ class RoundState:
                 "not applied, the previous global model is kept.", self.server_round,
                 len(accepted), ", ".join(bad[:5]))
             return None
-        return ArrayRecord({k: P.encode_array(v) for k, v in new.items()})
+        return P.array_record({k: P.encode_array(v) for k, v in new.items()})
 
 
 def shard_round(

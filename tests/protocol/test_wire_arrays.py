@@ -8,12 +8,12 @@ from io import BytesIO
 
 import numpy as np
 import pytest
-from flwr.app import Array
+from flwr.app import Array, ArrayRecord
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fedshard.protocol import array_record, decode_array, encode_array
 from fedshard.protocol import arrays as codec
-from fedshard.protocol import decode_array, encode_array
 
 DTYPES = ["float32", "float64", "float16", "int64", "int8", "uint8", "bool", "complex64",
           ">f4", "<i2"]
@@ -55,6 +55,31 @@ def test_arrays_that_are_not_c_contiguous_are_encoded_as_flower_does() -> None:
             assert _fields(a) == _fields(Array(view))
             _same(decode_array(a), a.numpy())
             np.testing.assert_array_equal(decode_array(a), view)
+
+
+def test_a_masked_array_is_encoded_as_flower_does_after_a_plain_one_of_its_shape() -> None:
+    # Flower saves a masked array's data as they are; its tobytes() would fill the masked
+    # entries. The plain array first puts the (dtype, shape) header in the cache.
+    plain = np.arange(4.0)
+    masked = np.ma.masked_array(np.arange(4.0), mask=[0, 1, 0, 0])
+    encode_array(plain)
+    assert _fields(encode_array(masked)) == _fields(Array(masked))
+    assert masked.tobytes() != plain.tobytes()  # the case the cache must not take
+
+
+def test_array_record_is_flowers_record_of_the_same_arrays() -> None:
+    rng = np.random.default_rng(7)
+    arrays = {k: encode_array(rng.standard_normal(s).astype(np.float32))
+              for k, s in (("b.weight", (3, 4)), ("a.bias", (3,)), ("c", ()))}
+    ours, flowers = array_record(arrays), ArrayRecord(dict(arrays))
+    assert list(ours) == list(flowers) == list(arrays)  # same keys, same order
+    assert [_fields(a) for a in ours.values()] == [_fields(a) for a in flowers.values()]
+    assert all(ours[k] is arrays[k] for k in arrays)  # each Array built once
+    assert ours.object_id == flowers.object_id  # what Flower sends and hashes
+    with pytest.raises(TypeError, match="Value must be of type"):
+        array_record({"x": np.zeros(2)})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match="Key must be of type `str`"):
+        array_record({1: arrays["c"]})  # type: ignore[dict-item]
 
 
 def test_fortran_ordered_and_version_2_and_3_files_decode_as_numpy_reads_them() -> None:
