@@ -21,6 +21,7 @@ counted in the round's metrics:
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from logging import WARNING
@@ -103,7 +104,9 @@ def spread_replies(server_round: int, accepted: Sequence[P.TrainReply],
     ``policy.max_update_spread`` (κ) times the round's median change of it
     (:func:`~fedshard.spectral.aggregate.spread_scales`; off below 3 replies or with κ = 0).
 
-    Each node is logged once with what was shrunk and by how much; in ``metrics``,
+    Each node is logged once with what was shrunk and by how much, and its weight against the
+    round's median weight; one weighted at least twice the median is told apart (honest
+    training on much more data than most moves further, and may pass κ). In ``metrics``,
     ``clipped-update-spread`` counts the (node, layer or entry) pairs and
     ``update-spread-max`` is the largest change over its median, before shrinking.
 
@@ -139,10 +142,18 @@ def spread_replies(server_round: int, accepted: Sequence[P.TrainReply],
                 notes.setdefault(accepted[i].node, []).append(
                     f"{name} {changes[i] / median:.3g}x")
                 _count(metrics, "clipped-update-spread", 1.0)
+    weights = {r.node: r.weight for r in accepted}
+    typical = statistics.median_low(weights.values())  # as max-weight-ratio's median
     for node, what in notes.items():
+        # with the same local epochs, a node holding more data takes more steps and moves
+        # further: an honest data-rich node can pass the bound, and the operator must see it
+        hint = (" A node holding much more data than most moves further with honest training: "
+                "if this node is honest, raise max-update-spread (0 turns the bound off)."
+                if weights[node] >= 2 * typical else "")
         log(WARNING, "Round %d: node %d changed more than max-update-spread=%g times the "
-            "round's median change (%s); its change is shrunk to that bound.", server_round,
-            node, kappa, one_line(", ".join(what[:8]), 600))
+            "round's median change (%s); its change is shrunk to that bound. It is weighted "
+            "as %g examples, the round's median %g.%s", server_round, node, kappa,
+            one_line(", ".join(what[:8]), 600), weights[node], typical, hint)
     return [replace(r, values=v) if r.node in notes else r
             for r, v in zip(accepted, values, strict=True)]
 

@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 import pytest
-from fault_setup import grid, initial, one_round, scale_arrays, strategy
+from fault_setup import grid, initial, one_round, scale_arrays, set_metric, strategy
 from flwr.app import Array, Message
 
 from fedshard import protocol as P
@@ -193,6 +193,9 @@ def test_a_round_aligns_and_clips_the_attacker_and_leaves_the_honest_replies(
     assert row["re-signed-terms"] == 5.0 and row["clipped-update-spread"] == 1.0
     assert "node 1000 returned terms in another sign or balance" in flower_logs.text
     assert "node 1000 changed more than max-update-spread=5" in flower_logs.text
+    # each node holds 24 examples: the weight is shown, and no hint about data-rich nodes
+    assert "It is weighted as 24 examples, the round's median 24." in flower_logs.text
+    assert "raise max-update-spread" not in flower_logs.text
     sent = {m.metadata.dst_node_id: m for m in g.sent if m.metadata.message_type == "train"}
     # the reference: node 1000's reply re-signed and clipped by hand, the others as sent back
     att = seen[1000].content[P.ARRAYS]
@@ -214,6 +217,29 @@ def test_a_round_aligns_and_clips_the_attacker_and_leaves_the_honest_replies(
     att["hidden.v"] = Array((sv + factor * (v - sv)).astype(np.float32))
     want = _mean_and_rebuild(sent, seen, before, "hidden")
     np.testing.assert_allclose(new["hidden.weight"].numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_clipped_node_weighted_twice_the_median_is_told_apart_in_the_log(
+    flower_logs: pytest.LogCaptureFixture,
+) -> None:
+    # honest training on much more data moves further; the operator reads which case it is
+    def data_rich(factor: float, examples: int):
+        scale, claim = scale_arrays(factor, lambda k: k.endswith((".u", ".v"))), \
+            set_metric(P.NUM_EXAMPLES, examples)
+        return lambda reply: claim(scale(reply))
+
+    for examples, hinted in ((47, False), (48, True)):  # the median is 24
+        flower_logs.clear()
+        g = grid()
+        g.tamper[1000] = data_rich(40.0, examples)
+        _, row = one_round(strategy(max_update_ratio=0.0, max_update_spread=5.0), g)
+        assert row["clipped-update-spread"] == 1.0
+        [line] = {r.getMessage() for r in flower_logs.records  # (one line, seen twice)
+                  if "changed more than max-update-spread" in r.getMessage()}
+        assert line.startswith("Round 1: node 1000 changed more than max-update-spread=5")
+        assert f"It is weighted as {examples} examples, the round's median 24." in line
+        assert ("if this node is honest, raise max-update-spread (0 turns the bound off)"
+                in line) is hinted
 
 
 def test_a_sign_flip_gives_the_honest_round_bit_for_bit() -> None:
