@@ -72,8 +72,9 @@ class _Clipped(logging.Handler):
             self.seen.append((int(match.group(1)), int(match.group(2))))
 
 
-def one_run(settings: dict[str, Any], sizes: list[int], kappa: float,
+def one_run(settings: dict[str, Any], name: str, kappa: float,
             pool: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:
+    sizes = PROFILES[name]
     order = np.random.default_rng([int(settings["seed"]), 0]).permutation(len(pool[0]))
     starts = np.concatenate([[0], np.cumsum(sizes)])
 
@@ -82,7 +83,7 @@ def one_run(settings: dict[str, Any], sizes: list[int], kappa: float,
         return TensorDataset(pool[0][idx], pool[1][idx])
 
     cfg = RunConfig.from_mapping({**settings, "max-update-spread": kappa,
-                                  "run-name": f"k{kappa:g}-{len(sizes)}-{sum(sizes)}"})
+                                  "run-name": f"{name}-kappa-{kappa:g}"})
     clipped = _Clipped()
     flwr_logger = logging.getLogger("flwr")
     flwr_logger.addHandler(clipped)
@@ -134,9 +135,8 @@ def main() -> None:
             {**settings, "num-partitions": 1, "min-available-nodes": 1}), 0, 1))
         out: dict[str, Any] = {}
         for name in profiles:
-            sizes = PROFILES[name]
-            out[name] = {"examples_per_node": sizes,
-                         **{f"kappa_{k:g}": one_run(settings, sizes, k, pool) for k in (5, 0)}}
+            out[name] = {"examples_per_node": PROFILES[name],
+                         **{f"kappa_{k:g}": one_run(settings, name, k, pool) for k in (5, 0)}}
     print(json.dumps({
         "device": cpu_name(), "python": platform.python_version(), "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"), "rounds": args.rounds, "width": args.width,

@@ -94,13 +94,13 @@ def encode_shard(
 def decode_shard(
     record: ArrayRecord,
 ) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, np.ndarray]]:
-    """A ``train`` message's arrays as ``(factors, state)``: ``factors[layer]`` holds ``u``,
-    ``v``, ``omega`` (numpy views); ``state`` every entry but the indices (a state dict of the
-    sub-model, factors included)."""
+    """A ``train`` message's arrays as ``(factors, state)``: ``state`` every entry but the
+    indices (a state dict of the sub-model, factors included), each decoded once;
+    ``factors[layer]`` holds ``state``'s ``u``, ``v``, ``omega`` arrays of that layer."""
     layers = sorted(layer_of(k) for k in record if k.endswith(".indices"))
-    factors = {layer: {p: decode_array(record[factor_key(layer, p)]) for p in ("u", "v", "omega")}
-               for layer in layers}
     state = {k: decode_array(a) for k, a in record.items() if not k.endswith(".indices")}
+    factors = {layer: {p: state[factor_key(layer, p)] for p in ("u", "v", "omega")}
+               for layer in layers}
     return factors, state
 
 
