@@ -228,19 +228,40 @@ RUNTIME_KEY = "fedshard-runtime"
 
 
 def grid_runtime(grid: object) -> str | None:
-    """``"simulation"`` for the grid Flower's simulation runtime gives the ServerApp
-    (``InMemoryGrid``), ``"deployment"`` for a SuperLink's (``HttpGrid``, Flower 1.42), else
-    ``None``."""
+    """Where the ServerApp given ``grid`` runs: ``"simulation"`` (Flower's simulation
+    runtime), ``"deployment"`` (a SuperLink), or ``None`` where it cannot tell (e.g. a test's
+    own grid).
+
+    Flower has no public API that says where a ServerApp runs, so the two runtimes are told
+    apart by the grids they give it: ``InMemoryGrid`` and ``HttpGrid`` of
+    ``flwr.superlink.grid`` (Flower 1.42). With a Flower that keeps them elsewhere this
+    returns ``None`` and logs once that deployed nodes with a simulated node's settings are
+    not warned (:func:`warn_if_looks_simulated`); the run itself is not affected.
+    """
     try:
-        from flwr.superlink.grid.http_grid import HttpGrid
-        from flwr.superlink.grid.inmemory_grid import InMemoryGrid
-    except ImportError:  # another Flower layout: say nothing rather than guess
+        from flwr.superlink.grid import HttpGrid, InMemoryGrid
+    except ImportError as err:  # another Flower layout: say so, rather than guess
+        if not _RUNTIME_UNKNOWN:
+            import flwr
+
+            _RUNTIME_UNKNOWN.append(str(err))
+            log(WARNING, "fedshard cannot tell whether this ServerApp runs in Flower's "
+                "simulation or on a SuperLink: flwr %s has no flwr.superlink.grid.InMemoryGrid "
+                "and HttpGrid, the grids of flwr 1.42's two runtimes (%s). The run goes on, "
+                "but its nodes are not told where it runs, so a deployed SuperNode that took "
+                "a simulated node's settings (only partition-id and num-partitions in its "
+                "node config) is not warned.", flwr.__version__, err)
         return None
     if isinstance(grid, InMemoryGrid):
         return "simulation"
     if isinstance(grid, HttpGrid):
         return "deployment"
     return None
+
+
+#: The import error that kept :func:`grid_runtime` from telling the runtimes apart (logged
+#: once per process).
+_RUNTIME_UNKNOWN: list[str] = []
 
 
 def warn_if_looks_simulated(cfg: RunConfig, node_config: dict[str, Any],

@@ -1,5 +1,6 @@
 """Robust aggregation of a round's checked replies: sign- and scale-aware rules for factor
-terms, and Flower's own robust rules over the dense-equivalent models.
+terms, and the robust rules of Flower's ``FedMedian``, ``FedTrimmedAvg`` and ``Krum`` over the
+dense-equivalent models.
 
 A returned term ``(u'_i, v'_i)`` stands for the product ``u'_i v'_iᵀ``, which every pair
 ``(c·u'_i, v'_i/c)`` shares; the server averages ``u`` and ``v`` separately, so a node that
@@ -16,7 +17,9 @@ counted in the round's metrics:
   or dense entry beyond κ times the round's median is shrunk to it (``clipped-update-spread``,
   ``update-spread-max``);
 * :func:`dense_rule` (``aggregation`` = ``dense-median`` / ``dense-trimmed-mean`` / ``krum``):
-  Flower's ``FedMedian`` / ``FedTrimmedAvg`` / ``Krum`` over each reply's whole model.
+  :func:`coordinatewise_median` / :func:`coordinatewise_trimmed_mean` / :func:`krum` over each
+  reply's whole model, the rules of Flower's ``FedMedian`` / ``FedTrimmedAvg`` / ``Krum``
+  computed as Flower computes them, to the last bit.
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ from logging import WARNING
 
 import numpy as np
 from flwr.common.logger import log
-from flwr.server.strategy.aggregate import aggregate_krum, aggregate_median, aggregate_trimmed_avg
 
 from fedshard import protocol as P
 from fedshard.server.metrics import one_line
@@ -43,7 +45,14 @@ from fedshard.spectral.aggregate import (
 )
 from fedshard.spectral.decompose import LayerSpectrum
 
-__all__ = ["align_replies", "dense_rule", "spread_replies"]
+__all__ = [
+    "align_replies",
+    "coordinatewise_median",
+    "coordinatewise_trimmed_mean",
+    "dense_rule",
+    "krum",
+    "spread_replies",
+]
 
 
 def _count(metrics: dict[str, float], name: str, k: float) -> None:
@@ -158,25 +167,158 @@ def spread_replies(server_round: int, accepted: Sequence[P.TrainReply],
             for r, v in zip(accepted, values, strict=True)]
 
 
+def _entries(models: Sequence[Sequence[np.ndarray]], rule: str) -> list[np.ndarray]:
+    """Each entry of the models stacked over them: ``(m, *shape)`` per entry."""
+    if not models:
+        raise ValueError(f"{rule}: expected at least one model, got none; nothing to aggregate")
+    sizes = {len(model) for model in models}
+    if len(sizes) > 1:
+        raise ValueError(f"{rule}: expected every model to have the same entries, got models "
+                         f"of {sorted(sizes)} entries; nothing is aggregated")
+    return [np.stack(entry) for entry in zip(*models, strict=True)]
+
+
+def coordinatewise_median(models: Sequence[Sequence[np.ndarray]]) -> list[np.ndarray]:
+    """Coordinate-wise median of ``m`` models, unweighted (Flower's ``FedMedian``).
+
+    Parameters
+    ----------
+    models : sequence of sequence of np.ndarray
+        ``m`` models, each a list of its entries in one order; entry ``j`` has one shape in
+        all of them.
+
+    Returns
+    -------
+    list of np.ndarray
+        Entry by entry, the median over the ``m`` models of every coordinate (the mean of
+        the two middle values for even ``m``), in NumPy's result dtype (``np.median``).
+
+    Raises
+    ------
+    ValueError
+        No models, or models of different numbers of entries.
+
+    Notes
+    -----
+    The coordinate-wise median of Yin et al. (ICML 2018, Def. 1). Each coordinate's median
+    depends only on its ``m`` values, so the result equals ``FedMedian``'s to the last bit.
+    """
+    return [np.asarray(np.median(stack, axis=0))
+            for stack in _entries(models, "coordinate-wise median")]
+
+
+def coordinatewise_trimmed_mean(models: Sequence[Sequence[np.ndarray]],
+                                trim_fraction: float) -> list[np.ndarray]:
+    """Coordinate-wise trimmed mean of ``m`` models, unweighted (Flower's ``FedTrimmedAvg``).
+
+    Parameters
+    ----------
+    models : sequence of sequence of np.ndarray
+        ``m`` models, each a list of its entries in one order; entry ``j`` has one shape in
+        all of them.
+    trim_fraction : float
+        In ``[0, 0.5)``: ``β``; the ``⌊β·m⌋`` smallest and as many largest values of every
+        coordinate are dropped.
+
+    Returns
+    -------
+    list of np.ndarray
+        Entry by entry, the mean of every coordinate's ``m − 2⌊β·m⌋`` middle values.
+
+    Raises
+    ------
+    ValueError
+        ``trim_fraction`` outside ``[0, 0.5)``, no models, or models of different numbers of
+        entries.
+
+    Notes
+    -----
+    The coordinate-wise trimmed mean of Yin et al. (ICML 2018, Def. 2). The middle values are
+    found with ``np.partition`` and summed in the order it leaves them, as SciPy's
+    ``trim_mean`` and Flower's ``FedTrimmedAvg`` do: a sum in another order (e.g. sorted)
+    may differ in the last bit, this one does not.
+    """
+    if not 0.0 <= trim_fraction < 0.5:
+        raise ValueError(f"trim_fraction={trim_fraction}: expected in [0, 0.5) (the share "
+                         "dropped at each end); nothing is aggregated")
+    stacks = _entries(models, "coordinate-wise trimmed mean")
+    m = len(models)
+    low = int(trim_fraction * m)  # ⌊β·m⌋ for β ≥ 0
+    high = m - low
+    out = []
+    for stack in stacks:  # (m, *shape)
+        part = np.partition(stack, (low, high - 1), axis=0)
+        out.append(np.asarray(np.mean(part[low:high], axis=0)))
+    return out
+
+
+def krum(models: Sequence[Sequence[np.ndarray]], num_malicious: int) -> int:
+    """The index of the model Krum selects among ``m`` (Flower's ``Krum``).
+
+    Parameters
+    ----------
+    models : sequence of sequence of np.ndarray
+        ``m`` models, each a list of its entries in one order; each is flattened into one
+        vector (entries in order, each in C order).
+    num_malicious : int
+        ``f`` ≥ 0: how many of the ``m`` models may be dishonest.
+
+    Returns
+    -------
+    int
+        The index of the model of the smallest score (the first of equal scores).
+
+    Raises
+    ------
+    ValueError
+        ``num_malicious`` < 0, no models, or models of different sizes.
+
+    Notes
+    -----
+    Blanchard et al. (NeurIPS 2017, Sec. 4): model ``i``'s score is the sum of its squared
+    distances ``‖V_i − V_j‖²`` to its ``m − f − 2`` nearest other models (at least one), and
+    the model of the smallest score is selected. Each distance is computed as Flower computes
+    it (``np.linalg.norm`` of the difference, squared, in the models' dtype), and the nearest
+    distances are summed from the smallest up, so the selection is ``Krum``'s also where two
+    scores differ only in the last bit.
+    """
+    if num_malicious < 0:
+        raise ValueError(f"num_malicious={num_malicious}: expected >= 0; no model is selected")
+    if not models:
+        raise ValueError("krum: expected at least one model, got none; no model is selected")
+    # (m, P), in the dtype the entries promote to
+    flat = np.stack([np.concatenate(list(model), axis=None) for model in models])
+    m = len(models)
+    distances = np.zeros((m, m))  # float64 whatever the models' dtype
+    for i in range(m):
+        for j in range(m):
+            if i != j:  # each ordered pair on its own, as Flower's distance matrix
+                distances[i, j] = np.linalg.norm(flat[i] - flat[j]) ** 2
+    nearest = max(1, m - num_malicious - 2)
+    # sorted row: its own distance 0 first, then the others from the nearest
+    scores = [np.sum(np.sort(row)[1:nearest + 1]) for row in distances]
+    return int(np.argmin(scores))
+
+
 def dense_rule(current: Mapping[str, np.ndarray], spectra: Mapping[str, LayerSpectrum],
                accepted: Sequence[P.TrainReply], policy: ReplyPolicy) -> dict[str, np.ndarray]:
-    """The new state by Flower's own robust rule over the replies' dense-equivalent models
+    """The new state by a robust rule over the replies' dense-equivalent models
     (:func:`~fedshard.spectral.aggregate.dense_equivalents`): ``dense-median``
-    (``FedMedian``), ``dense-trimmed-mean`` (``FedTrimmedAvg``, cutting
-    ``policy.trim_fraction`` at each end) or ``krum`` (``Krum``, assuming
+    (:func:`coordinatewise_median`, Flower's ``FedMedian``), ``dense-trimmed-mean``
+    (:func:`coordinatewise_trimmed_mean`, ``FedTrimmedAvg``, cutting
+    ``policy.trim_fraction`` at each end) or ``krum`` (:func:`krum`, ``Krum``, assuming
     ``⌊trim_fraction·m⌋`` of the m replies dishonest). Integer buffers are kept."""
     states = dense_equivalents(current, spectra, [r.values for r in accepted],
                                [r.terms() for r in accepted])
     keys = list(states[0])
-    results = [([st[k] for k in keys], int(r.weight))
-               for st, r in zip(states, accepted, strict=True)]
+    models = [[st[k] for k in keys] for st in states]
     rule, frac = policy.aggregation, policy.trim_fraction
     if rule == "dense-median":
-        arrays = aggregate_median(results)
+        arrays = coordinatewise_median(models)
     elif rule == "dense-trimmed-mean":
-        arrays = aggregate_trimmed_avg(results, frac)
+        arrays = coordinatewise_trimmed_mean(models, frac)
     else:
-        arrays = aggregate_krum(results, int(np.floor(frac * len(results))), 0)
+        arrays = models[krum(models, int(np.floor(frac * len(models))))]
     new = dict(current)
     new.update({k: np.asarray(a).astype(current[k].dtype)
                 for k, a in zip(keys, arrays, strict=True)})
