@@ -6,7 +6,8 @@ entry; :func:`fedshard.app.run.run_server`). Bytes are the ones measured on the 
 messages (the ``bytes-sent-ratio-r<r>`` and ``bytes-received-ratio-r<r>`` columns of
 ``metrics.jsonl``, averaged over the rounds); FLOPs are counted by
 :class:`torch.utils.flop_counter.FlopCounterMode` on the sub-model a client at keep ratio ``r``
-trains (the first ``⌈rN⌉`` terms of each sharded layer).
+trains (``⌈rN⌉`` terms of each sharded layer), by the same functions as the budget the
+strategy logs before the first round (:func:`fedshard.spectral.sharding_budget`).
 """
 
 from __future__ import annotations
@@ -15,50 +16,20 @@ import copy
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
-from fedshard.sampling import num_terms
-from fedshard.spectral import shard_model
+# the counting lives with the budget that the strategy logs before the first round
+from fedshard.spectral import forward_flops, submodel_at
 
 __all__ = ["forward_flops", "reference_summary", "savings_line", "sharding_savings",
            "submodel_at"]
 
 _RATIO_KEY = re.compile(r"^bytes-sent-ratio-r(.+)$")
-
-
-def forward_flops(model: nn.Module, example_input: torch.Tensor) -> int:
-    """FLOPs of one forward pass of ``model`` on ``example_input`` (one example), as
-    :class:`~torch.utils.flop_counter.FlopCounterMode` counts them: matrix products and
-    convolutions, 2 per multiply-add; normalizations, activations and ``ω`` scalings are not
-    counted (they are a small, equal share of both models)."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            model(example_input)
-    finally:
-        model.train(was_training)
-    return int(counter.get_total_flops())
-
-
-def submodel_at(model: nn.Module, layers: Iterable[str], keep_ratio: float) -> nn.Module:
-    """The sub-model a client at ``keep_ratio`` trains: each of ``layers`` (``N`` terms) as
-    its first ``n = ⌈rN⌉`` terms, ``ω = 1`` (shapes, not values, set its cost)."""
-    modules = dict(model.named_modules())
-    indices: dict[str, list[int]] = {}
-    for name in layers:
-        weight = modules[name].weight
-        total = min(int(weight.shape[0]), int(weight[0].numel()))
-        indices[name] = list(range(num_terms(total, keep_ratio)))
-    omegas = {name: torch.ones(len(idx), dtype=torch.float64) for name, idx in indices.items()}
-    sub, _ = shard_model(model, indices, omegas)
-    return sub
 
 
 def sharding_savings(rows: Sequence[Mapping[str, Any]], model: nn.Module, layers: Sequence[str],

@@ -5,14 +5,32 @@ Torch only (no Flower). Typical client flow::
     sub = build_submodel(model, {name: LayerFactors(u, v, omega), ...})
     train(sub, loader, cfg)                      # fedshard.client.train.loop
     factors = extract_factors(sub)               # name -> (U, V), sent back to the server
+
+Before the first round, :func:`sharding_budget` says what each keep ratio will receive, send
+and compute against the dense model (:func:`budget_summary`, :func:`budget_warnings`), and
+``sharded_layer_names(model, policy="by-size", keep_ratio=r)`` picks the layers that hold
+the weights.
 """
 
+from fedshard.spectral.budget import (
+    RatioBudget,
+    ShardingBudget,
+    UnshardedLayer,
+    budget_summary,
+    budget_warnings,
+    forward_flops,
+    sharding_budget,
+    submodel_at,
+)
 from fedshard.spectral.conv import SpectralConv2d
+from fedshard.spectral.cost import LayerCost, array_bytes, layer_cost
 from fedshard.spectral.decompose import check_indices, compose, decompose, num_terms, take_terms
 from fedshard.spectral.layers import SpectralLayer, SpectralLinear
 from fedshard.spectral.selection import (
+    LAYER_POLICIES,
     check_shardable,
     multipliers_can_compound,
+    shardable_layers,
     sharded_layer_names,
 )
 from fedshard.spectral.surgery import (
@@ -23,19 +41,32 @@ from fedshard.spectral.surgery import (
 )
 
 __all__ = [
+    "LAYER_POLICIES",
+    "LayerCost",
     "LayerFactors",
+    "RatioBudget",
+    "ShardingBudget",
     "SpectralConv2d",
     "SpectralLayer",
     "SpectralLinear",
+    "UnshardedLayer",
+    "array_bytes",
+    "budget_summary",
+    "budget_warnings",
     "build_submodel",
     "check_indices",
     "check_shardable",
     "compose",
     "decompose",
     "extract_factors",
+    "forward_flops",
+    "layer_cost",
     "multipliers_can_compound",
     "num_terms",
     "shard_model",
+    "shardable_layers",
     "sharded_layer_names",
+    "sharding_budget",
+    "submodel_at",
     "take_terms",
 ]
