@@ -44,8 +44,7 @@ def train(msg: Message, context: Context) -> Message:
     warn_if_looks_simulated(cfg, dict(context.node_config), msg.content.get("config"))
     # the process's shared model: handle_train only reads it (it copies what it trains)
     return handle_train(msg, template_model(cfg), client_dataset(cfg, pid, num),
-                        device=resolve_device(cfg.client_device), compile=cfg.compile,
-                        cuda_graph=cfg.cuda_graph, merge_terms=cfg.merge_terms)
+                        device=resolve_device(cfg.client_device), fast=cfg.fast)
 
 
 @app.evaluate()

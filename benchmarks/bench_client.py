@@ -64,8 +64,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from machine import cpu_name
 
 from fedshard.client.train import EagerStep, TrainConfig, train
-from fedshard.client.train.fast import TrainStep, configure_convolutions
+from fedshard.client.train.fast import FastOptions, TrainStep, configure_convolutions
 from fedshard.models import resnet18
+from fedshard.settings import LocalTraining
 from fedshard.spectral import (
     decompose,
     num_terms,
@@ -76,10 +77,16 @@ from fedshard.spectral import (
 
 def config(device: str, channels_last: bool, compile: bool = False,
            cuda_graph: bool = False) -> TrainConfig:
-    return TrainConfig(
-        local_epochs=1, lr=0.01, log_every_epoch=False, seed=0, device=device,
-        channels_last=channels_last, compile=compile, cuda_graph=cuda_graph,
-    )
+    return TrainConfig(recipe=LocalTraining(local_epochs=1, lr=0.01),
+                       fast=FastOptions(compile=compile, cuda_graph=cuda_graph),
+                       log_every_epoch=False, torch_seed=0, device=device,
+                       channels_last=channels_last)
+
+
+def with_fast(cfg: TrainConfig, **options: object) -> TrainConfig:
+    """``cfg`` with some fast options changed."""
+    base = cfg.fast if isinstance(cfg.fast, FastOptions) else FastOptions()
+    return dataclasses.replace(cfg, fast=dataclasses.replace(base, **options))
 
 
 class PlainStep:
@@ -87,7 +94,7 @@ class PlainStep:
 
     def __init__(self, model: nn.Module, cfg: TrainConfig) -> None:
         self.model = model
-        self.opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+        self.opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.recipe.momentum)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
         self.opt.zero_grad(set_to_none=True)
@@ -293,16 +300,16 @@ def main() -> None:
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.2, 0.4, 1.0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--channels-last", action="store_true", help="TrainConfig.channels_last")
-    ap.add_argument("--compile", action="store_true", help="also time TrainConfig.compile=True")
+    ap.add_argument("--compile", action="store_true", help="also time FastOptions.compile=True")
     ap.add_argument("--cuda-graph", action="store_true",
-                    help="also time TrainConfig.cuda_graph=True (CUDA only)")
+                    help="also time FastOptions.cuda_graph=True (CUDA only)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration")
     ap.add_argument("--quick", action="store_true", help="time the steps only")
     ap.add_argument("--pad-terms", action="store_true",
-                    help="also time TrainConfig.pad_terms' other choice: eager padded to 8, "
+                    help="also time FastOptions.pad_terms' other choice: eager padded to 8, "
                          "graph unpadded")
     ap.add_argument("--merge-terms", action="store_true",
-                    help="also time TrainConfig.merge_terms (one dense conv of U diag(ω) Vᵀ "
+                    help="also time FastOptions.merge_terms (one dense conv of U diag(ω) Vᵀ "
                          "per sharded conv): eager, and graphed with --cuda-graph")
     ap.add_argument("--kernels", type=int, default=0,
                     help="with --quick: profile one eager step per model, list its N costliest "
@@ -336,16 +343,14 @@ def main() -> None:
         modes["compiled_graph"] = (fast_step, config(args.device, args.channels_last,
                                                      compile=True, cuda_graph=True))
     modes["plain"] = (PlainStep, cfg)
-    if args.pad_terms:  # the other side of TrainConfig.pad_terms' automatic choice
-        modes["padded"] = (fast_step, dataclasses.replace(cfg, pad_terms=8))
+    if args.pad_terms:  # the other side of FastOptions.pad_terms' automatic choice
+        modes["padded"] = (fast_step, with_fast(cfg, pad_terms=8))
         if args.cuda_graph:
-            modes["graph_unpadded"] = (fast_step, dataclasses.replace(modes["graph"][1],
-                                                                      pad_terms=1))
+            modes["graph_unpadded"] = (fast_step, with_fast(modes["graph"][1], pad_terms=1))
     if args.merge_terms:
-        modes["merged"] = (fast_step, dataclasses.replace(cfg, merge_terms=True))
+        modes["merged"] = (fast_step, with_fast(cfg, merge_terms=True))
         if args.cuda_graph:
-            modes["graph_merged"] = (fast_step, dataclasses.replace(modes["graph"][1],
-                                                                    merge_terms=True))
+            modes["graph_merged"] = (fast_step, with_fast(modes["graph"][1], merge_terms=True))
     steps = {
         f"{mode}/{key}": make(prepare(m, c), c)
         for mode, (make, c) in modes.items() for key, m in models.items()

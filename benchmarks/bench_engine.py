@@ -194,21 +194,21 @@ class BareLoop:
         self.test = (tx.to(device), ty.to(device))
 
     def round(self, server_round: int) -> float:
-        cfg = self.cfg
+        cfg, recipe = self.cfg, self.cfg.training
         sync(self.device)
         t0 = time.perf_counter()
         total = {k: torch.zeros_like(v) for k, v in self.model.state_dict().items()}
         weight = 0
         for pid, (x, y) in enumerate(self.data):
             self.work.load_state_dict(self.model.state_dict())
-            opt = torch.optim.SGD(self.work.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                                  weight_decay=cfg.weight_decay)
+            opt = torch.optim.SGD(self.work.parameters(), lr=recipe.base_lr,
+                                  momentum=recipe.momentum, weight_decay=recipe.weight_decay)
             seed = int(np.random.default_rng([cfg.seed, server_round, pid]).integers(2**62))
             gen = torch.Generator().manual_seed(seed)
-            for _ in range(cfg.local_epochs):
+            for _ in range(recipe.local_epochs):
                 order = torch.randperm(len(x), generator=gen).to(self.device)
-                for start in range(0, len(x), cfg.batch_size):
-                    idx = order[start:start + cfg.batch_size]
+                for start in range(0, len(x), recipe.batch_size):
+                    idx = order[start:start + recipe.batch_size]
                     opt.zero_grad(set_to_none=True)
                     F.cross_entropy(self.work(x[idx]), y[idx]).backward()
                     opt.step()

@@ -58,9 +58,10 @@ from fedshard import (  # noqa: E402
     handle_train,
 )
 from fedshard import protocol as P  # noqa: E402
-from fedshard.client import NodeOptions, submodel_from_record  # noqa: E402
+from fedshard.client import submodel_from_record  # noqa: E402
 from fedshard.client.train import TrainConfig, train  # noqa: E402
 from fedshard.client.train.batches import batches_for  # noqa: E402
+from fedshard.client.train.fast import FastOptions  # noqa: E402
 from fedshard.data.images import ImageArrays, ImageDataset  # noqa: E402
 from fedshard.models import resnet18  # noqa: E402
 
@@ -129,9 +130,9 @@ def main() -> None:
         data[pid] = NoTensors(images) if args.data_loader else images
 
     template = model()
-    options = NodeOptions(cuda_graph=args.cuda_graph, compile=args.compile,
-                          reuse_step=False if args.no_reuse_step else None,
-                          merge_terms=args.merge_terms)
+    fast = FastOptions(cuda_graph=args.cuda_graph, compile=args.compile,
+                       reuse_step=False if args.no_reuse_step else None,
+                       merge_terms=args.merge_terms)
     client_s: dict[int, float] = {}
 
     def client(msg: Message, context: Context) -> Message:
@@ -140,7 +141,7 @@ def main() -> None:
             return handle_query(msg, args.keep_ratio, pid)
         t0 = time.perf_counter()
         # one model per process, as the ClientApp does (fedshard.app.task.template_model)
-        reply = handle_train(msg, template, data[pid], device=device, **options)
+        reply = handle_train(msg, template, data[pid], device=device, fast=fast)
         sync(device)
         key = len(marks)  # rounds started so far
         client_s[key] = client_s.get(key, 0.0) + time.perf_counter() - t0
@@ -190,11 +191,8 @@ def main() -> None:
             sub, _ = submodel_from_record(template, msg.content.array_records[P.ARRAYS])
             pid = grid.contexts[msg.metadata.dst_node_id].node_config["partition-id"]
             loader = batches_for(data[pid], s.batch_size, seed=s.train_seed, device=device)
-            train(sub, loader, TrainConfig(
-                local_epochs=s.local_epochs, lr=s.lr, momentum=s.momentum,
-                frobenius_decay=s.frobenius_decay, clip_lr_tau=s.clip_lr_tau,
-                weight_decay=s.weight_decay, device=device, seed=s.train_seed,
-                log_every_epoch=False, **options))
+            train(sub, loader, TrainConfig(recipe=s, device=device, torch_seed=s.train_seed,
+                                           log_every_epoch=False, fast=fast))
         sync(device)
         bare.append(time.perf_counter() - t0)
 

@@ -10,37 +10,56 @@
 The same objects are built by the run config (:class:`fedshard.app.config.RunConfig`), taken
 by the strategy (:class:`~fedshard.server.strategy.SpectralSharding`), carried by the wire
 codec (:class:`fedshard.protocol.TrainSettings` holds the round's :class:`LocalTraining`) and
-read by the node's trainer (:class:`fedshard.client.train.TrainConfig`). Every setting has one
-name everywhere and one rule (:data:`RULES`), checked where the value enters: in
-``__post_init__``, which reports every problem at once (:class:`SettingsError`).
+read by the node's trainer (:class:`fedshard.client.train.TrainConfig`).
+
+Each setting is declared once, as a field made by :func:`setting`: its name, type and default,
+its rule (checked where the value enters, in ``__post_init__``, which reports every problem at
+once: :class:`SettingsError`), its run-config key and how a run config writes ``None``, and
+whether it travels in every ``train`` message. The run config's keys and defaults
+(:class:`fedshard.app.config.RunConfig`, pyproject's ``[tool.flwr.app.config]``) and the wire
+keys (:class:`fedshard.protocol.TrainSettings`) are derived from these declarations.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
-from typing import Any, ClassVar, Literal
+from dataclasses import Field, dataclass, field, fields, replace
+from typing import Any, ClassVar, Literal, get_args, get_type_hints
 
 from fedshard.sampling import SAMPLING_DESIGNS, SCALABLE_METHODS, SHARDING_METHODS
 from fedshard.spectral.aggregate import AGGREGATIONS
 
 __all__ = [
+    "BOOL",
+    "CLIP_LR_TAU",
     "CONCERNS",
+    "DEFAULT_LR",
     "FACTOR_STEPS",
     "LR_SCHEDULES",
     "MAX_EXACT_COUNT",
-    "RULES",
+    "ROUND_LR",
     "UPDATE_POLICIES",
     "LocalTraining",
     "NodePolicy",
     "Problem",
     "ProblemsError",
     "ReplyPolicy",
+    "Settings",
     "SettingsError",
     "Sharding",
-    "check",
+    "encoded_none",
+    "finite_real",
     "group_settings",
+    "kebab",
+    "missing_on_wire",
+    "one_of",
+    "rule",
+    "rule_of",
+    "run_key",
+    "setting",
+    "value_type",
+    "wire_key",
 ]
 
 #: ``cosine`` (the paper's, Sec. 4.1) or ``constant``.
@@ -111,8 +130,9 @@ class SettingsError(ProblemsError):
 Rule = Callable[[Any], str | None]  # the value -> None if fine, else what was expected
 
 
-def _real(x: Any) -> bool:
-    """A finite ``int`` or ``float``, not a ``bool``."""
+def finite_real(x: Any) -> bool:
+    """True for a finite ``int`` or ``float`` (not a ``bool``, NaN or ±inf): how every setting
+    that arrives from outside (a run config, a message, an argument) is checked to be a number."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
@@ -120,84 +140,110 @@ def _integer(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _rule(ok: Callable[[Any], bool], expected: str, optional: bool = False) -> Rule:
+def rule(ok: Callable[[Any], bool], expected: str, optional: bool = False) -> Rule:
     """A rule from a predicate; ``optional``: ``None`` (the documented "off"/"default") is fine."""
     return lambda v: None if (optional and v is None) or ok(v) else expected
 
 
-def _one_of(choices: tuple[str, ...]) -> Rule:
-    return _rule(lambda v: isinstance(v, str) and v in choices, f"expected one of {choices}")
+def one_of(choices: tuple[str, ...]) -> Rule:
+    """The rule of a setting that takes one of ``choices``."""
+    return rule(lambda v: isinstance(v, str) and v in choices, f"expected one of {choices}")
 
 
-_BOOL = _rule(lambda v: isinstance(v, bool), "expected True or False")
+BOOL = rule(lambda v: isinstance(v, bool), "expected True or False")
 
-#: Setting name -> its rule (the only copy of it): ``RULES[name](value)`` is ``None`` if the
-#: value is fine, else the text ``"expected ..."``.
-RULES: dict[str, Rule] = {
-    # Sharding
-    "method": _one_of(SHARDING_METHODS),
-    "design": _one_of(SAMPLING_DESIGNS),
-    "scaled": _BOOL,
-    "prism_exponent": _rule(lambda v: _real(v) and v > 0, "expected k > 0, or None for the "
-                            "paper's default: 4 if n/N ≤ 0.2 else 2.5 (0 in a run config)",
-                            optional=True),
-    "anneal_exponent": _rule(lambda v: _real(v) and v >= 1,
-                             "expected γ₀ ≥ 1 (1: no annealing)"),
-    "anneal_rounds": _rule(lambda v: _integer(v) and v >= 1, "expected T ≥ 1 rounds"),
-    "fedavg_cosine": _BOOL,
-    # LocalTraining
-    "lr": _rule(lambda v: _real(v) and v > 0, "expected > 0 (a finite number)"),
-    # the rate a node trains one round with: the schedule's value at that round, which a
-    # schedule may take to 0 (then the round changes nothing: a check of the pipeline)
-    "round_lr": _rule(lambda v: _real(v) and v >= 0, "expected ≥ 0 (a finite number: the "
-                      "round's scheduled rate)"),
-    "lr_schedule": _one_of(LR_SCHEDULES),
-    "factor_step": _one_of(FACTOR_STEPS),
-    "local_epochs": _rule(lambda v: _integer(v) and v >= 1, "expected an integer ≥ 1"),
-    "batch_size": _rule(lambda v: _integer(v) and v >= 1, "expected an integer ≥ 1"),
-    "momentum": _rule(lambda v: _real(v) and 0 <= v < 1, "expected in [0, 1)"),
-    "frobenius_decay": _rule(lambda v: _real(v) and v >= 0, "expected a finite number ≥ 0"),
-    "clip_lr_tau": _rule(lambda v: _real(v) and v >= 1, "expected τ ≥ 1 (the paper uses 10), "
-                         "or None for ClipLR off (clip-lr = false in a run config)",
-                         optional=True),
-    "weight_decay": _rule(lambda v: _real(v) and v >= 0, "expected a finite number ≥ 0"),
-    # ReplyPolicy
-    "max_update_ratio": _rule(lambda v: _real(v) and v >= 0,
-                              "expected a finite number ≥ 0 (0 = no bound)"),
-    "update_policy": _one_of(UPDATE_POLICIES),
-    "max_num_examples": _rule(lambda v: _integer(v) and 1 <= v <= MAX_EXACT_COUNT,
-                              "expected an integer in [1, 2**53], or None for no cap (0 in a "
-                              "run config)", optional=True),
-    "max_weight_ratio": _rule(lambda v: _real(v) and (v == 0 or v >= 1),
-                              "expected 0 (off) or a finite number ≥ 1"),
-    "aggregation": _one_of(AGGREGATIONS),
-    "trim_fraction": _rule(lambda v: _real(v) and 0 <= v < 0.5, "expected in [0, 0.5)"),
-    "align_factors": _BOOL,
-    "max_update_spread": _rule(lambda v: _real(v) and (v == 0 or v >= 1),
-                               "expected 0 (off) or a finite number ≥ 1"),
-    "max_diverged_fraction": _rule(lambda v: _real(v) and 0 <= v <= 1,
-                                   "expected a share in [0, 1] (1: never stop)"),
-    # NodePolicy
-    "max_keep_ratio": _rule(lambda v: _real(v) and 0 < v <= 1,
-                            "expected a keep ratio in (0, 1]"),
-    "trust_declared_keys": _BOOL,
-    "query_timeout": _rule(lambda v: _real(v) and v > 0, "expected > 0 seconds"),
-    "node_wait_timeout": _rule(lambda v: _real(v) and v > 0,
-                               "expected > 0 seconds, or None to wait forever", optional=True),
-}
+#: The rule of the lr a node trains one round with: the schedule's value at that round, which a
+#: schedule or a user's round config may take to 0 (then the round changes nothing).
+ROUND_LR = rule(lambda v: finite_real(v) and v >= 0, "expected ≥ 0 (a finite number: the "
+                "round's scheduled rate)")
+
+#: ClipLR's τ (the strategy's, the wire's and the client rule's): τ ≥ 1, or ``None`` for off.
+CLIP_LR_TAU = rule(lambda v: finite_real(v) and v >= 1, "expected τ ≥ 1 (the paper uses 10), "
+                   "or None for ClipLR off (clip-lr = false in a run config)", optional=True)
+
+_NO_VALUE = object()
 
 
-def check(name: str, value: Any) -> str | None:
-    """``None`` if ``value`` is fine for the setting ``name``, else what was expected."""
-    return RULES[name](value)
+def setting(default: Any, check: Rule | None, *, run: str | bool = True,
+            run_none: Any = _NO_VALUE, switch: str | None = None, wire: str | bool = False,
+            wire_none: Any = _NO_VALUE, wire_missing: Any = _NO_VALUE) -> Any:
+    """Declare one setting: a dataclass field with everything the run config, the wire codec
+    and validation need to know of it, so that it is declared nowhere else.
+
+    Parameters
+    ----------
+    default : object
+        The field's default (``dataclasses.MISSING``: none, the value must be given).
+    check : callable or None
+        Its rule (value -> ``None`` if fine, else ``"expected ..."``); ``None``: any value.
+    run : str or bool
+        Its key in a Flower run config (``True``: the field's name in kebab case; ``False``:
+        not a run-config key).
+    run_none : object
+        The run-config value that stands for ``None`` (TOML has no null), e.g. ``0``.
+    switch : str, optional
+        A boolean run-config key that turns the setting off (``None``) when false.
+    wire : str or bool
+        Whether it travels in every ``train`` message's config (``True``: under its name in
+        kebab case; a str: under that key).
+    wire_none, wire_missing : object
+        The wire value that stands for ``None``; the value a message without the key means
+        (a server from before the key existed).
+    """
+    meta = {"rule": check, "run": None if run is False else run, "run_none": run_none,
+            "switch": switch, "wire": None if wire is False else wire, "wire_none": wire_none,
+            "wire_missing": wire_missing}
+    return field(default=default, metadata=meta)
 
 
-class _Settings:
-    """Validation shared by the settings dataclasses: every field with a rule in
-    :data:`RULES` is checked (field ``f`` by rule ``_RULE_OF.get(f, f)``), then
-    :meth:`_combinations`; all problems are raised at once."""
+def _key(f: Field[Any], which: str) -> str | None:
+    key = f.metadata.get(which)
+    return None if key is None else (kebab(f.name) if key is True else str(key))
 
-    _RULE_OF: ClassVar[dict[str, str]] = {}
+
+def kebab(name: str) -> str:
+    """A field's name as a run-config or wire key (``clip_lr_tau`` -> ``clip-lr-tau``)."""
+    return name.replace("_", "-")
+
+
+def run_key(f: Field[Any]) -> str | None:
+    """The run-config key of setting ``f`` (``None``: not a run-config key)."""
+    return _key(f, "run")
+
+
+def wire_key(f: Field[Any]) -> str | None:
+    """The ``train`` config key of setting ``f`` (``None``: it does not travel)."""
+    return _key(f, "wire")
+
+
+def encoded_none(f: Field[Any], which: str) -> tuple[bool, Any]:
+    """Whether setting ``f`` has a stand-in for ``None`` in a run config (``which="run"``)
+    or on the wire (``"wire"``), and that value."""
+    value = f.metadata.get(f"{which}_none", _NO_VALUE)
+    return value is not _NO_VALUE, value
+
+
+def missing_on_wire(f: Field[Any]) -> tuple[bool, Any]:
+    """Whether a ``train`` config may lack setting ``f`` (an older server), and what that means."""
+    value = f.metadata.get("wire_missing", _NO_VALUE)
+    return value is not _NO_VALUE, value
+
+
+def value_type(owner: type, name: str) -> type:
+    """The type of field ``name`` of the dataclass ``owner`` with ``None`` left out (what a
+    run config or a message carries: ``float | None`` -> ``float``)."""
+    hint = get_type_hints(owner)[name]
+    args = [a for a in get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+class Settings:
+    """The base of fedshard's settings dataclasses (frozen, one per concern): every field
+    declared with :func:`setting` is checked by its rule when the object is built (a subclass
+    may give a field another rule in ``_RULES``), then :meth:`_combinations`; all problems
+    are raised at once (:class:`SettingsError`)."""
+
+    _RULES: ClassVar[dict[str, Rule]] = {}
 
     def __post_init__(self) -> None:
         found = self.problems()
@@ -209,8 +255,8 @@ class _Settings:
         found = []
         for f in fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
-            rule = self._RULE_OF.get(f.name, f.name)
-            expected = RULES[rule](value) if rule in RULES else None
+            check = self._RULES.get(f.name, f.metadata.get("rule"))
+            expected = check(value) if check is not None else None
             if expected is not None:
                 found.append(Problem(((f.name, value),), expected))
         return found + self._combinations()
@@ -219,9 +265,27 @@ class _Settings:
         return []
 
 
+def rule_of(kind: type, name: str) -> Rule:
+    """The rule of setting ``name`` of the settings class ``kind``, e.g.
+    ``rule_of(LocalTraining, "clip_lr_tau")(0.5)`` -> ``"expected τ ≥ 1 ..."``."""
+    own: dict[str, Rule] = getattr(kind, "_RULES", {})
+    if name in own:
+        return own[name]
+    for f in fields(kind):
+        if f.name == name and f.metadata.get("rule") is not None:
+            return f.metadata["rule"]
+    raise KeyError(f"{kind.__name__} has no setting {name!r} with a rule")
+
+
 # ---------------------------------------------------------------------------- the concerns
+#: The strategy's lr when ``LocalTraining.lr`` is ``None`` (and a round's config sets none).
+DEFAULT_LR = 0.05
+
+_POSITIVE_INT = rule(lambda v: _integer(v) and v >= 1, "expected an integer ≥ 1")
+
+
 @dataclass(frozen=True)
-class Sharding(_Settings):
+class Sharding(Settings):
     """What is sharded and how.
 
     Attributes
@@ -239,7 +303,7 @@ class Sharding(_Settings):
     scaled : bool
         +Scaled (ω_i = sqrt(Σλ²/Σ_sampled λ²)); only with ``top-n`` or ``prism``.
     prism_exponent : float or None
-        PriSM's k > 0; ``None``: 4 if n/N ≤ 0.2 else 2.5.
+        PriSM's k > 0; ``None``: 4 if n/N ≤ 0.2 else 2.5 (0 in a run config).
     anneal_exponent : float
         γ₀ ≥ 1 of the annealed methods (ignored by the others).
     anneal_rounds : int
@@ -250,13 +314,18 @@ class Sharding(_Settings):
         work.
     """
 
-    method: str = "collective"
-    design: str = "cps"
-    scaled: bool = False
-    prism_exponent: float | None = None
-    anneal_exponent: float = 8.0
-    anneal_rounds: int = 30
-    fedavg_cosine: bool = False
+    method: str = setting("collective", one_of(SHARDING_METHODS))
+    design: str = setting("cps", one_of(SAMPLING_DESIGNS))
+    scaled: bool = setting(False, BOOL)
+    prism_exponent: float | None = setting(
+        None, rule(lambda v: finite_real(v) and v > 0, "expected k > 0, or None for the "
+                   "paper's default: 4 if n/N ≤ 0.2 else 2.5 (0 in a run config)",
+                   optional=True), run_none=0.0)
+    anneal_exponent: float = setting(8.0, rule(lambda v: finite_real(v) and v >= 1,
+                                               "expected γ₀ ≥ 1 (1: no annealing)"))
+    anneal_rounds: int = setting(30, rule(lambda v: _integer(v) and v >= 1,
+                                          "expected T ≥ 1 rounds"))
+    fedavg_cosine: bool = setting(False, BOOL)
 
     def _combinations(self) -> list[Problem]:
         if self.scaled is not True:
@@ -271,16 +340,17 @@ class Sharding(_Settings):
 
 
 @dataclass(frozen=True)
-class LocalTraining(_Settings):
+class LocalTraining(Settings):
     """The local-training recipe every node gets (its round's lr is scheduled by the server).
 
     Attributes
     ----------
     lr : float or None
-        SGD learning rate > 0 of round 1 (the base of ``lr_schedule``); ``None``: 0.05. A node
-        gets its round's scheduled rate (:class:`fedshard.protocol.TrainSettings`), unless the
-        round's config sets ``lr`` (the caller's ``train_config`` or a ``configure_train``
-        override): that value wins (see :class:`fedshard.SpectralSharding`'s Notes).
+        SGD learning rate > 0 of round 1 (the base of ``lr_schedule``); ``None``:
+        :data:`DEFAULT_LR` (0.05). A node gets its round's scheduled rate
+        (:class:`fedshard.protocol.TrainSettings`), unless the round's config sets ``lr`` (the
+        caller's ``train_config`` or a ``configure_train`` override): that value wins (see
+        :class:`fedshard.SpectralSharding`'s Notes).
     lr_schedule : str
         ``"cosine"`` (the paper's, over the run's rounds) or ``"constant"``.
     local_epochs : int
@@ -292,8 +362,8 @@ class LocalTraining(_Settings):
     frobenius_decay : float
         γ ≥ 0; adds ``γ ‖U Ω Vᵀ‖²_F`` per sharded layer to the loss (paper: 1e-4).
     clip_lr_tau : float or None
-        ClipLR's τ ≥ 1: term i's gradient is scaled by ``min(1, τ/ω_i)`` (paper: 10);
-        ``None``: ClipLR off.
+        ClipLR's τ ≥ 1: term i's learning rate is scaled by ``min(1, τ/ω_i)`` (paper: 10);
+        ``None``: ClipLR off (``clip-lr = false`` in a run config).
     weight_decay : float
         Ordinary (L2) weight decay ≥ 0 of the dense parameters (never of the factors).
     factor_step : str
@@ -304,24 +374,38 @@ class LocalTraining(_Settings):
         all terms), so the dense model's lr works (:mod:`fedshard.client.train.precondition`).
     """
 
-    lr: float | None = None
-    lr_schedule: str = "cosine"
-    local_epochs: int = 1
-    batch_size: int = 32
-    momentum: float = 0.9
-    frobenius_decay: float = 1e-4
-    clip_lr_tau: float | None = 10.0
-    weight_decay: float = 0.0
-    factor_step: str = "plain"
+    lr: float | None = setting(None, rule(lambda v: finite_real(v) and v > 0,
+                                          "expected > 0 (a finite number)"), wire=True)
+    lr_schedule: str = setting("cosine", one_of(LR_SCHEDULES))
+    local_epochs: int = setting(1, _POSITIVE_INT, wire=True)
+    batch_size: int = setting(32, _POSITIVE_INT, wire=True)
+    momentum: float = setting(0.9, rule(lambda v: finite_real(v) and 0 <= v < 1,
+                                        "expected in [0, 1)"), wire=True)
+    frobenius_decay: float = setting(1e-4, rule(lambda v: finite_real(v) and v >= 0,
+                                                "expected a finite number ≥ 0"), wire=True)
+    clip_lr_tau: float | None = setting(10.0, CLIP_LR_TAU, switch="clip-lr", wire=True,
+                                        wire_none=0.0)
+    weight_decay: float = setting(0.0, rule(lambda v: finite_real(v) and v >= 0,
+                                            "expected a finite number ≥ 0"), wire=True)
+    factor_step: str = setting("plain", one_of(FACTOR_STEPS), wire=True, wire_missing="plain")
+
+    @property
+    def base_lr(self) -> float:
+        """``lr``, or :data:`DEFAULT_LR` when it is ``None``."""
+        return self.lr if self.lr is not None else DEFAULT_LR
 
     def problems(self) -> list[Problem]:
         found = super().problems()
-        # lr=None ("not given") is checked where it is resolved (the strategy's start).
+        # lr=None ("not given") means DEFAULT_LR.
         return [p for p in found if not (self.lr is None and p.about[0][0] == "lr")]
 
 
+_BOUND = rule(lambda v: finite_real(v) and (v == 0 or v >= 1),
+              "expected 0 (off) or a finite number ≥ 1")
+
+
 @dataclass(frozen=True)
-class ReplyPolicy(_Settings):
+class ReplyPolicy(Settings):
     """What a ``train`` reply may hold and how the valid replies become the new model.
 
     Attributes
@@ -335,7 +419,8 @@ class ReplyPolicy(_Settings):
     update_policy : str
         ``"clip"``: scale the excess change down to the bound; ``"drop"``: drop the reply.
     max_num_examples : int or None
-        Largest ``num-examples`` accepted (``None``: up to 2**53, the exact float64 range).
+        Largest ``num-examples`` accepted (``None``: up to 2**53, the exact float64 range;
+        0 in a run config).
     max_weight_ratio : float
         A reply's ``num-examples`` above this multiple of the round's median (the lower median
         of the accepted replies) is clipped to it, logged and counted
@@ -355,8 +440,8 @@ class ReplyPolicy(_Settings):
         was sent, which leaves its product ``u'_i v'_iᵀ`` unchanged
         (:func:`fedshard.spectral.aggregate.align_factors`; each change logged and counted in
         ``re-signed-terms`` / ``rebalanced-terms``). A no-op for honest replies; it undoes a
-        sign flip ``U, V → −U, −V``, which the separate averages of ``U`` and ``V`` would
-        otherwise turn into a shrunken model.
+        re-signing ``U, V → −U, −V`` (which changes no product), which the separate averages
+        of ``U`` and ``V`` would otherwise turn into a shrunken model.
     max_update_spread : float
         κ ≥ 1 (default 5): a node's change of a sharded layer (its ``u`` and ``v``
         together) or of a dense entry, relative to what it was sent, above κ times the round's
@@ -370,19 +455,29 @@ class ReplyPolicy(_Settings):
         setting to change, not a fault to average around. 1: never stop.
     """
 
-    max_update_ratio: float = 10.0
-    update_policy: str = "clip"
-    max_num_examples: int | None = None
-    aggregation: str = "mean"
-    trim_fraction: float = 0.1
-    max_weight_ratio: float = 10.0
-    align_factors: bool = True
-    max_update_spread: float = 5.0
-    max_diverged_fraction: float = 0.5
+    max_update_ratio: float = setting(10.0, rule(lambda v: finite_real(v) and v >= 0,
+                                                 "expected a finite number ≥ 0 (0 = no bound)"))
+    update_policy: str = setting("clip", one_of(UPDATE_POLICIES))
+    max_num_examples: int | None = setting(
+        None, rule(lambda v: _integer(v) and 1 <= v <= MAX_EXACT_COUNT,
+                   "expected an integer in [1, 2**53], or None for no cap (0 in a run config)",
+                   optional=True), run_none=0)
+    aggregation: str = setting("mean", one_of(AGGREGATIONS))
+    trim_fraction: float = setting(0.1, rule(lambda v: finite_real(v) and 0 <= v < 0.5,
+                                             "expected in [0, 0.5)"))
+    max_weight_ratio: float = setting(10.0, _BOUND)
+    align_factors: bool = setting(True, BOOL)
+    max_update_spread: float = setting(5.0, _BOUND)
+    max_diverged_fraction: float = setting(
+        0.5, rule(lambda v: finite_real(v) and 0 <= v <= 1,
+                  "expected a share in [0, 1] (1: never stop)"))
+
+
+_KEEP_RATIO = rule(lambda v: finite_real(v) and 0 < v <= 1, "expected a keep ratio in (0, 1]")
 
 
 @dataclass(frozen=True)
-class NodePolicy(_Settings):
+class NodePolicy(Settings):
     """Which keep ratios the operator allows, and how long to wait for nodes.
 
     Attributes
@@ -394,30 +489,36 @@ class NodePolicy(_Settings):
         keep ratio that node may declare. With a table, a node in neither column is refused.
         A public-key entry matches only the key Flower authenticated the node with
         (``NodeInfo.public_key``); a name matches the ``node-key`` a node declares only with
-        ``trust_declared_keys``.
+        ``trust_declared_keys``. (In a run config: ``keep-ratio-table``, the path of a TOML
+        file of such entries.)
     trust_declared_keys : bool
         Whether a declared ``node-key`` may select a (non-public-key) table entry. Off by
         default: any node can declare any name.
     query_timeout : float
-        Seconds to wait for the nodes' answers to the capability query.
+        Seconds to wait for the nodes' answers to the capability query (in a run config:
+        ``round-timeout``).
     node_wait_timeout : float or None
-        Seconds to wait for enough nodes to connect (``None``: forever, as FedAvg does).
+        Seconds to wait for enough nodes to connect (``None``: forever, as FedAvg does; in a
+        run config: ``round-timeout``).
     """
 
-    max_keep_ratio: float = 1.0
-    keep_ratio_table: Mapping[str, float] | None = field(default=None)
-    query_timeout: float = 600.0
-    node_wait_timeout: float | None = 600.0
-    trust_declared_keys: bool = False
+    max_keep_ratio: float = setting(1.0, _KEEP_RATIO)
+    keep_ratio_table: Mapping[str, float] | None = setting(None, None, run=False)
+    query_timeout: float = setting(600.0, rule(lambda v: finite_real(v) and v > 0,
+                                               "expected > 0 seconds"), run=False)
+    node_wait_timeout: float | None = setting(
+        600.0, rule(lambda v: finite_real(v) and v > 0,
+                    "expected > 0 seconds, or None to wait forever", optional=True), run=False)
+    trust_declared_keys: bool = setting(False, BOOL)
 
     def _combinations(self) -> list[Problem]:
         return [Problem(((f"keep-ratio table entry {key!r}", ratio),),
                         "expected a keep ratio in (0, 1]")
                 for key, ratio in (self.keep_ratio_table or {}).items()
-                if RULES["max_keep_ratio"](ratio) is not None]
+                if _KEEP_RATIO(ratio) is not None]
 
 
-CONCERNS: dict[str, type[_Settings]] = {
+CONCERNS: dict[str, type[Settings]] = {
     "sharding": Sharding, "training": LocalTraining, "replies": ReplyPolicy,
     "nodes": NodePolicy,
 }

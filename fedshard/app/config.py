@@ -3,6 +3,14 @@
 The two apps read ``context.run_config`` once and call :meth:`RunConfig.from_mapping`; library
 code never sees the raw mapping. Every problem is collected and reported in a single
 :class:`ConfigError`, before any round starts.
+
+A run config is flat (``method = "top-n"``, ``lr = 0.05``, ...): its keys are the library's
+settings, each declared once in :mod:`fedshard.settings` (and
+:class:`fedshard.client.train.fast.FastOptions`) with its run-config key and how TOML writes its
+``None``, plus the app's own keys declared here. :class:`RunConfig` holds the settings objects
+(``cfg.sharding``, ``cfg.training``, ``cfg.replies``, ``cfg.nodes``, ``cfg.fast``) and the
+app's fields; :meth:`RunConfig.as_dict` is the flat mapping again (what pyproject's
+``[tool.flwr.app.config]`` lists, and what a checkpoint records).
 """
 
 from __future__ import annotations
@@ -11,20 +19,28 @@ import functools
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import Field, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from fedshard.client.keep_ratios import KeepRatioMixture  # re-exported: run-config `keep-ratios`
+from fedshard.client.train.fast import FastOptions
 from fedshard.sampling import SAMPLING_DESIGNS, SHARDING_METHODS
 from fedshard.server.nodes import load_keep_ratio_table
 from fedshard.settings import (  # ProblemsError: re-exported
+    DEFAULT_LR,
     LocalTraining,
     NodePolicy,
     ProblemsError,
     ReplyPolicy,
+    Settings,
     SettingsError,
     Sharding,
+    encoded_none,
+    kebab,
+    rule_of,
+    run_key,
+    value_type,
 )
 
 __all__ = [
@@ -56,68 +72,56 @@ def default_results_dir() -> Path:
     return Path(base) / "fedshard" / "runs"
 
 
+def _run_training() -> LocalTraining:
+    return LocalTraining(lr=DEFAULT_LR)  # a run config always names its lr
+
+
+def _app(default: Any, key: str | None = None) -> Any:
+    """One of the app's own run-config keys (``key``: when it is not the field's name)."""
+    return field(default=default, metadata={"run": key or True})
+
+
 @dataclass(frozen=True)
 class RunConfig:
-    """Everything a fedshard run needs, validated (field names = run-config keys, kebab→snake)."""
+    """Everything a fedshard run needs, validated.
 
-    method: str = "collective"
-    design: str = "cps"
-    keep_ratios: str = "0.2:0.6,0.4:0.4"
-    scaled: bool = False
-    clip_lr: bool = True
-    clip_lr_tau: float = 10.0
-    prism_exponent: float = 0.0
-    frobenius_decay: float = 1e-4
-    weight_decay: float = 0.0
-    lr: float = 0.05
-    momentum: float = 0.9
-    batch_size: int = 32
-    local_epochs: int = 1
-    num_server_rounds: int = 7
-    fraction_train: float = 1.0
-    fraction_evaluate: float = 0.0
-    min_available_nodes: int = 2
-    round_timeout: float = 600.0
-    num_partitions: int = 10
-    dirichlet_alpha: float = 0.0
-    model: str = "mlp"
-    model_width: int = 256
-    dataset: str = "fashion-mnist"
-    data_dir: str = ""
-    download: bool = False
-    test_max_examples: int = 0
-    eval_every: int = 1
-    seed: int = 0
-    results_dir: str = ""
-    run_name: str = ""
-    resume: bool = False
-    client_device: str = "auto"
-    compile: bool = False
-    cuda_graph: bool = False
-    merge_terms: bool = False
-    server_device: str = "auto"
-    overwrite: bool = False
-    max_update_ratio: float = 10.0
-    update_policy: str = "clip"
-    max_num_examples: int = 0
-    aggregation: str = "mean"
-    trim_fraction: float = 0.1
-    max_keep_ratio: float = 1.0
-    keep_ratio_table: str = ""
-    lr_schedule: str = "cosine"
-    factor_step: str = "plain"
-    tensorboard: bool = False
-    anneal_exponent: float = 8.0
-    anneal_rounds: int = 30
-    init_keep_ratio: float = 1.0
-    diagnostics: bool = False
-    fedavg_cosine: bool = False
-    max_weight_ratio: float = 10.0
-    trust_declared_keys: bool = False
-    align_factors: bool = True
-    max_update_spread: float = 5.0
-    max_diverged_fraction: float = 0.5
-    reference_run: str = ""
+    The settings objects (:mod:`fedshard.settings`) hold the library's settings; the other
+    fields are the app's own (model, data, rounds, where results go). Field names are the
+    run-config keys in snake case, except ``keep_ratio_file`` (``keep-ratio-table``).
+    """
+
+    sharding: Sharding = field(default_factory=Sharding)
+    training: LocalTraining = field(default_factory=_run_training)
+    replies: ReplyPolicy = field(default_factory=ReplyPolicy)
+    nodes: NodePolicy = field(default_factory=NodePolicy)  # the table: node_policy()
+    fast: FastOptions = field(default_factory=FastOptions)
+    keep_ratios: str = _app("0.2:0.6,0.4:0.4")
+    num_server_rounds: int = _app(7)
+    fraction_train: float = _app(1.0)
+    fraction_evaluate: float = _app(0.0)
+    min_available_nodes: int = _app(2)
+    round_timeout: float = _app(600.0)
+    num_partitions: int = _app(10)
+    dirichlet_alpha: float = _app(0.0)
+    model: str = _app("mlp")
+    model_width: int = _app(256)
+    dataset: str = _app("fashion-mnist")
+    data_dir: str = _app("")
+    download: bool = _app(False)
+    test_max_examples: int = _app(0)
+    eval_every: int = _app(1)
+    seed: int = _app(0)
+    results_dir: str = _app("")
+    run_name: str = _app("")
+    resume: bool = _app(False)
+    client_device: str = _app("auto")
+    server_device: str = _app("auto")
+    overwrite: bool = _app(False)
+    keep_ratio_file: str = _app("", "keep-ratio-table")
+    tensorboard: bool = _app(False)
+    init_keep_ratio: float = _app(1.0)
+    diagnostics: bool = _app(False)
+    reference_run: str = _app("")
 
     def __post_init__(self) -> None:
         problems = self._problems()
@@ -127,97 +131,91 @@ class RunConfig:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_mapping(cls, run_config: Mapping[str, Any]) -> RunConfig:
-        """Build from a Flower ``run_config`` (kebab-case keys); unknown keys are errors."""
-        known = {f.name.replace("_", "-"): f for f in fields(cls)}
+        """Build from a Flower ``run_config`` (kebab-case keys); unknown keys are errors.
+
+        Each key is routed to the setting that declares it (:func:`_keys`); a setting's
+        object is built with the values given over its run-config default and checks itself.
+        """
+        keys = _keys()
+        defaults = cls()
         problems: list[str] = []
-        kwargs: dict[str, Any] = {}
+        values: dict[str | None, dict[str, Any]] = {}
+        switches: dict[tuple[str, str], bool] = {}
         for key, value in run_config.items():
-            field = known.get(key)
-            if field is None:
-                problems.append(f"unknown key {key!r}; known keys: {', '.join(sorted(known))}")
+            route = keys.get(key)
+            if route is None:
+                problems.append(f"unknown key {key!r}; known keys: {', '.join(sorted(keys))}")
                 continue
-            default = field.default
+            concern, f, kind, role = route
+            default = _encode(defaults, concern, f)[key]
             try:
-                kwargs[field.name] = _coerce(value, type(default))
+                value = _coerce(value, kind)
             except (TypeError, ValueError):
-                problems.append(
-                    f"{key}={value!r}: expected {type(default).__name__} "
-                    f"(default {default!r})"
-                )
-        if problems:
-            # Report type problems together with the value problems of what did parse.
+                problems.append(f"{key}={value!r}: expected {kind.__name__} "
+                                f"(default {default!r})")
+                continue
+            if role == "switch":
+                switches[(concern or "", f.name)] = value
+                continue
+            has_none, none = encoded_none(f, "run")
+            values.setdefault(concern, {})[f.name] = None if has_none and value == none else value
+        for (concern, name), on in switches.items():
+            if on:
+                continue
+            given = values.setdefault(concern, {})
+            if given.get(name) is not None:  # a value given for a setting switched off
+                f = next(f for c, f in _settings_fields() if (c or "") == concern
+                         and f.name == name)
+                expected = f.metadata["rule"](given[name])
+                if expected is not None:
+                    problems.append(f"{run_key(f)}={given[name]!r}: {expected}")
+            given[name] = None
+        kwargs: dict[str, Any] = dict(values.pop(None, {}))
+        for concern, given in values.items():
+            assert concern is not None
             try:
-                cls(**kwargs)
+                kwargs[concern] = replace(getattr(defaults, concern), **given)
+            except SettingsError as err:
+                problems.extend(_render(err, concern))
+        if problems:
+            # Report these together with the problems of the app's own values.
+            try:
+                cls(**{k: v for k, v in kwargs.items() if not _is_concern(k)})
             except ConfigError as err:
                 problems.extend(err.problems)
             raise ConfigError(problems)
         return cls(**kwargs)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The flat run-config mapping of this configuration (kebab-case keys, every key)."""
+        out: dict[str, Any] = {}
+        for concern, f in _settings_fields():
+            out.update(_encode(self, concern, f))
+        return out
 
     # ------------------------------------------------------------------ derived values
     @property
     def mixture(self) -> KeepRatioMixture:
         return KeepRatioMixture.parse(self.keep_ratios)
 
-    @property
-    def sharding(self) -> Sharding:
-        """What is sharded and how (``prism-exponent = 0``: the paper's default, ``None``)."""
-        return Sharding(method=self.method, design=self.design, scaled=self.scaled,
-                        prism_exponent=self.prism_exponent or None,
-                        anneal_exponent=self.anneal_exponent, anneal_rounds=self.anneal_rounds,
-                        fedavg_cosine=self.fedavg_cosine)
-
-    @property
-    def training(self) -> LocalTraining:
-        """The local-training recipe (``clip-lr = false``: ``clip_lr_tau=None``)."""
-        recipe = self._recipe()
-        return recipe if self.clip_lr else replace(recipe, clip_lr_tau=None)
-
-    @property
-    def replies(self) -> ReplyPolicy:
-        """Reply bounds and the averaging rule (``max-num-examples = 0``: no cap, ``None``)."""
-        return ReplyPolicy(max_update_ratio=self.max_update_ratio,
-                           update_policy=self.update_policy,
-                           max_num_examples=self.max_num_examples or None,
-                           aggregation=self.aggregation, trim_fraction=self.trim_fraction,
-                           max_weight_ratio=self.max_weight_ratio,
-                           align_factors=self.align_factors,
-                           max_update_spread=self.max_update_spread,
-                           max_diverged_fraction=self.max_diverged_fraction)
-
-    @property
-    def nodes(self) -> NodePolicy:
-        """The keep-ratio rules (the table read from ``keep-ratio-table``; a file that is no
+    def node_policy(self) -> NodePolicy:
+        """:attr:`nodes` with the table read from ``keep-ratio-table`` (a file that is no
         table raises ``ValueError``) and ``round-timeout`` for both waits."""
-        table = load_keep_ratio_table(self.keep_ratio_table) if self.keep_ratio_table else None
-        return self._node_policy(table)
-
-    def _recipe(self) -> LocalTraining:
-        return LocalTraining(lr=self.lr, lr_schedule=self.lr_schedule,
-                             local_epochs=self.local_epochs, batch_size=self.batch_size,
-                             momentum=self.momentum, frobenius_decay=self.frobenius_decay,
-                             clip_lr_tau=self.clip_lr_tau, weight_decay=self.weight_decay,
-                             factor_step=self.factor_step)
-
-    def _node_policy(self, table: Mapping[str, float] | None) -> NodePolicy:
-        return NodePolicy(max_keep_ratio=self.max_keep_ratio, keep_ratio_table=table,
-                          query_timeout=self.round_timeout, node_wait_timeout=self.round_timeout,
-                          trust_declared_keys=self.trust_declared_keys)
+        table = load_keep_ratio_table(self.keep_ratio_file) if self.keep_ratio_file else None
+        return replace(self.nodes, keep_ratio_table=table, query_timeout=self.round_timeout,
+                       node_wait_timeout=self.round_timeout)
 
     @property
     def results_path(self) -> Path:
         """Absolute directory of this run's results."""
         base = Path(self.results_dir).expanduser() if self.results_dir else default_results_dir()
         name = self.run_name or (
-            f"{self.dataset}-{self.model}{self.model_width}-{self.method}"
-            f"{'-scaled' if self.scaled else ''}-{self.design}"
+            f"{self.dataset}-{self.model}{self.model_width}-{self.sharding.method}"
+            f"{'-scaled' if self.sharding.scaled else ''}-{self.sharding.design}"
             f"-r{self.keep_ratios.replace(':', '_')}"
             f"-seed{self.seed}"
         )
         return (base / name).resolve()
-
-    def as_dict(self) -> dict[str, Any]:
-        """Kebab-case mapping of every field (what the run used)."""
-        return {f.name.replace("_", "-"): getattr(self, f.name) for f in fields(self)}
 
     # ------------------------------------------------------------------ validation
     def _problems(self) -> list[str]:
@@ -227,7 +225,6 @@ class RunConfig:
             if not ok:
                 p.append(msg)
 
-        p.extend(self._settings_problems())
         try:
             KeepRatioMixture.parse(self.keep_ratios)
         except ValueError as err:
@@ -242,6 +239,8 @@ class RunConfig:
             0 <= self.fraction_evaluate <= 1,
             f"fraction-evaluate={self.fraction_evaluate}: expected in [0, 1]",
         )
+        timeout = rule_of(NodePolicy, "query_timeout")(self.round_timeout)  # both waits
+        need(timeout is None, f"round-timeout={self.round_timeout}: {timeout}")
         need(
             self.min_available_nodes >= 1,
             f"min-available-nodes={self.min_available_nodes}: expected ≥ 1",
@@ -275,26 +274,10 @@ class RunConfig:
         p.extend(self._location_problems())
         need(0 < self.init_keep_ratio <= 1,
              f"init-keep-ratio={self.init_keep_ratio}: expected in (0, 1] (1: full-rank start)")
-        need(not self.keep_ratio_table or Path(self.keep_ratio_table).expanduser().is_file(),
-             f"keep-ratio-table={self.keep_ratio_table!r}: no such file (expected a TOML file "
+        need(not self.keep_ratio_file or Path(self.keep_ratio_file).expanduser().is_file(),
+             f"keep-ratio-table={self.keep_ratio_file!r}: no such file (expected a TOML file "
              "of '\"<node key>\" = <ratio>' lines, or empty for no table)")
         return p
-
-    def _settings_problems(self) -> list[str]:
-        """The problems of the settings objects, named by their run-config keys (each
-        object checks its own fields: one rule per setting, in :mod:`fedshard.settings`)."""
-        keys = {"query_timeout": "round_timeout", "node_wait_timeout": "round_timeout"}
-        found: dict[str, str] = {}  # one problem per run-config key
-        for build in (lambda: self.sharding, self._recipe, lambda: self.replies,
-                      lambda: self._node_policy(None)):
-            try:
-                build()
-            except SettingsError as err:
-                for problem in err.found:
-                    about = tuple((keys.get(k, k), v) for k, v in problem.about)
-                    found.setdefault(" ".join(k for k, _ in about),
-                                     replace(problem, about=about).render("run-config"))
-        return list(found.values())
 
     def _location_problems(self) -> list[str]:
         """Problems of ``results-dir``, ``run-name``, ``resume`` and ``overwrite``."""
@@ -320,6 +303,68 @@ class RunConfig:
                 "overwrite deletes it; set one of them"
             )
         return p
+
+
+# ---------------------------------------------------------------------------- the keys
+def _is_concern(name: str) -> bool:
+    return name in _CONCERNS
+
+
+def _settings_fields() -> list[tuple[str | None, Field[Any]]]:
+    """Every run-config setting: ``(concern, field)`` of the settings objects' fields with a
+    run-config key (``concern`` the :class:`RunConfig` field that holds the object), and
+    ``(None, field)`` of the app's own."""
+    out: list[tuple[str | None, Field[Any]]] = []
+    for f in fields(RunConfig):
+        if f.name in _CONCERNS:
+            out += [(f.name, g) for g in fields(_CONCERNS[f.name])  # type: ignore[arg-type]
+                    if run_key(g) is not None]
+        else:
+            out.append((None, f))
+    return out
+
+
+@functools.cache
+def _keys() -> dict[str, tuple[str | None, Field[Any], type, str]]:
+    """Run-config key -> ``(concern, field, type, role)``; role ``"value"``, or ``"switch"``
+    for a boolean key that turns its setting off."""
+    out: dict[str, tuple[str | None, Field[Any], type, str]] = {}
+    for concern, f in _settings_fields():
+        owner = _CONCERNS[concern] if concern else RunConfig
+        key = run_key(f)
+        assert key is not None and key not in out, key
+        out[key] = (concern, f, value_type(owner, f.name), "value")
+        switch = f.metadata.get("switch")
+        if switch:
+            out[switch] = (concern, f, bool, "switch")
+    return out
+
+
+def _encode(cfg: RunConfig, concern: str | None, f: Field[Any]) -> dict[str, Any]:
+    """The run-config entries of setting ``f`` (of ``cfg``'s ``concern`` object, or the app's):
+    ``None`` as its stand-in, a switched-off setting as its switch ``false`` and its default."""
+    value = getattr(getattr(cfg, concern) if concern else cfg, f.name)
+    key = run_key(f)
+    assert key is not None
+    switch = f.metadata.get("switch")
+    if switch:
+        return {switch: value is not None, key: value if value is not None else f.default}
+    has_none, none = encoded_none(f, "run")
+    return {key: none if value is None and has_none else value}
+
+
+def _render(err: SettingsError, concern: str) -> list[str]:
+    """A settings object's problems, named by their run-config keys."""
+    names = {f.name: run_key(f) or kebab(f.name)
+             for f in fields(_CONCERNS[concern])}  # type: ignore[arg-type]
+    return [replace(p, about=tuple((names.get(k, k), v) for k, v in p.about)).render("run-config")
+            for p in err.found]
+
+
+#: The RunConfig fields that hold settings objects -> their class.
+_CONCERNS: dict[str, type[Settings]] = {"sharding": Sharding, "training": LocalTraining,
+                                        "replies": ReplyPolicy, "nodes": NodePolicy,
+                                        "fast": FastOptions}
 
 
 #: The models whose size ``model-width`` sets (cct and chargpt have fixed sizes).

@@ -54,7 +54,7 @@ def build_strategy(cfg: RunConfig, model: nn.Module, device: str = "cpu") -> Spe
         sharding=cfg.sharding,
         training=cfg.training,
         replies=cfg.replies,
-        nodes=cfg.nodes,
+        nodes=cfg.node_policy(),
         seed=cfg.seed,
         device=None if device == "cpu" else device,
         fraction_train=cfg.fraction_train,

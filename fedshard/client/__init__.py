@@ -9,12 +9,12 @@ fedshard's), reply.
   which keep ratio a node declares (its own, or its share of a simulated mix).
 - :mod:`~fedshard.client.app` - :class:`ShardingClientApp` and :func:`sharding_mod`: Flower
   glue for an existing project.
-- :mod:`~fedshard.client.train` - the local-training recipe (SGD-m, Frobenius decay, ClipLR).
+- :mod:`~fedshard.client.train` - local training: the plain loop and the client rules (SGD-m,
+  Frobenius decay, ClipLR) for any optimizer.
 """
 
 from fedshard.client.app import ShardingClientApp, sharding_mod
 from fedshard.client.handlers import (
-    NodeOptions,
     handle_evaluate,
     handle_query,
     handle_train,
@@ -29,9 +29,8 @@ from fedshard.client.shard import (
     submodel_from_record,
 )
 from fedshard.client.train import (
-    ClipLR,
+    ClientRules,
     EvalResult,
-    FrobeniusDecay,
     TensorBatches,
     TrainConfig,
     TrainResult,
@@ -39,11 +38,9 @@ from fedshard.client.train import (
 )
 
 __all__ = [
-    "ClipLR",
+    "ClientRules",
     "EvalResult",
-    "FrobeniusDecay",
     "KeepRatioMixture",
-    "NodeOptions",
     "Shard",
     "ShardingClientApp",
     "SubmodelCache",

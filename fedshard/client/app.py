@@ -11,7 +11,7 @@ from flwr.clientapp import ClientApp
 from fedshard import protocol as P
 from fedshard.client.handlers import handle_query, keep_ratio_of
 from fedshard.client.keep_ratios import KeepRatioMixture, KeepRatios, node_keep_ratio
-from fedshard.client.shard import shard_reply
+from fedshard.client.shard import following, rules_metrics, shard_reply
 
 __all__ = ["ShardingClientApp", "sharding_mod"]
 
@@ -22,7 +22,9 @@ def sharding_mod(msg: Message, context: Context, call_next: Any) -> Message:
     Your handler loads the sub-model with ``model = receive(msg, Net()).model``, trains it and
     replies as for FedAvg (``ArrayRecord(model.state_dict())`` and a ``MetricRecord`` with
     ``num-examples``); the mod re-encodes that reply in the wire format (ω left out, the term
-    indices echoed) with the same checks as :meth:`Shard.reply`. Other replies pass unchanged.
+    indices echoed) with the same checks as :meth:`Shard.reply`, and the metric
+    ``clip-lr-terms`` (with a WARNING when no optimizer step applied the client rules). Other
+    replies pass unchanged.
     """
     reply = call_next(msg, context)
     if msg.metadata.message_type != "train" or reply.has_error():
@@ -34,7 +36,10 @@ def sharding_mod(msg: Message, context: Context, call_next: Any) -> Message:
         return reply  # not a shard, or already encoded (Shard.reply)
     metrics = dict(reply.content.metric_records.get(P.METRICS, {}))
     num_examples = metrics.pop(P.NUM_EXAMPLES, None)
-    lr = P.TrainSettings.from_record(msg.content.config_records[P.CONFIG]).lr
+    rules = following(msg)  # the rules receive() made follow this shard
+    if rules is not None:
+        metrics.update(rules_metrics(rules.report(), rules.active))
+    lr = P.TrainSettings.from_record(msg.content.config_records[P.CONFIG]).base_lr
     return shard_reply(msg, {k: P.decode_array(a) for k, a in arrays.items()}, num_examples,
                        metrics, lr)
 

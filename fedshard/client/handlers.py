@@ -14,12 +14,11 @@ Two ways to train, one implementation:
 - **Batteries included**: :func:`handle_train` does that with fedshard's loop
   (:func:`fedshard.client.train.loop.train`) on a ``Dataset`` or a ``DataLoader`` you built.
 
-The paper's client rules (Sec. 3.3) come with the received factors (:func:`receive`'s
-``client_rules=True``): Frobenius decay ``γ Σ_L ‖U Ω Vᵀ‖²_F`` (it replaces weight decay on the
-factors) is added to their gradients, and ClipLR scales the gradient of term i by
-``min(1, τ/ω_i)``, so a large multiplier ω_i cannot blow up that term's effective learning
-rate. With ``client_rules=False`` :meth:`Shard.optimizer` and :meth:`Shard.penalty` apply them
-instead, as fedshard's loop does.
+The paper's client rules (Sec. 3.3, :class:`~fedshard.client.train.rules.ClientRules`) come
+with the received factors: Frobenius decay ``γ Σ_L ‖U Ω Vᵀ‖²_F`` (it replaces weight decay on
+the factors) is added to their gradients before each optimizer step, and ClipLR scales what
+the step moved term i by ``min(1, τ/ω_i)``, so a large multiplier ω_i cannot blow up that
+term's effective learning rate, whichever optimizer steps.
 
 The wire format is :mod:`fedshard.protocol`'s; the model is any torch model whose dense
 ``state_dict`` the strategy was started with.
@@ -29,7 +28,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any, TypedDict, Unpack
+from typing import Any
 
 import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
@@ -44,8 +43,8 @@ from fedshard.client.shard import (  # re-exported
     receive,
     submodel_from_record,
 )
-from fedshard.client.train import fast
 from fedshard.client.train.batches import TensorBatches, batches_for
+from fedshard.client.train.config import FastPath
 from fedshard.client.train.loop import (
     evaluate,
     train,
@@ -53,7 +52,6 @@ from fedshard.client.train.loop import (
 from fedshard.sampling import as_keep_ratio
 
 __all__ = [
-    "NodeOptions",
     "Shard",
     "SubmodelCache",
     "handle_evaluate",
@@ -126,22 +124,6 @@ def handle_query(msg: Message, keep_ratio: float, node_key: str | int | None = N
     return P.capabilities_reply(msg, keep_ratio, node_key)
 
 
-# ---------------------------------------------------------------------------- training
-class NodeOptions(TypedDict, total=False):
-    """A node's own :class:`~fedshard.client.train.TrainConfig` fields for :func:`handle_train`:
-    how it trains (speed, logging), not what (the recipe is the server's). See ``TrainConfig``
-    for each field."""
-
-    log_every_epoch: bool
-    channels_last: bool
-    compile: bool
-    cuda_graph: bool
-    max_grad_norm: float | None
-    pad_terms: int | None
-    reuse_step: bool | None
-    merge_terms: bool
-
-
 # ---------------------------------------------------------------------------- data
 Loader = DataLoader[Any] | TensorBatches
 
@@ -179,7 +161,8 @@ def handle_train(
     input_key: str | None = None,
     target_key: str | None = None,
     submodels: SubmodelCache | None = None,
-    **options: Unpack[NodeOptions],
+    fast: FastPath | None = None,
+    **options: Any,
 ) -> Message:
     """Train the received shard of ``model`` with fedshard's loop; reply with the factors.
 
@@ -208,10 +191,13 @@ def handle_train(
         fedshard's in-process engine passes one): a kept sub-model of the same shape is loaded
         instead of copying ``model`` again, and this one is kept after the reply is built
         (when trained with the eager step). The same numbers either way.
+    fast : FastOptions, optional
+        This node's fast path (:class:`fedshard.client.train.fast.FastOptions`, e.g.
+        ``FastOptions(compile=True, cuda_graph=True)``); ``None``: the eager step.
     **options
-        This node's own :class:`~fedshard.client.train.TrainConfig` fields (:class:`NodeOptions`:
-        speed and logging, e.g. ``compile=True``, ``cuda_graph=True``, ``merge_terms=True``);
-        the recipe is the server's.
+        This node's own :class:`~fedshard.client.train.TrainConfig` fields: how it trains
+        (``log_every_epoch``, ``channels_last``, ``max_grad_norm``), not what (the recipe is
+        the server's).
 
     Returns
     -------
@@ -225,13 +211,13 @@ def handle_train(
     # train() applies the client rules
     shard = Shard.from_message(msg, model, device=device, client_rules=False, cache=submodels)
     s = shard.settings
-    cfg = shard.train_config(input_key=input_key, target_key=target_key, **options)
+    cfg = shard.train_config(input_key=input_key, target_key=target_key, fast=fast, **options)
     loader = _loader(data, s.batch_size, s.train_seed, shard.device)
     result = train(shard.model, loader, cfg)
     metrics = {P.TRAIN_LOSS: result.loss, P.TRAIN_ACCURACY: result.accuracy}
     if dense is None:
-        reply = shard.reply(result.num_examples, metrics)
-        if submodels is not None and not fast.enabled(cfg):  # the fast step may reshape it
+        reply = shard.reply(result.num_examples, metrics, rules=result.rules)
+        if submodels is not None and not cfg.fast_enabled():  # the fast step may reshape it
             submodels.give(shard.model)
         return reply
     record = msg.content.array_records[P.REFERENCE]
@@ -239,7 +225,8 @@ def handle_train(
                           strict=True)
     ref = train(dense.to(shard.device),
                 _again(loader, data, s.batch_size, s.train_seed, shard.device), cfg)
-    reply = shard.reply(result.num_examples, {**metrics, "fedavg-train-loss": ref.loss})
+    reply = shard.reply(result.num_examples, {**metrics, "fedavg-train-loss": ref.loss},
+                        rules=result.rules)
     reply.content[P.REFERENCE] = P.array_record(
         {k: P.encode_array(v.detach().cpu().numpy()) for k, v in dense.state_dict().items()})
     return reply

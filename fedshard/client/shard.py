@@ -4,18 +4,20 @@
 with the sharded layers swapped for ``U·diag(ω)·Vᵀ`` (:mod:`fedshard.spectral`), the round's
 settings and the checked reply (:meth:`Shard.reply`).
 
-**The paper's client rules travel with the sub-model** (Sec. 3.3): by default the factors
-``u``, ``v`` carry gradient hooks (:func:`~fedshard.client.train.optim.attach_client_rules`)
-that add Frobenius decay's gradient ``γ ∂‖UΩVᵀ‖²_F`` and scale column i by ClipLR's
-``min(1, τ/ω_i)``, so any loop and any torch optimizer applies both with no extra line; with
-the server's ``factor_step="dense"`` they also make each step move ``W = UΩVᵀ`` as a dense step
-would (:mod:`fedshard.client.train.precondition`), so the dense model's lr works.
-``receive(msg, model, client_rules=False)`` leaves them off: then :meth:`Shard.optimizer`
-(ClipLR) and :meth:`Shard.penalty` (the decay term) apply them, as fedshard's own loop does.
+**The paper's client rules travel with the sub-model** (Sec. 3.3): by default
+(:class:`~fedshard.client.train.rules.ClientRules`, ``follow``) any torch optimizer that steps
+the received factors applies Frobenius decay ``γ ∂‖UΩVᵀ‖²_F`` before its step and ClipLR's
+per-term lr scale ``min(1, τ/ω_i)`` to what the step moved, whoever built the optimizer (your
+loop, or a framework such as PyTorch Lightning); with the server's ``factor_step="dense"``
+they also make each step move ``W = UΩVᵀ`` as a dense step would
+(:mod:`fedshard.client.train.precondition`), so the dense model's lr works. The reply says
+how many terms ClipLR scaled (``clip-lr-terms``), and a round in which no optimizer step
+applied the rules logs a WARNING.
 """
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -28,10 +30,22 @@ from torch import nn
 
 from fedshard import protocol as P
 from fedshard.client.train.config import TrainConfig
-from fedshard.client.train.optim import attach_client_rules, build_optimizer, frobenius_penalty
+from fedshard.client.train.optim import build_optimizer
+from fedshard.client.train.rules import ClientRules, RulesReport
 from fedshard.spectral import LayerFactors, build_submodel
 
-__all__ = ["Shard", "SubmodelCache", "receive", "shard_reply", "submodel_from_record"]
+__all__ = ["CLIP_LR_TERMS", "Shard", "SubmodelCache", "following", "receive", "rules_metrics",
+           "shard_reply", "submodel_from_record"]
+
+logger = logging.getLogger(__name__)
+
+#: The reply metric that says how many of a node's terms ClipLR scaled (ω_i > τ) in the
+#: round; 0 when it scaled none, or when no optimizer step applied the rules.
+CLIP_LR_TERMS = "clip-lr-terms"
+
+#: The rules that follow a received shard, by the id of the message that carried it (so that
+#: :func:`fedshard.client.sharding_mod` can say what they did in a FedAvg-style reply).
+_FOLLOWING: weakref.WeakValueDictionary[str, ClientRules] = weakref.WeakValueDictionary()
 
 #: A sub-model's shape: ``(layer, u's shape, v's shape)`` of each sharded layer, sorted.
 SubmodelShape = tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]
@@ -143,17 +157,16 @@ class Shard:
         The server's settings for this round: the recipe
         (:class:`~fedshard.settings.LocalTraining`: ``lr`` already scheduled, ``local_epochs``,
         ``batch_size``, ``momentum``, ``frobenius_decay`` γ, ``clip_lr_tau`` τ, ...) and the
-        round, keep ratio, training seed and method.
+        round, keep ratio and training seed.
     layers : tuple of str
         Names of the sharded layers.
     message : flwr.app.Message
         The ``train`` message (the reply answers it).
     device : torch.device
         Where ``model`` lives.
-    client_rules : bool
-        Whether ``model``'s factors carry Frobenius decay and ClipLR as gradient hooks
-        (:func:`receive`'s default); :meth:`optimizer`, :meth:`penalty` and
-        :meth:`train_config` then leave both out, so nothing is applied twice.
+    rules : ClientRules
+        The client rules of the received recipe on ``model``'s factors; with
+        :func:`receive`'s ``client_rules=True`` they follow any optimizer that steps them.
     """
 
     model: nn.Module
@@ -161,75 +174,59 @@ class Shard:
     layers: tuple[str, ...]
     message: Message
     device: torch.device
-    client_rules: bool = False
+    rules: ClientRules
 
     @classmethod
     def from_message(cls, msg: Message, model: nn.Module, *,
                      device: str | torch.device = "cpu", client_rules: bool = True,
                      cache: SubmodelCache | None = None) -> Shard:
-        """Same as :func:`receive`."""
+        """Same as :func:`receive` (``cache``: a :class:`SubmodelCache` of ``model``)."""
         if not isinstance(client_rules, bool):
-            raise TypeError(f"receive(client_rules={client_rules!r}): expected True (the "
-                            "factors carry Frobenius decay and ClipLR) or False; nothing was "
-                            "received.")
-        if client_rules and cache is not None:
-            raise ValueError("Shard.from_message(client_rules=True, cache=...): a kept sub-model "
-                             "would carry the hooks of every shard it trained; use the cache with "
-                             "client_rules=False. Nothing was received.")
+            raise TypeError(f"receive(client_rules={client_rules!r}): expected True (any "
+                            "optimizer that steps the factors applies the client rules) or "
+                            "False; nothing was received.")
         settings = P.TrainSettings.from_record(msg.content.config_records[P.CONFIG])
         sub, layers = submodel_from_record(model, msg.content.array_records[P.ARRAYS], cache)
         dev = torch.device(device)
         sub = sub.to(dev)
+        rules = ClientRules.of(sub, settings)
         if client_rules:
-            attach_client_rules(sub, settings.frobenius_decay, settings.clip_lr_tau,
-                                settings.factor_step)
-        return cls(sub, settings, tuple(layers), msg, dev, client_rules)
+            rules.follow()
+            vars(sub)["_fedshard_rules"] = rules  # they follow the sub-model while it lives
+            if msg.metadata.message_id:
+                _FOLLOWING[msg.metadata.message_id] = rules
+        return cls(sub, settings, tuple(layers), msg, dev, rules)
 
     def train_config(self, **overrides: Any) -> TrainConfig:
         """fedshard's :class:`~fedshard.client.train.TrainConfig` for the received recipe,
         this shard's device and the round's seed; ``overrides`` replace fields (e.g.
-        ``compile=True``, ``local_epochs=2``). With :attr:`client_rules` on, its
-        ``frobenius_decay`` is 0 and ``clip_lr_tau`` ``None``: the factors' hooks apply them."""
-        s = self.settings
-        hooked = self.client_rules
-        cfg = TrainConfig(local_epochs=s.local_epochs, lr=s.lr, momentum=s.momentum,
-                          frobenius_decay=0.0 if hooked else s.frobenius_decay,
-                          clip_lr_tau=None if hooked else s.clip_lr_tau,
-                          weight_decay=s.weight_decay,
-                          factor_step="plain" if hooked else s.factor_step,
-                          device=self.device, seed=s.train_seed)
+        ``log_every_epoch=False``)."""
+        cfg = TrainConfig(recipe=self.settings, device=self.device,
+                          torch_seed=self.settings.train_seed)
         return replace(cfg, **overrides) if overrides else cfg
 
     def optimizer(self, **overrides: Any) -> torch.optim.SGD:
-        """SGD with the server's lr, momentum and weight decay (none on the factors), with
-        :class:`~fedshard.client.train.ClipLR` attached (τ from the settings; off when the
-        server sent none, and when the factors' hooks apply it: :attr:`client_rules`);
-        ``overrides`` replace :class:`TrainConfig` fields (e.g. ``lr=0.01``). Optional with
-        the client rules on: any optimizer then gets ClipLR from the hooks.
+        """SGD with the server's lr, momentum and weight decay (none on the factors), the
+        client rules attached (:func:`~fedshard.client.train.build_optimizer`);
+        ``overrides`` replace :class:`TrainConfig` fields. Optional: any optimizer you build
+        over ``shard.model.parameters()`` gets the rules too (:func:`receive`).
 
         A plain ``torch.optim.SGD``: call ``zero_grad()``, ``loss.backward()``, ``step()`` on
-        it as on any optimizer (each ``step()`` scales the factor gradients by
-        ``min(1, τ/ω_i)`` first), and use it with learning-rate schedulers and
+        it as on any optimizer, and use it with learning-rate schedulers and
         ``state_dict()``.
         """
-        return build_optimizer(self.model, self.train_config(**overrides))
+        return build_optimizer(self.model, self.train_config(**overrides), self.rules)
 
-    def penalty(self) -> torch.Tensor:
-        """The Frobenius decay term ``γ Σ_L ‖U Ω Vᵀ‖²_F`` to add to your loss (γ from the
-        settings; a differentiable scalar, ``0`` when γ = 0 or nothing is sharded).
-
-        With :attr:`client_rules` on (:func:`receive`'s default) the decay is already in the
-        factors' gradients: this returns ``0``, so code that still adds it does not apply it
-        twice (``gamma * frobenius_penalty(shard.model)`` is the term's value, to log)."""
-        gamma = self.settings.frobenius_decay
-        if gamma == 0 or self.client_rules:
-            return torch.zeros((), device=self.device)
-        return gamma * frobenius_penalty(self.model).to(self.device)
-
-    def reply(self, num_examples: int, metrics: Mapping[str, float] | None = None) -> Message:
+    def reply(self, num_examples: int, metrics: Mapping[str, float] | None = None, *,
+              rules: RulesReport | None = None) -> Message:
         """The reply ``Message``: the trained factors and dense entries, ``num_examples``
-        (the aggregation weight, > 0) and your ``metrics`` (any numeric scalars; the server
-        averages each over the nodes that report it, weighted by ``num_examples``).
+        (the aggregation weight, > 0), your ``metrics`` (any numeric scalars; the server
+        averages each over the nodes that report it, weighted by ``num_examples``) and
+        :data:`CLIP_LR_TERMS`.
+
+        ``rules``: what the client rules did, when a trainer other than :attr:`rules` applied
+        them (fedshard's loop); by default :attr:`rules`' report (a WARNING if no optimizer
+        step applied them).
 
         Raises
         ------
@@ -239,7 +236,34 @@ class Shard:
             For a non-numeric metric or ``num_examples`` ≤ 0.
         """
         state = {k: v.detach().cpu().numpy() for k, v in self.model.state_dict().items()}
-        return shard_reply(self.message, state, num_examples, metrics or {}, self.settings.lr)
+        report = rules if rules is not None else self.rules.report()
+        values = {**(metrics or {}), **rules_metrics(report, self.rules.active)}
+        return shard_reply(self.message, state, num_examples, values, self.settings.base_lr)
+
+
+def following(msg: Message) -> ClientRules | None:
+    """The rules that :func:`receive` made follow the shard of ``msg`` (while its sub-model
+    lives), or ``None``."""
+    return _FOLLOWING.get(msg.metadata.message_id) if msg.metadata.message_id else None
+
+
+def rules_metrics(report: RulesReport, active: bool) -> dict[str, float]:
+    """The reply's :data:`CLIP_LR_TERMS` from ``report``; a WARNING when the rules had
+    something to do (``active``) but no optimizer step applied them."""
+    if active and report.steps == 0:
+        off = [f"Frobenius decay (γ={report.frobenius_decay:g})"] if report.frobenius_decay else []
+        if report.clip_lr_tau is not None:
+            off.append(f"ClipLR (τ={report.clip_lr_tau:g}, {report.scaled_columns} of "
+                       f"{report.columns} terms above it)")
+        if report.factor_step == "dense":
+            off.append("the dense factor step")
+        logger.warning(
+            "The client rules were not applied this round: %s. No torch optimizer step moved "
+            "the received factors (fedshard applies the rules around optimizer.step() of any "
+            "torch.optim.Optimizer that holds shard.model's parameters). Train shard.model with "
+            "a torch optimizer, or call shard.rules.before_step() / after_step() around your "
+            "own update.", ", ".join(off))
+    return {CLIP_LR_TERMS: float(report.scaled_columns if report.steps else 0)}
 
 
 def shard_reply(msg: Message, state: Mapping[str, np.ndarray], num_examples: Any,
@@ -282,18 +306,17 @@ def receive(msg: Message, model: nn.Module, *, device: str | torch.device = "cpu
     device : str or torch.device
         Where the sub-model is put.
     client_rules : bool
-        ``True`` (default): the sub-model's factors carry the paper's client rules, Frobenius
-        decay and ClipLR with the server's γ and τ, and the server's factor step
-        (``factor_step="dense"``: the dense-equivalent step), as gradient hooks: train
-        ``shard.model`` with any loop and any optimizer, nothing else to add (one
-        ``backward()`` per step).
-        ``False``: a plain sub-model; apply them with :meth:`Shard.optimizer` and
-        :meth:`Shard.penalty` (or fedshard's loop, as :func:`handle_train` does).
+        ``True`` (default): the paper's client rules (Frobenius decay, ClipLR, and the
+        server's factor step) with the server's γ and τ follow the sub-model: any torch
+        optimizer that steps its factors applies them, whoever built it (your loop, a
+        framework), with nothing else to add. ``False``: a plain sub-model; fedshard's own
+        loop (:func:`handle_train`) and :meth:`Shard.optimizer` attach them to the optimizer
+        they build.
 
     Returns
     -------
     Shard
-        ``shard.model``, ``shard.settings``, ``shard.optimizer()``, ``shard.penalty()`` and
+        ``shard.model``, ``shard.settings``, ``shard.optimizer()`` and
         ``shard.reply(num_examples=..., metrics=...)``.
 
     Raises

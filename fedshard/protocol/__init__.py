@@ -68,7 +68,7 @@ from fedshard.protocol.keys import (
     is_factor_key,
     layer_of,
 )
-from fedshard.protocol.settings import TRAIN_CONFIG_KEYS, TrainSettings
+from fedshard.protocol.settings import NODE_KEYS, RECIPE_KEYS, TRAIN_CONFIG_KEYS, TrainSettings
 from fedshard.protocol.shards import (
     SentShard,
     TrainReply,
@@ -90,8 +90,10 @@ __all__ = [
     "LR",
     "METRICS",
     "NODE_KEY",
+    "NODE_KEYS",
     "NUM_EXAMPLES",
     "QUERY",
+    "RECIPE_KEYS",
     "REFERENCE",
     "SERVER_ROUND",
     "TRAIN_ACCURACY",

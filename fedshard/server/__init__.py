@@ -15,13 +15,14 @@
 
 from fedshard.server.metrics import mean_client_metrics
 from fedshard.server.nodes import load_keep_ratio_table
-from fedshard.server.schedule import LR_SCHEDULES, cosine_lr
+from fedshard.server.schedule import cosine_lr
 from fedshard.server.strategy import (
     SHARDING_METHODS,
     NoRoundTrainedError,
     SpectralSharding,
     TrainingDivergedError,
 )
+from fedshard.settings import LR_SCHEDULES
 
 __all__ = [
     "LR_SCHEDULES",

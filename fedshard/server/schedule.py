@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
-from fedshard.settings import LR_SCHEDULES, LocalTraining, ProblemsError, SettingsError
+from fedshard.protocol.settings import RECIPE_KEYS
+from fedshard.settings import (
+    LR_SCHEDULES,
+    LocalTraining,
+    ProblemsError,
+    SettingsError,
+    encoded_none,
+    wire_key,
+)
 
-__all__ = [
-    "DEFAULT_LR", "FLOWER_DEFAULT_ROUNDS", "LR_SCHEDULES", "NODE_KEYS", "RECIPE_KEYS", "cosine_lr",
-    "round_lr", "round_recipe", "schedule_length",
-]
-
-#: The strategy's lr when its ``lr`` is ``None`` (and the round's config sets no ``lr``).
-DEFAULT_LR = 0.05
+__all__ = ["FLOWER_DEFAULT_ROUNDS", "cosine_lr", "round_lr", "round_recipe", "schedule_length"]
 
 #: ``Strategy.start``'s default number of rounds in Flower.
 FLOWER_DEFAULT_ROUNDS = 3
@@ -80,16 +82,6 @@ def schedule_length(given: int | None, at_start: int | None, completed: int = 0)
     return total
 
 
-#: The ``train`` config's keys that are the local-training recipe: a value the user's config
-#: sets for one of them is sent as is (see :func:`round_recipe`).
-RECIPE_KEYS = ("lr", "local-epochs", "batch-size", "momentum", "frobenius-decay", "clip-lr-tau",
-               "weight-decay", "factor-step")
-
-#: The per-node keys of the ``train`` config: always the strategy's (the node's keep ratio,
-#: its training seed, the method and the run's round describe what it was sent).
-NODE_KEYS = ("server-round", "keep-ratio", "train-seed", "method")
-
-
 def round_recipe(training: LocalTraining, config: Mapping[str, Any], server_round: int,
                  num_rounds: int | None) -> tuple[LocalTraining, float, list[str]]:
     """This round's recipe: the user's ``config`` entries over the strategy's ``training``.
@@ -97,8 +89,9 @@ def round_recipe(training: LocalTraining, config: Mapping[str, Any], server_roun
     Precedence, key by key (:data:`RECIPE_KEYS`): a value in ``config`` (what the caller's
     ``train_config`` or its ``configure_train`` override put there) wins and is sent as is;
     a key it does not set takes the strategy's value; the lr then follows ``training``'s
-    schedule from its ``lr`` (:data:`DEFAULT_LR` if ``None``) over ``num_rounds`` (``None``:
-    unknown, the base lr every round). ``clip-lr-tau`` 0 means ClipLR off, as on the wire.
+    schedule from its ``lr`` (:data:`fedshard.settings.DEFAULT_LR` if ``None``) over
+    ``num_rounds`` (``None``: unknown, the base lr every round). ``clip-lr-tau`` 0 means
+    ClipLR off, as on the wire.
 
     Returns
     -------
@@ -112,9 +105,12 @@ def round_recipe(training: LocalTraining, config: Mapping[str, Any], server_roun
         the round is not started.
     """
     user = {key: config[key] for key in RECIPE_KEYS if key in config}
-    values = {key.replace("-", "_"): value for key, value in user.items()}
-    if values.get("clip_lr_tau") == 0:
-        values["clip_lr_tau"] = None
+    values: dict[str, Any] = {}
+    for f in fields(LocalTraining):
+        key = wire_key(f)
+        if key in user:  # as on the wire: e.g. clip-lr-tau 0 is ClipLR off
+            has_none, none = encoded_none(f, "wire")
+            values[f.name] = None if has_none and user[key] == none else user[key]
     try:
         recipe = replace(training, **values) if values else training
     except SettingsError as err:  # named as the config's keys (kebab case)
@@ -124,7 +120,7 @@ def round_recipe(training: LocalTraining, config: Mapping[str, Any], server_roun
                             "this round is not started") from None
     if "lr" in user:
         return recipe, float(user["lr"]), sorted(user)
-    base = training.lr if training.lr is not None else DEFAULT_LR
+    base = training.base_lr
     if num_rounds is None or server_round > num_rounds:
         return recipe, base, sorted(user)
     return recipe, round_lr(training.lr_schedule, base, server_round, num_rounds), sorted(user)

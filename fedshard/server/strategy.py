@@ -23,12 +23,7 @@ from fedshard.server import rounds
 from fedshard.server.metrics import mean_client_metrics
 from fedshard.server.nodes import NodeDirectory
 from fedshard.server.privacy import refuse_wrappers
-from fedshard.server.schedule import (
-    DEFAULT_LR,
-    NODE_KEYS,
-    round_recipe,
-    schedule_length,
-)
+from fedshard.server.schedule import round_recipe, schedule_length
 from fedshard.settings import (
     CONCERNS,
     LocalTraining,
@@ -204,7 +199,7 @@ class SpectralSharding(FedAvg):
         # num_rounds: the schedule's length, the constructor's, or set by start() (see start).
         self.num_rounds, self._given_rounds = num_rounds, num_rounds
         # The schedule's base lr (a round's config may set its own lr: see Notes).
-        self.base_lr = self.training.lr if self.training.lr is not None else DEFAULT_LR
+        self.base_lr = self.training.base_lr
         self.seed, self.device = seed, device
         self.nodes = NodeDirectory(seed=seed, min_available_nodes=min_available_nodes,
                                    policy=node_policy, sharded=self.sharding.method != "none")
@@ -396,7 +391,7 @@ class SpectralSharding(FedAvg):
     def _tell_precedence(self, config: ConfigRecord, mine: list[str], lr: float) -> None:
         """Say once which of the user's config entries are sent as they are, and which are
         replaced (the per-node keys)."""
-        replaced = sorted(k for k in NODE_KEYS if k in config and k != "server-round")
+        replaced = sorted(k for k in P.NODE_KEYS if k in config and k != "server-round")
         if replaced:
             self._once("node-keys", WARNING, "The config sets %s: these are per node and "
                        "always the strategy's; the values given are replaced.",

@@ -122,9 +122,47 @@ def test_settings_objects_are_built_from_the_run_config(tmp_path: Path) -> None:
     assert cfg.sharding.prism_exponent is None  # 0: the paper's default
     assert cfg.training == LocalTraining(lr=0.02, clip_lr_tau=None)
     assert cfg.replies == ReplyPolicy(max_num_examples=None, aggregation="median")
-    assert cfg.nodes == NodePolicy(keep_ratio_table={"node-0": 0.5}, query_timeout=30.0,
-                                   node_wait_timeout=30.0)
+    assert cfg.node_policy() == NodePolicy(keep_ratio_table={"node-0": 0.5},
+                                           query_timeout=30.0, node_wait_timeout=30.0)
     assert RunConfig().training.clip_lr_tau == 10.0
+    # and back: the flat run config of these objects gives them again
+    assert RunConfig.from_mapping(cfg.as_dict()) == cfg
+
+
+def test_pyprojects_run_config_is_the_settings_defaults() -> None:
+    """pyproject's [tool.flwr.app.config] lists every run-config key with the default its
+    setting declares (fedshard.settings, FastOptions, RunConfig), value and type."""
+    import tomllib
+
+    listed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    defaults = RunConfig().as_dict()
+    assert sorted(listed) == sorted(defaults)
+    assert {k: (v, type(v)) for k, v in listed.items()} == {
+        k: (v, type(v)) for k, v in defaults.items()}
+
+
+def test_no_setting_is_declared_twice() -> None:
+    """Each setting is one field of one class: the settings objects, the fast options, the
+    run config's own keys, the trainer's node options and the wire's per-round fields share
+    no field name (a second declaration would be a second default and a second rule)."""
+    import inspect
+    from dataclasses import fields
+
+    from fedshard.client.train import TrainConfig
+    from fedshard.client.train.fast import FastOptions
+    from fedshard.protocol import TrainSettings
+
+    owners: dict[str, list[str]] = {}
+    # the fields that hold a settings object (RunConfig.training, TrainConfig.recipe, ...)
+    holders = {"sharding", "training", "replies", "nodes", "fast", "recipe"}
+    for kind in (Sharding, LocalTraining, ReplyPolicy, NodePolicy, FastOptions, RunConfig,
+                 TrainConfig, TrainSettings):
+        own = set(inspect.get_annotations(kind))  # declared in this class
+        for f in fields(kind):
+            if f.name in own and f.name not in holders:
+                owners.setdefault(f.name, []).append(kind.__name__)
+    twice = {name: kinds for name, kinds in owners.items() if len(kinds) > 1}
+    assert twice == {}
 
 
 def test_results_path_is_absolute(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **extra: Any
     def spy(model: torch.nn.Module, loader: Any, cfg: Any) -> Any:
         result = inner(model, loader, cfg)
         flags = {m.merge_terms for m in model.modules() if isinstance(m, SpectralConv2d)}
-        seen.append((cfg.merge_terms, flags))
+        seen.append((cfg.fast is not None and cfg.fast.merge_terms, flags))
         return result
 
     monkeypatch.setattr(fedshard.client.handlers, "train", spy)

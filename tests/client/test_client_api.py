@@ -26,6 +26,7 @@ from fedshard import (
     receive,
 )
 from fedshard import protocol as P
+from fedshard.client.train import frobenius_penalty
 
 
 def net() -> nn.Module:
@@ -58,7 +59,7 @@ def train_message(keep: float = 0.5, **kw: Any) -> Message:
 
 def test_shard_model_and_penalty_match_the_dense_reference() -> None:
     msg = train_message()
-    shard = receive(msg, net(), client_rules=False)  # penalty() is 0 when hooks carry it
+    shard = receive(msg, net())
     rec = msg.content[P.ARRAYS]
     u, v, w = (rec[f"2.{p}"].numpy().astype(np.float64) for p in ("u", "v", "omega"))
     weight = (u * w) @ v.T  # (8, 8) = U diag(ω) Vᵀ
@@ -67,7 +68,8 @@ def test_shard_model_and_penalty_match_the_dense_reference() -> None:
     x = torch.randn(5, 6)
     torch.testing.assert_close(shard.model(x), ref(x), rtol=1e-5, atol=1e-5)
     gamma = shard.settings.frobenius_decay
-    assert float(shard.penalty()) == pytest.approx(gamma * (weight**2).sum(), rel=1e-5)
+    penalty = gamma * frobenius_penalty(shard.model)
+    assert float(penalty) == pytest.approx(gamma * (weight**2).sum(), rel=1e-5)
     assert isinstance(shard.model[0], nn.Linear) and shard.layers == ("2",)
 
 
@@ -79,7 +81,7 @@ def test_own_loop_with_shard_helpers_equals_handle_train() -> None:
     opt = shard.optimizer()
     torch.manual_seed(shard.settings.train_seed)
     for x, y in loader:
-        loss = F.cross_entropy(shard.model(x), y) + shard.penalty()
+        loss = F.cross_entropy(shard.model(x), y)  # the rules add Frobenius decay
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -199,7 +201,9 @@ def test_template_model_is_built_once_per_model_setting() -> None:
 
     cfg = RunConfig(model="mlp", model_width=16, dataset="fashion-mnist", seed=5)
     first = template_model(cfg)
-    assert template_model(replace(cfg, lr=0.01, method="unbiased")) is first  # not model settings
+    other_settings = RunConfig.from_mapping({"model": "mlp", "model-width": 16, "seed": 5,
+                                             "lr": 0.01, "method": "unbiased"})
+    assert template_model(other_settings) is first  # not model settings
     for key, value in build_model(cfg).state_dict().items():
         assert torch.equal(first.state_dict()[key], value), key  # the same initialization
     other = template_model(replace(cfg, seed=6))

@@ -1,6 +1,7 @@
-"""The paper's client rules travel with the sub-model: ``receive()``'s factors carry
-Frobenius decay and ClipLR as gradient hooks, so a plain loop with any optimizer trains as
-fedshard's own loop does; and keep ratios of a user project in one line."""
+"""The paper's client rules travel with the sub-model: any torch optimizer that steps
+``receive()``'s factors applies Frobenius decay and ClipLR, so a plain loop trains as
+fedshard's own loop does, and no rule is applied twice; and keep ratios of a user project in
+one line."""
 
 from __future__ import annotations
 
@@ -95,8 +96,9 @@ def test_a_plain_loop_gets_the_rules_of_fedshards_train_in_float64() -> None:
 
 
 def test_each_rule_against_its_formula() -> None:
-    """One step of plain SGD (no momentum): u' = u - lr·(∂CE/∂u + 2γ U(ωωᵀ ⊙ VᵀV))·min(1, τ/ω),
-    computed here with numpy from the received factors."""
+    """One step of plain SGD (no momentum) in a user's loop:
+    u' = u - lr·(∂CE/∂u + 2γ U(ωωᵀ ⊙ VᵀV))·min(1, τ/ω), computed here with numpy from the
+    received factors."""
     msg = message(gamma=0.05, tau=1.0)
     shard = receive(msg, net())
     layer = shard.model[2]
@@ -104,38 +106,46 @@ def test_each_rule_against_its_formula() -> None:
     bare = receive(msg, net(), client_rules=False)
     F.cross_entropy(bare.model(x), y).backward()
     g_data = bare.model[2].u.grad.numpy()
-    u, v, w = (layer.u.detach().numpy(), layer.v.detach().numpy(), layer.omega.numpy())
+    u, v, w = (layer.u.detach().numpy().copy(), layer.v.detach().numpy().copy(),
+               layer.omega.numpy().copy())
     expected = (g_data + 2 * 0.05 * u @ (np.outer(w, w) * (v.T @ v))) * np.minimum(1, 1.0 / w)
+    opt = torch.optim.SGD(shard.model.parameters(), lr=0.1)
     F.cross_entropy(shard.model(x), y).backward()
-    np.testing.assert_allclose(layer.u.grad.numpy(), expected, rtol=1e-10, atol=1e-14)
+    opt.step()
+    np.testing.assert_allclose(layer.u.detach().numpy(), u - 0.1 * expected, rtol=1e-10,
+                               atol=1e-14)
+    scaled = int((w > 1.0).sum() + (shard.model[4].omega > 1.0).sum())
+    assert (w > 1.0).any() and shard.rules.report().scaled_columns == scaled
 
 
-def test_shard_helpers_do_not_apply_the_rules_twice() -> None:
+def test_shard_helpers_and_fedshards_loop_do_not_apply_the_rules_twice() -> None:
+    """A followed shard trained by Shard.optimizer() or by fedshard's own loop (optimizers
+    with the rules attached) ends where a plain SGD loop over it does: the rules once."""
     msg = message()
+    plain = plain_loop(receive(msg, net()).model, 0.1)
     hooked = receive(msg, net())
-    assert float(hooked.penalty()) == 0.0  # the decay is already in the gradients
     opt = hooked.optimizer()
-    assert not opt._optimizer_step_pre_hooks  # no second ClipLR
-    cfg = hooked.train_config()
-    assert (cfg.frobenius_decay, cfg.clip_lr_tau) == (0.0, None)
-    # the documented older way (helpers, no hooks) ends where the hooks do
-    with_helpers = receive(msg, net(), client_rules=False)
-    helpers = plain_loop_with(with_helpers)
-    hooks = plain_loop_with(hooked)
-    for key, value in hooks.items():
-        torch.testing.assert_close(value, helpers[key], rtol=1e-12, atol=1e-12, msg=key)
+    assert (len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks)) == (1, 1)
+    helpers = user_loop_with(hooked.model, opt)
+    looped = receive(msg, net())
+    loader = DataLoader(TensorDataset(torch.cat([x for x, _ in batches()]),
+                                      torch.cat([y for _, y in batches()])), batch_size=8)
+    train(looped.model, loader, looped.train_config(log_every_epoch=False))
+    for key, value in plain.items():
+        torch.testing.assert_close(helpers[key], value, rtol=1e-12, atol=1e-12, msg=key)
+        torch.testing.assert_close(looped.model.state_dict()[key], value, rtol=1e-12,
+                                   atol=1e-12, msg=key)
     with pytest.raises(TypeError, match=r"receive\(client_rules='yes'\): expected True"):
         receive(msg, net(), client_rules="yes")  # type: ignore[arg-type]
 
 
-def plain_loop_with(shard: Any) -> dict[str, torch.Tensor]:
-    opt = shard.optimizer()
+def user_loop_with(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     for x, y in batches():
-        loss = F.cross_entropy(shard.model(x), y) + shard.penalty()
+        loss = F.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return {k: v.detach().clone() for k, v in shard.model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 # --------------------------------------------------------------------------- keep ratios

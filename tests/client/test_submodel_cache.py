@@ -15,8 +15,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import fedshard.client.shard as shard_module
-from fedshard import LocalTraining, NodePolicy, Shard, Sharding, SpectralSharding, handle_query
+from fedshard import LocalTraining, NodePolicy, Sharding, SpectralSharding, handle_query
 from fedshard.client import SubmodelCache, handle_train
+from fedshard.client.train.fast import FastOptions
 
 
 def net() -> nn.Module:
@@ -101,7 +102,8 @@ def test_a_sub_model_trained_with_a_fast_option_is_not_kept() -> None:
     messages = round_messages([0.5, 0.5])
     model = net()
     cache = SubmodelCache(model)
-    handle_train(messages[0], model, node_data(0, 20), submodels=cache, pad_terms=2)
+    handle_train(messages[0], model, node_data(0, 20), submodels=cache,
+                 fast=FastOptions(pad_terms=2))
     assert len(cache) == 0
     handle_train(messages[1], model, node_data(1, 20), submodels=cache)
     assert len(cache) == 1
@@ -121,8 +123,6 @@ def test_misuse_is_refused_with_what_to_do() -> None:
     model = net()
     with pytest.raises(ValueError, match="another model"):
         handle_train(msg, model, node_data(0, 8), submodels=SubmodelCache(net()))
-    with pytest.raises(ValueError, match="client_rules=False"):
-        Shard.from_message(msg, model, client_rules=True, cache=SubmodelCache(model))
     with pytest.raises(ValueError, match="max_shapes=0"):
         SubmodelCache(model, max_shapes=0)
     cache = SubmodelCache(model)

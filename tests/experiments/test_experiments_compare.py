@@ -218,12 +218,12 @@ def test_the_beyond_suite_compares_with_the_fmnist_table_runs() -> None:
         assert comp.suite == "fmnist-table" and comp.column == "r = 0.1"
         assert comp.runs == table.cell(comp.row, "r = 0.1")
         # Same setup as the beyond runs except what the row itself sets.
-        mine = suite.runs[0].config
-        theirs = comp.runs[0].config
-        for key in ("dataset", "model", "model_width", "num_server_rounds", "fraction_train",
-                    "dirichlet_alpha", "local_epochs", "batch_size", "lr", "momentum",
-                    "frobenius_decay", "keep_ratios", "eval_every"):
-            assert getattr(theirs, key) == getattr(mine, key), key
+        mine = suite.runs[0].config.as_dict()
+        theirs = comp.runs[0].config.as_dict()
+        for key in ("dataset", "model", "model-width", "num-server-rounds", "fraction-train",
+                    "dirichlet-alpha", "local-epochs", "batch-size", "lr", "momentum",
+                    "frobenius-decay", "keep-ratios", "eval-every"):
+            assert theirs[key] == mine[key], key
 
 
 @pytest.mark.parametrize("key", ["compare", "tables", "runs"])

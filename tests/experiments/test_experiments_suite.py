@@ -176,7 +176,7 @@ def test_smoke_suite_is_valid() -> None:
     suite = load_suite(ROOT / "experiments" / "smoke.toml")
     assert suite.app_dir == ROOT
     assert len(suite.runs) == 2
-    assert {r.config.method for r in suite.runs} == {"top-n", "collective"}
+    assert {r.config.sharding.method for r in suite.runs} == {"top-n", "collective"}
     assert all(r.config.model == "mlp" and r.num_rounds == 2 for r in suite.runs)
 
 
@@ -203,16 +203,16 @@ def test_fmnist_table_suite_matches_issue_6() -> None:
     assert all(len(suite.cell(r.label, r.column)) == 2 for r in first)
     # setup of section 2
     cfg = first[0].config
-    assert (suite.num_supernodes, cfg.fraction_train, cfg.dirichlet_alpha, cfg.local_epochs,
-            cfg.dataset) == (100, 0.1, 1.0, 2, "fashion-mnist")
+    assert (suite.num_supernodes, cfg.fraction_train, cfg.dirichlet_alpha,
+            cfg.training.local_epochs, cfg.dataset) == (100, 0.1, 1.0, 2, "fashion-mnist")
     # ClipLR only where the paper uses it; +Scaled only on Top-n and PriSM rows
     for r in suite.runs:
-        assert r.config.clip_lr == (r.label in ("PriSM + Wallenius + ClipLR", "Unbiased",
+        assert (r.config.training.clip_lr_tau is not None) == (r.label in ("PriSM + Wallenius + ClipLR", "Unbiased",
                                                 "Collective")), r.name
-        assert r.config.scaled == r.label.endswith("+ Scaled"), r.name
+        assert r.config.sharding.scaled == r.label.endswith("+ Scaled"), r.name
     # the budget arithmetic stated in the file's comments: ≤ 8 h
     def per_round(r: RunSpec) -> float:
-        if r.config.method == "none":
+        if r.config.sharding.method == "none":
             return 12.0
         if r.config.keep_ratios == "1.0":
             return 14.5
@@ -250,9 +250,9 @@ def test_beyond_suites_match_issue_17() -> None:
         assert {k: cfg[k] for k in shared} == {k: ref[k] for k in shared}, run.label
         assert run.num_rounds == 100 and cfg["keep-ratios"] == "0.1" and cfg["diagnostics"]
     assert {r.seed for r in main} == {0, 1}
-    cosine = [r for r in suite.runs if r.config.fedavg_cosine]
-    assert {r.config.method for r in cosine} == {"top-n", "collective", "unbiased", "prism"}
+    cosine = [r for r in suite.runs if r.config.sharding.fedavg_cosine]
+    assert {r.config.sharding.method for r in cosine} == {"top-n", "collective", "unbiased", "prism"}
     assert all(r.num_rounds == 30 and r.seed == 0 for r in cosine)
     pilot = load_suite(ROOT / "experiments" / "beyond-pilot.toml")
-    assert {r.config.method for r in pilot.runs} == {"top-n", "collective", "unbiased", "prism"}
-    assert all(r.config.fedavg_cosine and r.num_rounds == 3 for r in pilot.runs)
+    assert {r.config.sharding.method for r in pilot.runs} == {"top-n", "collective", "unbiased", "prism"}
+    assert all(r.config.sharding.fedavg_cosine and r.num_rounds == 3 for r in pilot.runs)

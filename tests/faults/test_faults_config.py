@@ -43,7 +43,8 @@ def test_plain_run_names_stay_inside_results_dir(tmp_path: Path, run_name: str) 
 
 
 def test_the_derived_run_name_is_a_plain_name() -> None:
-    cfg = RunConfig(keep_ratios="0.2:0.6,0.4:0.4", scaled=True, method="top-n")
+    cfg = RunConfig.from_mapping({"keep-ratios": "0.2:0.6,0.4:0.4", "scaled": True,
+                                  "method": "top-n"})
     assert cfg.results_path.parent == RunConfig().results_path.parent
 
 

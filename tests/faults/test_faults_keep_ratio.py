@@ -77,4 +77,4 @@ def test_a_bad_table_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="keep-ratio table entry 'a'"):
         strategy(keep_ratio_table={"a": 1.5})
     with pytest.raises(ValueError, match=r"keep-ratio-table='/no/such\.toml': no such file"):
-        RunConfig(keep_ratio_table="/no/such.toml")
+        RunConfig(keep_ratio_file="/no/such.toml")

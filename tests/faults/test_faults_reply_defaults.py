@@ -45,10 +45,11 @@ def test_equal_honest_sizes_are_never_clipped_and_the_ratio_is_a_run_config_key(
     _, row = one_round(strategy(), grid())
     assert "clipped-num-examples" not in row
     assert RunConfig.from_mapping({"max-weight-ratio": 4.0}).replies.max_weight_ratio == 4.0
-    assert RunConfig(max_weight_ratio=0.0).replies.max_weight_ratio == 0.0  # 0: off
+    off = RunConfig.from_mapping({"max-weight-ratio": 0.0})
+    assert off.replies.max_weight_ratio == 0.0  # 0: off
     with pytest.raises(ConfigError, match=r"max-weight-ratio=0\.5: expected 0 \(off\) or a "
                                           r"finite number ≥ 1"):
-        RunConfig(max_weight_ratio=0.5)
+        RunConfig.from_mapping({"max-weight-ratio": 0.5})
 
 
 def test_a_replayed_round_1_reply_is_dropped_as_stale(flower_logs) -> None:

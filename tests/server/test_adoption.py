@@ -62,7 +62,7 @@ def test_constant_schedule_and_lr_from_train_config(caplog: pytest.LogCaptureFix
     assert caplog.text.count("config['lr']=0.02 is sent to the nodes as is") == 1
     with pytest.raises(ValueError, match=r"lr_schedule='step': expected one of"):
         strategy(lr_schedule="step")
-    assert RunConfig.from_mapping({"lr-schedule": "constant"}).lr_schedule == "constant"
+    assert RunConfig.from_mapping({"lr-schedule": "constant"}).training.lr_schedule == "constant"
 
 
 def test_any_client_metric_is_aggregated_and_server_statistics_stay_out() -> None:

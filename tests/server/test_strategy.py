@@ -460,7 +460,7 @@ def test_start_runs_rounds_with_metrics_and_central_evaluation() -> None:
     assert seen == [0, 1, 2]
     # Flower's "ClientApp-side" train metrics: only what the clients reported, aggregated
     assert set(result.train_metrics_clientapp[2]) == {"train-loss", "train-accuracy",
-                                                      P.NUM_EXAMPLES}
+                                                      "clip-lr-terms", P.NUM_EXAMPLES}
     m = s.history[2]  # the server's statistics and the client aggregates
     for key in ("train-loss", "anme", "svd-s", "sampling-s", "pack-s", "aggregate-s",
                 "bytes-sent-ratio-mean", "bytes-received-ratio-mean", "bytes-sent-ratio-r0.25"):
@@ -629,5 +629,6 @@ def test_the_round_lr_and_the_recipe_reach_every_node_unchanged() -> None:
         assert got.lr == pytest.approx(0.1 * 0.5 * (1 + math.cos(math.pi * 2 / 4)))
         assert (got.local_epochs, got.batch_size, got.momentum, got.frobenius_decay,
                 got.clip_lr_tau, got.weight_decay) == (2, 5, 0.5, 0.01, None, 0.001)
-        assert (got.server_round, got.method, got.lr_schedule) == (3, "collective", "constant")
+        assert (got.server_round, got.sharding_method, got.lr_schedule) == (3, "collective",
+                                                                            "constant")
         assert msg.content[P.CONFIG]["clip-lr-tau"] == 0.0  # ClipLR off on the wire

@@ -10,9 +10,11 @@ after another are faster).
 Each client keeps everything that makes it a client (paper, Sec. 3.3, as
 :class:`fedshard.client.train.step.EagerStep`): its own batches in its own order (its
 :class:`~fedshard.client.train.TensorBatches` with the round's seed), its own momentum, ω,
-ClipLR scales ``min(1, τ/ω_i)`` and Frobenius decay ``γ‖UΩVᵀ‖²_F``. A client whose epoch has
-run out of batches while others go on is masked: its parameters and momentum do not move.
-A last batch shorter than the others is padded with examples of weight 0.
+ClipLR scales ``min(1, τ/ω_i)`` and Frobenius decay ``γ‖UΩVᵀ‖²_F``: the stacked parameters
+are stepped by torch's own SGD with the same client rules
+(:class:`~fedshard.client.train.rules.ClientRules`) as every other trainer. A client whose
+epoch has run out of batches while others go on keeps its parameters and momentum. A last
+batch shorter than the others is padded with examples of weight 0.
 
 Covered: models whose forward has no randomness and no running statistics (no dropout with
 ``p > 0``, no batch norm), such as fedshard's ``mlp`` and ``resnet18`` (GroupNorm). A model
@@ -28,6 +30,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -43,6 +46,7 @@ from fedshard.app.engine.grid import SequentialTrainer, TrainJob
 from fedshard.client.shard import Shard, receive
 from fedshard.client.train.batches import TensorBatches, batches_for
 from fedshard.client.train.config import TrainConfig
+from fedshard.client.train.rules import ClientRules, RulesReport
 from fedshard.spectral.layers import SpectralLayer
 
 __all__ = ["BatchedTrainer", "train_together", "vectorizable"]
@@ -134,10 +138,20 @@ def _uncovered(cfg: TrainConfig) -> list[str]:
     out = []
     if cfg.max_grad_norm is not None:
         out.append(f"max_grad_norm={cfg.max_grad_norm}")
-    factor_step = getattr(cfg, "factor_step", "plain")
+    factor_step = cfg.recipe.factor_step
     if factor_step != "plain":
         out.append(f"factor_step={factor_step!r}")
     return out
+
+
+@dataclass
+class _StackedLayer:
+    """A sharded layer's factors and multipliers with a leading client axis: what the client
+    rules (:class:`~fedshard.client.train.rules.ClientRules`) read."""
+
+    u: torch.Tensor  # (C, rows, n)
+    v: torch.Tensor  # (C, rows', n)
+    omega: torch.Tensor  # (C, n)
 
 
 def train_together(shards: Sequence[Shard], loaders: Sequence[TensorBatches]
@@ -162,10 +176,12 @@ def train_together(shards: Sequence[Shard], loaders: Sequence[TensorBatches]
     Notes
     -----
     Per step and client, as :class:`~fedshard.client.train.step.EagerStep`: the gradient of
-    the mean cross-entropy of its batch; plus the Frobenius-decay gradient
-    ``∂/∂U = U (2γ ωωᵀ ⊙ VᵀV)`` (and ``V``'s); ClipLR scales column i of both by
-    ``min(1, τ/ω_i)``; then SGD with momentum (weight decay on the non-factor parameters
-    only): ``b ← μ b + g``, ``θ ← θ − η b``. Paper, Sec. 3.3.
+    the mean cross-entropy of its batch (``torch.func.vmap`` of ``grad``), then torch's own
+    SGD with momentum over the stacked parameters (weight decay on the non-factor parameters
+    only) with the same client rules (:class:`~fedshard.client.train.rules.ClientRules` on the
+    stacked factors: Frobenius decay before the step, ClipLR after it, per client through
+    its own ω). A client without a batch in a step keeps its parameters and momentum.
+    Paper, Sec. 3.3.
     """
     first = shards[0]
     s = first.settings
@@ -175,14 +191,21 @@ def train_together(shards: Sequence[Shard], loaders: Sequence[TensorBatches]
     frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
     own = [dict(sh.model.named_parameters()) for sh in shards]
     own_buffers = [dict(sh.model.named_buffers()) for sh in shards]
-    # (C, ...) per name: client c's tensor at index c
+    # (C, ...) per name: client c's tensor at index c (leaf tensors: torch's SGD steps them)
     params = {n: torch.stack([o[n].detach() for o in own]) for n in names}
     buffers = {n: torch.stack([b[n] for b in own_buffers]) for n in own_buffers[0]}
     buffers.update({n: torch.stack([o[n].detach() for o in own]) for n in frozen})
     spectral = [(f"{name}." if name else "") for name, m in model.named_modules()
                 if isinstance(m, SpectralLayer)]
     factors = {p + f for p in spectral for f in ("u", "v")}
-    momentum = {n: torch.zeros_like(params[n]) for n in names}
+    groups = [{"params": [params[n] for n in names if n in factors], "weight_decay": 0.0},
+              {"params": [params[n] for n in names if n not in factors],
+               "weight_decay": s.weight_decay}]
+    sgd = torch.optim.SGD([g for g in groups if g["params"]], lr=s.base_lr, momentum=s.momentum)
+    rules = ClientRules([_StackedLayer(params[p + "u"], params[p + "v"], buffers[p + "omega"])
+                         for p in spectral if p + "u" in params and p + "v" in params],
+                        frobenius_decay=s.frobenius_decay, clip_lr_tau=s.clip_lr_tau)
+    rules.attach(sgd)
     step = vmap(grad(_client_loss(model), has_aux=True))
     count = len(shards)
     device = params[names[0]].device
@@ -197,23 +220,19 @@ def train_together(shards: Sequence[Shard], loaders: Sequence[TensorBatches]
                 break
             inputs, targets, weights, active = _stacked(got, params[names[0]].dtype)
             grads, (loss_sum, correct, seen) = step(params, buffers, inputs, targets, weights)
+            for n in names:
+                params[n].grad = grads[n]
+            kept = None if all(b is not None for b in got) else _state(sgd, params, names)
+            sgd.step()
+            if kept is not None:  # a client without a batch this step does not move
+                _keep_inactive(sgd, params, names, kept, active)
             with torch.no_grad():
-                _frobenius_and_clip(grads, params, buffers, spectral, s.frobenius_decay,
-                                    s.clip_lr_tau)
-                for n in names:
-                    g = grads[n]
-                    if s.weight_decay and n not in factors:
-                        g = g.add(params[n], alpha=s.weight_decay)
-                    buf = momentum[n].mul(s.momentum).add(g)  # torch SGD: b ← μ b + g
-                    new = params[n].add(buf, alpha=-s.lr)
-                    keep = active.view(-1, *([1] * (g.ndim - 1)))  # a masked client stays
-                    momentum[n] = torch.where(keep, buf, momentum[n])
-                    params[n] = torch.where(keep, new, params[n])
                 epoch["loss"] += loss_sum.to(torch.float64)
                 epoch["correct"] += correct.to(torch.float64)
                 epoch["targets"] += seen.to(torch.float64)
         for k in total:
             total[k] += epoch[k]
+    report = rules.report()
     replies: list[Message | Exception] = []
     for c, (shard, loader) in enumerate(zip(shards, loaders, strict=True)):
         with torch.no_grad():
@@ -230,13 +249,45 @@ def train_together(shards: Sequence[Shard], loaders: Sequence[TensorBatches]
             continue
         metrics = {P.TRAIN_LOSS: loss, P.TRAIN_ACCURACY: total["correct"][c].item() / seen_c}
         try:
-            replies.append(shard.reply(loader.num_examples, metrics))
+            replies.append(shard.reply(loader.num_examples, metrics,
+                                       rules=_client_report(report, shard)))
         except Exception as err:
             replies.append(err)
     logger.info("batched: %d clients of equal sub-model shapes, %d epoch(s), mean loss %.4f",
                 count, s.local_epochs,
                 float((total["loss"] / total["targets"].clamp_min(1)).mean()))
     return replies
+
+
+def _state(sgd: torch.optim.SGD, params: dict[str, torch.Tensor], names: list[str]
+           ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Each parameter's value and momentum buffer before a step (copies)."""
+    out = []
+    for n in names:
+        buf = sgd.state.get(params[n], {}).get("momentum_buffer")
+        out.append((params[n].detach().clone(), None if buf is None else buf.clone()))
+    return out
+
+
+@torch.no_grad()
+def _keep_inactive(sgd: torch.optim.SGD, params: dict[str, torch.Tensor], names: list[str],
+                   kept: list[tuple[torch.Tensor, torch.Tensor | None]],
+                   active: torch.Tensor) -> None:
+    """Put back the parameters and momentum of the clients that had no batch (``active``
+    false) as they were before the step."""
+    for n, (value, buf) in zip(names, kept, strict=True):
+        p = params[n]
+        keep = active.view(-1, *([1] * (p.ndim - 1)))  # (C, 1, ...)
+        p.copy_(torch.where(keep, p, value))
+        now = sgd.state[p].get("momentum_buffer")
+        if now is not None:
+            now.copy_(torch.where(keep, now, buf if buf is not None else torch.zeros_like(now)))
+
+
+def _client_report(report: RulesReport, shard: Shard) -> RulesReport:
+    """The stacked rules' report for one client: its own terms above τ."""
+    own = shard.rules.report()
+    return replace(report, scaled_columns=own.scaled_columns, columns=own.columns)
 
 
 def _client_loss(model: nn.Module) -> Any:
@@ -281,26 +332,3 @@ def _stacked(got: list[tuple[torch.Tensor, torch.Tensor] | None], dtype: torch.d
             n = int(b[0].shape[0])
             inputs[c, :n], targets[c, :n], weights[c, :n] = b[0], b[1], 1
     return inputs, targets, weights, active
-
-
-def _frobenius_and_clip(grads: dict[str, torch.Tensor], params: dict[str, torch.Tensor],
-                        buffers: dict[str, torch.Tensor], spectral: list[str], gamma: float,
-                        tau: float | None) -> None:
-    """Add Frobenius decay's gradient to every factor's, then scale it by ClipLR (in place of
-    ``grads``' entries), per client: :class:`~fedshard.client.train.optim.FrobeniusDecay`,
-    :class:`~fedshard.client.train.optim.ClipLR` with a leading client axis."""
-    for prefix in spectral:
-        u_name, v_name = prefix + "u", prefix + "v"
-        if u_name not in params or v_name not in params:
-            continue
-        omega = buffers[prefix + "omega"]  # (C, n)
-        u, v = params[u_name], params[v_name]  # (C, rows, n) each
-        if gamma:
-            weight = 2.0 * gamma * (omega[:, :, None] * omega[:, None, :])  # 2γ ωωᵀ, (C, n, n)
-            gram_u, gram_v = u.mT @ u, v.mT @ v  # (C, n, n)
-            grads[u_name] = grads[u_name] + u @ (gram_v * weight)
-            grads[v_name] = grads[v_name] + v @ (gram_u * weight)
-        if tau is not None:
-            scale = torch.clamp(tau / omega, max=1.0)[:, None, :]  # (C, 1, n)
-            grads[u_name] = grads[u_name] * scale
-            grads[v_name] = grads[v_name] * scale

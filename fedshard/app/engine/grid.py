@@ -17,6 +17,12 @@ calls fedshard's handlers, this grid calls the same handlers directly:
 
 A handler's exception becomes an error reply, as in Flower's runtimes. Each node's data is
 read once for the run (:mod:`fedshard.app.engine.clients`).
+
+Standing in for Flower's runtime takes three things Flower 1.42 has no public API for: the
+process's task identity (which ``Message(...)`` reads), a routed message's id and sender, and
+the error code of a ClientApp that raised. The engine sets them as Flower's own runners and
+in-memory grid do; with a Flower release that keeps them elsewhere the engine fails before
+its first round rather than run wrongly.
 """
 
 from __future__ import annotations
@@ -27,10 +33,10 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 from uuid import uuid4
 
+import flwr
 from flwr.app import Error, Message, MessageType, RecordDict
-from flwr.common.constant import ErrorCode
+from flwr.common.constant import ErrorCode  # not re-exported by flwr.common; pinned by a test
 from flwr.serverapp import Grid
-from flwr.supercore.task_identity import TaskIdentity
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -79,8 +85,7 @@ class SequentialTrainer:
 
     def one(self, msg: Message, data: Dataset[Any]) -> Message:
         """One client's reply (raises what the handler raises)."""
-        return handle_train(msg, self.model, data, device=self.device, compile=self.cfg.compile,
-                            cuda_graph=self.cfg.cuda_graph, merge_terms=self.cfg.merge_terms,
+        return handle_train(msg, self.model, data, device=self.device, fast=self.cfg.fast,
                             submodels=self.submodels)
 
     def __call__(self, jobs: Sequence[TrainJob]) -> list[Message | Exception]:
@@ -131,10 +136,7 @@ class EngineGrid(Grid):
         self._eval_model: nn.Module | None = None
         self._replies: dict[str, Message] = {}
         self.replies_sent = 0
-        try:  # a Message needs the process's task identity; a ServerApp process has one
-            _ = TaskIdentity.run_id
-        except RuntimeError:
-            TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+        _ensure_task_identity()  # the strategy's Message(...) needs it; a runtime sets it
 
     # ------------------------------------------------------------------ the Grid interface
     def set_run(self, run: Any) -> None:
@@ -163,8 +165,7 @@ class EngineGrid(Grid):
         train_ids: list[str] = []
         for msg in batch:
             mid = uuid4().hex
-            msg.metadata.__dict__["_message_id"] = mid
-            msg.metadata.__dict__["_src_node_id"] = 0
+            _route(msg, src_node_id=_SERVER_NODE_ID, message_id=mid)
             ids.append(mid)
             node = self.nodes.get(msg.metadata.dst_node_id)
             if node is None:
@@ -218,6 +219,95 @@ class EngineGrid(Grid):
                        reply_to=msg)
 
     def _keep(self, mid: str, node: SimulatedNode, reply: Message) -> None:
-        reply.metadata.__dict__["_src_node_id"] = node.node_id
+        _route(reply, src_node_id=node.node_id)
         self._replies[mid] = reply
         self.replies_sent += 1
+
+
+# ---------------------------------------------------------------------- Flower internals
+# What the engine needs of Flower beyond its public API, in one place; each use is checked
+# against the installed Flower by tests/test_flower_internals.py, which names the Flower
+# version and what moved when a release changes it.
+
+# The node the engine's ServerApp sends from (its task identity's, every pushed message's).
+_SERVER_NODE_ID = 0
+
+# The task identity given to a process that has none: run 1, node _SERVER_NODE_ID, task 1.
+_ENGINE_TASK_IDENTITY = {"run_id": 1, "node_id": _SERVER_NODE_ID, "task_id": 1}
+
+
+def _can_build_messages() -> bool:
+    """Whether this process can build an instruction message (it has a task identity)."""
+    try:
+        Message(RecordDict(), dst_node_id=_SERVER_NODE_ID, message_type=MessageType.QUERY)
+    except RuntimeError:  # Flower 1.42: "TaskIdentity.run_id is not set."
+        return False
+    return True
+
+
+def _ensure_task_identity() -> None:
+    """Give this process the task identity Flower's ``Message(...)`` reads, where it has none.
+
+    An instruction message (``Message(content, dst_node_id, message_type)``, as the strategy
+    builds each one) takes its run id and its sender's node and task ids from the identity of
+    the task the process runs, which Flower's runtimes (``flwr run``, a SuperLink) set before
+    a ServerApp starts. The engine runs the ServerApp's code without a runtime, so without
+    this every message the strategy builds raises ``RuntimeError``. Flower 1.42 has no public
+    setter: the identity is ``flwr.supercore.task_identity.TaskIdentity``, which Flower's own
+    Python-API runners (``run_simulation``, ``start_grid``) set the same way. What is unset
+    becomes run 1, node 0, task 1; an identity a runtime set is kept.
+
+    Raises
+    ------
+    RuntimeError
+        The installed Flower builds no message without a task identity, and keeps none where
+        Flower 1.42 does: the engine cannot run with it.
+    """
+    if _can_build_messages():
+        return
+    where = "flwr.supercore.task_identity.TaskIdentity"
+    try:
+        from flwr.supercore.task_identity import TaskIdentity
+
+        for name, value in _ENGINE_TASK_IDENTITY.items():
+            try:
+                getattr(TaskIdentity, name)
+            except RuntimeError:  # unset
+                setattr(TaskIdentity, name, value)
+    except (ImportError, AttributeError) as err:
+        raise RuntimeError(
+            f"flwr {flwr.__version__}: the in-process engine must give this process a task "
+            f"identity for Message(...) to work, which flwr 1.42 keeps in {where} (run_id, "
+            f"node_id, task_id), but here {type(err).__name__}: {err}. The engine cannot run "
+            "with this Flower; run the app with `flwr run`, or install flwr 1.42") from err
+    if not _can_build_messages():
+        raise RuntimeError(
+            f"flwr {flwr.__version__}: the in-process engine set {where} "
+            f"({_ENGINE_TASK_IDENTITY}), as flwr 1.42's Message(...) reads it, but a message "
+            "still cannot be built: this Flower reads its identity elsewhere. The engine "
+            "cannot run with this Flower; run the app with `flwr run`, or install flwr 1.42")
+
+
+def _route(msg: Message, *, src_node_id: int, message_id: str | None = None) -> None:
+    """Set on ``msg`` what a SuperLink sets on a message it routes: its sender
+    (``src_node_id``) and, when given, its id (``message_id``; a reply built with
+    ``Message(..., reply_to=msg)`` refers to it). Flower's ``Metadata`` has no public setter
+    for either; Flower's in-memory grid writes its message ids the same way.
+
+    Raises
+    ------
+    RuntimeError
+        The installed Flower keeps them elsewhere than Flower 1.42 (the write did not show).
+    """
+    if message_id is not None:
+        msg.metadata.__dict__["_message_id"] = message_id
+    msg.metadata.__dict__["_src_node_id"] = src_node_id
+    if msg.metadata.src_node_id != src_node_id or (
+            message_id is not None and msg.metadata.message_id != message_id):
+        raise RuntimeError(
+            f"flwr {flwr.__version__}: the in-process engine sets a routed message's id and "
+            "sender where flwr 1.42 keeps them (Metadata's _message_id and _src_node_id), but "
+            f"this Flower's message still reads message_id={msg.metadata.message_id!r}, "
+            f"src_node_id={msg.metadata.src_node_id} (expected {message_id!r}, {src_node_id}). "
+            "The engine cannot run with this Flower; run the app with `flwr run`, or install "
+            "flwr 1.42")

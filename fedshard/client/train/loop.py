@@ -3,8 +3,9 @@
 Torch only. Each batch goes through one :class:`~fedshard.client.train.step.EagerStep`
 (SGD with momentum 0.9, Frobenius decay ``γ‖UΩVᵀ‖²`` on the spectral factors, ClipLR
 ``min(1, τ/ω_i)`` per factor column, weight decay only on the other parameters; paper,
-Sec. 3.3). Only when the :class:`TrainConfig` asks for a fast option does the loop take its
-step from :mod:`fedshard.client.train.fast` instead (``fast.enabled`` / ``fast.open_step``).
+Sec. 3.3). Only when the :class:`TrainConfig` carries fast options
+(:class:`fedshard.client.train.fast.FastOptions`) does the loop take its step from them
+instead; this module does not import the fast path.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from fedshard.client.train import fast
 from fedshard.client.train.batches import TensorBatches, dataset_size, unpack_batch
 from fedshard.client.train.config import EvalResult, TrainConfig, TrainResult
 from fedshard.client.train.step import EagerStep, cross_entropy_sums
@@ -33,14 +33,14 @@ Step = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, 
 
 def train(model: nn.Module, loader: DataLoader[Any] | TensorBatches,
           cfg: TrainConfig) -> TrainResult:
-    """Train ``model`` in place for ``cfg.local_epochs`` epochs with cross-entropy.
+    """Train ``model`` in place for ``cfg.recipe.local_epochs`` epochs with cross-entropy.
 
     Parameters
     ----------
     model : nn.Module
         Moved to ``cfg.device`` and left there, in train mode. Outputs ``(B, C)`` logits with
         ``(B,)`` targets, or ``(B, T, C)`` with ``(B, T)`` targets (next-token prediction);
-        targets equal to ``-100`` are ignored. With ``cfg.pad_terms`` or ``cfg.merge_terms``
+        targets equal to ``-100`` are ignored. With ``pad_terms`` or ``merge_terms`` fast options
         its sharded convolutions are left in that form (the same function; see
         :func:`fedshard.client.train.fast.configure_convolutions`).
     loader : DataLoader or TensorBatches
@@ -66,7 +66,7 @@ def train(model: nn.Module, loader: DataLoader[Any] | TensorBatches,
     -----
     Loss per step: ``CE + γ Σ ‖U Ω V^T‖_F^2``; gradients of ``u``, ``v`` clipped by ClipLR;
     plain SGD with momentum (paper, Sec. 3.3); see :class:`EagerStep`. Deterministic given
-    ``cfg.seed`` on CPU: all torch randomness drawn from the global generator during the call
+    ``cfg.torch_seed`` on CPU: all torch randomness drawn from the global generator during the call
     comes from a forked RNG seeded with it (the caller's RNG state is restored afterwards). A
     DataLoader with its own ``generator`` keeps using that.
     """
@@ -75,8 +75,8 @@ def train(model: nn.Module, loader: DataLoader[Any] | TensorBatches,
     if cfg.channels_last:
         model.to(memory_format=torch.channels_last)
     model.train()
-    if fast.enabled(cfg):
-        with fast.open_step(model, cfg) as step:
+    if cfg.fast is not None and cfg.fast.enabled():
+        with cfg.fast.open_step(model, cfg) as step:
             return _epochs(step, loader, cfg, device)
     return _epochs(EagerStep(model, cfg), loader, cfg, device)
 
@@ -89,8 +89,8 @@ def _epochs(step: Step, loader: DataLoader[Any] | TensorBatches, cfg: TrainConfi
     total_correct = torch.zeros((), dtype=torch.int64, device=device)
     total_targets = torch.zeros((), dtype=torch.int64, device=device)
     examples_per_epoch = 0
-    with _forked_rng(cfg.seed, device):
-        for epoch in range(cfg.local_epochs):
+    with _forked_rng(cfg.torch_seed, device):
+        for epoch in range(cfg.recipe.local_epochs):
             epoch_loss = torch.zeros((), dtype=torch.float64, device=device)
             epoch_correct = torch.zeros((), dtype=torch.int64, device=device)
             epoch_targets = torch.zeros((), dtype=torch.int64, device=device)
@@ -119,16 +119,18 @@ def _epochs(step: Step, loader: DataLoader[Any] | TensorBatches, cfg: TrainConfi
                 logger.info(
                     "epoch %d/%d: loss %.4f, accuracy %.4f over %d targets",
                     epoch + 1,
-                    cfg.local_epochs,
+                    cfg.recipe.local_epochs,
                     epoch_loss.item() / seen,
                     epoch_correct.item() / seen,
                     int(epoch_targets.item()),
                 )
     seen = max(int(total_targets.item()), 1)
+    rules = getattr(step, "rules", None)
     return TrainResult(
         loss=total_loss.item() / seen,
         accuracy=total_correct.item() / seen,
         num_examples=dataset_size(loader, examples_per_epoch),
+        rules=rules.report() if rules is not None else None,
     )
 
 
@@ -140,13 +142,13 @@ def _check_finite(loss_sum: torch.Tensor, epoch: int, steps: int, cfg: TrainConf
     if bool(torch.isfinite(loss_sum)):
         return
     remedies = ["lower the learning rate (lr)", "add normalization layers to the model"]
-    if cfg.factor_step == "plain":
+    if cfg.recipe.factor_step == "plain":
         remedies.append("take the dense model's steps on the factors (factor_step='dense')")
     if cfg.max_grad_norm is None:
         remedies.append("set TrainConfig.max_grad_norm to clip the gradient norm")
     else:
         remedies.append(f"lower max_grad_norm (now {cfg.max_grad_norm})")
-    if cfg.clip_lr_tau is None:
+    if cfg.recipe.clip_lr_tau is None:
         remedies.append("enable ClipLR (clip_lr_tau)")
     # "Training diverged" is how the server recognises the cause (fedshard.protocol.DIVERGED)
     raise FloatingPointError(

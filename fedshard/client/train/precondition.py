@@ -8,23 +8,23 @@ above 1 (1.3-2.4 in LeNet, the MLP and ResNet-18 on Fashion-MNIST), so along the
 terms the same lr is a 2.6-4.7 times larger step (more with ω > 1), and an lr at which the
 dense model trains can diverge (``docs/results.md``).
 
-The fix is a gradient transform, applied to the factors' gradients before the optimizer uses
-them, in one of two ways (like ClipLR): :class:`DenseFactorStep` is a step pre-hook on any
-optimizer (fedshard's loop: :func:`~fedshard.client.train.build_optimizer`), and
-:func:`~fedshard.client.train.optim.attach_client_rules` puts it in the factors' gradient
-hooks (:func:`fedshard.client.receive`). The paper's plain factor step stays the default.
+The fix is a gradient transform, applied to the factors' gradients before the optimizer's step
+by the client rules (:class:`~fedshard.client.train.rules.ClientRules` with
+``factor_step="dense"``), with fedshard's loop and with any optimizer that steps a received
+shard. Made for SGD (with momentum): an adaptive optimizer such as Adam rescales every
+coordinate itself, and its step does not follow the gradient's scale. The paper's plain factor
+step stays the default.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from torch import nn
 
-from fedshard.client.train.hooks import before_step
 from fedshard.settings import FACTOR_STEPS  # re-exported: the setting's values
-from fedshard.spectral.layers import SpectralLayer
 
-__all__ = ["DAMPING", "FACTOR_STEPS", "DenseFactorStep", "dense_factor_gradient"]
+__all__ = ["DAMPING", "FACTOR_STEPS", "dense_factor_gradient", "dense_layer_gradients"]
 
 #: Relative damping δ of the Gram matrices: ``(BᵀB + δ·tr(BᵀB)/n · I)⁻¹``. Keeps the step of a
 #: term with a near-zero singular value finite (its factor step is at most ``1/δ`` times the
@@ -78,8 +78,8 @@ def dense_factor_gradient(grad: torch.Tensor, factor: torch.Tensor, other: torch
 
 
 @torch.no_grad()
-def _layer_gradients(layer: SpectralLayer, damping: float = DAMPING
-                     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def dense_layer_gradients(layer: Any, damping: float = DAMPING
+                          ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """:func:`dense_factor_gradient` of ``layer.u.grad`` and ``layer.v.grad`` (``None`` stays
     ``None``), the two Gram inverses computed once for both."""
     u, v = layer.u, layer.v
@@ -110,84 +110,3 @@ def _gram_inverse(x: torch.Tensor, damping: float) -> torch.Tensor:
     eps = damping * torch.diagonal(gram).mean() + torch.finfo(gram.dtype).tiny
     chol, _ = torch.linalg.cholesky_ex(gram + torch.diag(eps.expand(gram.shape[0])))
     return torch.cholesky_inverse(chol)
-
-
-class DenseFactorStep:
-    """Transforms the factors' gradients with :func:`dense_factor_gradient` before each step
-    of an optimizer, so that each step moves ``W = U Ω Vᵀ`` as a dense step at the same lr.
-
-    Attaches to any :class:`torch.optim.Optimizer` through its public
-    :meth:`~torch.optim.Optimizer.register_step_pre_hook`, as
-    :class:`~fedshard.client.train.ClipLR` does::
-
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # the dense model's lr
-        DenseFactorStep(opt, model)  # then opt.zero_grad(); loss.backward(); opt.step()
-
-    Register it before :class:`~fedshard.client.train.ClipLR` (step pre-hooks run in order;
-    :func:`~fedshard.client.train.build_optimizer` does), so ClipLR scales the transformed
-    gradient. Made for SGD (with momentum): an adaptive optimizer such as Adam rescales every
-    coordinate itself, and its step does not follow the gradient's scale.
-
-    Parameters
-    ----------
-    optimizer : torch.optim.Optimizer
-        The optimizer of ``model``'s parameters.
-    model : nn.Module
-        Its :class:`~fedshard.spectral.SpectralLayer` modules provide ``(u, v, ω)``.
-    damping : float
-        δ ≥ 0 of :func:`dense_factor_gradient`.
-
-    Attributes
-    ----------
-    handle : torch.utils.hooks.RemovableHandle
-        The registered hook; :meth:`remove` detaches it.
-
-    Raises
-    ------
-    TypeError
-        If ``optimizer`` is not a ``torch.optim.Optimizer``.
-    ValueError
-        If ``damping`` is not a finite number ≥ 0.
-
-    Notes
-    -----
-    Both factors' gradients are read before either is replaced (each transform needs the
-    current factors only). With ``step(closure)`` the closure runs first, then the transform,
-    then the step (as :class:`~fedshard.client.train.ClipLR`); optimizers that evaluate the
-    closure several times per step (L-BFGS) are not supported.
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, *,
-                 damping: float = DAMPING) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"DenseFactorStep attaches to a torch.optim.Optimizer, got "
-                f"{type(optimizer).__name__}; build e.g. torch.optim.SGD(model.parameters(), "
-                "...) first.")
-        if not (isinstance(damping, (int, float)) and not isinstance(damping, bool)
-                and 0 <= damping < float("inf")):
-            raise ValueError(f"DenseFactorStep damping={damping!r}: expected a finite number "
-                             "≥ 0 (default 1e-3); nothing was attached.")
-        self.damping = float(damping)
-        self.layers = [m for m in model.modules() if isinstance(m, SpectralLayer)]
-        self.handle: torch.utils.hooks.RemovableHandle | None = (
-            optimizer.register_step_pre_hook(before_step(self.transform_gradients)))
-
-    @torch.no_grad()
-    def transform_gradients(self) -> None:
-        """Replace ``u.grad`` and ``v.grad`` of every spectral layer (those that are set)."""
-        for layer in self.layers:
-            new = _layer_gradients(layer, self.damping)  # both read before either is set
-            for factor, grad in zip((layer.u, layer.v), new, strict=True):
-                if grad is not None:
-                    assert factor.grad is not None
-                    factor.grad.copy_(grad)
-
-    def remove(self) -> None:
-        """Detach from the optimizer: later steps are the plain factor steps."""
-        if self.handle is not None:
-            self.handle.remove()
-            self.handle = None
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(layers={len(self.layers)})"

@@ -15,14 +15,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedshard.client.train.config import TrainConfig
-from fedshard.client.train.optim import FrobeniusDecay, build_optimizer
+from fedshard.client.train.optim import build_optimizer
+from fedshard.client.train.rules import ClientRules
 
 __all__ = ["EagerStep", "cross_entropy_sums"]
 
 
 class EagerStep:
-    """One training step: zero the gradients, forward and cross-entropy, backward, add the
-    Frobenius-decay gradient, optionally clip the global gradient norm, then ClipLR + SGD.
+    """One training step: zero the gradients, forward and cross-entropy, backward, optionally
+    clip the global gradient norm, then the optimizer's step with the client rules around it
+    (Frobenius decay before it, ClipLR after it).
 
     Nothing is read back to the host: the step never waits for the device.
 
@@ -31,28 +33,28 @@ class EagerStep:
     model : nn.Module
         On its training device, in train mode; trained in place.
     cfg : TrainConfig
-        ``lr``, ``momentum``, ``weight_decay``, ``clip_lr_tau``, ``frobenius_decay`` and
-        ``max_grad_norm`` are used here.
+        Its recipe (lr, momentum, weight decay, the rules' γ, τ and factor step) and
+        ``max_grad_norm``.
 
     Attributes
     ----------
     optimizer : torch.optim.SGD
-        From :func:`~fedshard.client.train.build_optimizer` (ClipLR attached).
-    decay : FrobeniusDecay
-        The analytic Frobenius-decay gradient.
+        From :func:`~fedshard.client.train.build_optimizer`.
+    rules : ClientRules
+        The client rules attached to it (:meth:`ClientRules.report`: what they did).
 
     Notes
     -----
     Loss per step: ``CE + γ Σ ‖U Ω V^T‖_F^2`` (paper, Sec. 3.3). The CE part goes through
-    autograd; the penalty's gradient is added analytically (:class:`FrobeniusDecay`), which
-    gives the same gradient as differentiating
-    :func:`~fedshard.client.train.frobenius_penalty` up to rounding.
+    autograd; the penalty's gradient is added analytically by the rules, which gives the same
+    gradient as differentiating :func:`~fedshard.client.train.frobenius_penalty` up to
+    rounding.
     """
 
     def __init__(self, model: nn.Module, cfg: TrainConfig) -> None:
         self.model = model
-        self.optimizer = build_optimizer(model, cfg)
-        self.decay = FrobeniusDecay(model, cfg.frobenius_decay)
+        self.rules = ClientRules.of(model, cfg.recipe)
+        self.optimizer = build_optimizer(model, cfg, self.rules)
         self.max_grad_norm = cfg.max_grad_norm
         self.params: list[torch.Tensor] = [
             p for g in self.optimizer.param_groups for p in g["params"]]
@@ -71,10 +73,9 @@ class EagerStep:
         self.optimizer.zero_grad(set_to_none=True)
         loss, loss_sum, correct, count = self.loss(inputs, targets)
         loss.backward()
-        self.decay.add_gradient_()
         if self.max_grad_norm is not None:
             nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=True)
-        self.optimizer.step()  # ClipLR's pre-hook scales the factor gradients first
+        self.optimizer.step()  # the rules' hooks: decay before, ClipLR after
         return loss_sum.detach(), correct, count
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -184,7 +184,6 @@ def test_resnet_three_rounds_batched_equal_the_flower_path_in_float64(
     _assert_same(*_flower_and_engine(cfg, "batched", 3, monkeypatch))
 
 
-@pytest.mark.skipif(not hasattr(RunConfig, "factor_step"), reason="no factor-step setting")
 def test_batched_engine_leaves_what_it_does_not_implement_to_the_handler(
         data_dir: Path, tmp_path: Path, float64: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """``factor-step = "dense"`` is not in the vectorized step: those clients are trained

@@ -126,7 +126,7 @@ def test_command_line_takes_a_preset_then_overrides(monkeypatch: pytest.MonkeyPa
                  "seed=2 num-server-rounds=3"])
     assert code == 0
     cfg = seen["cfg"]
-    assert (cfg.model, cfg.model_width, cfg.dataset, cfg.local_epochs) == (
+    assert (cfg.model, cfg.model_width, cfg.dataset, cfg.training.local_epochs) == (
         "resnet18", 64, "cifar10", 2)  # the preset's
     assert (cfg.seed, cfg.num_server_rounds) == (2, 3)  # the later overrides
     assert seen["num_nodes"] == 100 and seen["engine"] == "batched"

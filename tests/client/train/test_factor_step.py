@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from fedshard import LocalTraining, NodePolicy, Sharding, SpectralSharding, handle_query, receive
 from fedshard.app.config import ConfigError, RunConfig
 from fedshard.client.train import (
-    DenseFactorStep,
+    ClientRules,
     TrainConfig,
     build_optimizer,
     dense_factor_gradient,
@@ -55,6 +55,15 @@ def _layer(rows: int, cols: int, rank: int, seed: int, omega: bool = True) -> Sp
     return SpectralLinear.from_dense(dense, list(range(rank)), w)
 
 
+def _dense_step(opt: torch.optim.Optimizer, model: nn.Module, damping: float = 1e-3
+                ) -> ClientRules:
+    """The dense factor step alone (no decay, no ClipLR) on ``opt``."""
+    rules = ClientRules([m for m in model.modules() if hasattr(m, "omega")],
+                        factor_step="dense", damping=damping)
+    rules.attach(opt)
+    return rules
+
+
 def _w_change(layer: SpectralLinear, x: torch.Tensor, target: torch.Tensor, lr: float,
               dense_step: bool, damping: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """One SGD step on the factors; returns (ΔW, ∂L/∂W at the start)."""
@@ -64,7 +73,7 @@ def _w_change(layer: SpectralLinear, x: torch.Tensor, target: torch.Tensor, lr: 
     F.mse_loss(F.linear(x, wt, layer.bias.detach()), target, reduction="sum").backward()
     opt = torch.optim.SGD(layer.parameters(), lr=lr)
     if dense_step:
-        DenseFactorStep(opt, layer, damping=damping)
+        _dense_step(opt, layer, damping=damping)
     opt.zero_grad()
     F.mse_loss(layer(x), target, reduction="sum").backward()
     opt.step()
@@ -117,7 +126,7 @@ def test_convolution_with_every_term_steps_as_the_dense_convolution() -> None:
     for model, hook in ((sub, True), (ref, False)):
         opt = torch.optim.SGD(model.parameters(), lr=lr)
         if hook:
-            DenseFactorStep(opt, model, damping=0.0)
+            _dense_step(opt, model, damping=0.0)
         model(x).square().sum().backward()
         opt.step()
     dense_change = ref.weight.detach().reshape(4, -1).numpy() - w0
@@ -144,7 +153,7 @@ def test_one_step_equals_the_formula_computed_with_numpy() -> None:
     exp_u = (np.eye(6) - 0.5 * a @ inv(a) @ a.T) @ gu @ inv(b)
     exp_v = (np.eye(8) - 0.5 * b @ inv(b) @ b.T) @ gv @ inv(a)
     opt = torch.optim.SGD(layer.parameters(), lr=0.05, momentum=0.9)
-    DenseFactorStep(opt, layer)
+    _dense_step(opt, layer)
     F.mse_loss(layer(x), y, reduction="sum").backward()
     opt.step()
     np.testing.assert_allclose(layer.u.detach().numpy(), u - 0.05 * exp_u, rtol=1e-10)
@@ -159,7 +168,7 @@ def test_step_with_a_closure_is_the_step_after_backward() -> None:
     """build_optimizer's SGD with the dense step and ClipLR: ``step(closure)`` moves the
     factors as ``backward(); step()`` does (the closure's gradients are the transformed ones)."""
     x, y = _data(8, 6, seed=7)
-    cfg = TrainConfig(lr=0.05, factor_step="dense", clip_lr_tau=1.5)
+    cfg = TrainConfig(recipe=LocalTraining(lr=0.05, factor_step="dense", clip_lr_tau=1.5))
     ends = []
     for use_closure in (False, True):
         layer = _layer(6, 8, 3, seed=8)
@@ -235,7 +244,7 @@ def test_a_plain_sgd_loop_after_receive_trains_as_fedshards_loop() -> None:
     loader = DataLoader(TensorDataset(torch.cat([x for x, _ in batches()]),
                                       torch.cat([y for _, y in batches()])), batch_size=8)
     cfg = bare.train_config()
-    assert cfg.factor_step == "dense"
+    assert cfg.recipe.factor_step == "dense"
     train(bare.model, loader, cfg)  # fedshard's loop: FD, the dense step, ClipLR, SGD-m
     for key, value in bare.model.state_dict().items():
         torch.testing.assert_close(mine[key], value, rtol=1e-11, atol=1e-12, msg=key)
@@ -246,21 +255,28 @@ def test_a_plain_sgd_loop_after_receive_trains_as_fedshards_loop() -> None:
     assert not torch.allclose(theirs["2.u"], mine["2.u"], rtol=1e-4, atol=1e-6)
 
 
-def test_adam_gets_the_transformed_gradient() -> None:
+def _rule_gradient(layer: nn.Module, dense: bool, tau: float = 2.0,
+                   gamma: float = 0.05) -> np.ndarray:
+    """u's gradient as the rules give it to the step (numpy, from ``layer.u.grad``): plus
+    Frobenius decay, the dense transform if asked, then ClipLR's column scale."""
+    u, v, w = (layer.u.detach().numpy(), layer.v.detach().numpy(), layer.omega.numpy())
+    g = layer.u.grad.numpy() + 2 * gamma * u @ (np.outer(w, w) * (v.T @ v))
+    if dense:
+        g = dense_factor_gradient(torch.tensor(g), layer.u, layer.v, layer.omega).numpy()
+    return g * np.minimum(1, tau / w)
+
+
+def test_adam_steps_with_the_transformed_gradient() -> None:
+    """Any optimizer that steps a received shard applies the rules: Adam's step on the
+    followed sub-model equals Adam's step on the gradient the rules give (numpy)."""
     msg = message("dense")
     hooked = receive(msg, net())
     bare = receive(msg, net(), client_rules=False)
     x, y = batches()[0]
-    # reference: the plain gradient, plus Frobenius decay, transformed, then ClipLR (numpy)
     F.cross_entropy(bare.model(x), y).backward()
-    layer = bare.model[2]
-    u, v, w = (layer.u.detach().numpy(), layer.v.detach().numpy(), layer.omega.numpy())
-    g = layer.u.grad.numpy() + 2 * 0.05 * u @ (np.outer(w, w) * (v.T @ v))
-    g = dense_factor_gradient(torch.tensor(g), layer.u, layer.v, layer.omega).numpy()
-    g = g * np.minimum(1, 2.0 / w)
+    g = _rule_gradient(bare.model[2], dense=True)
     opt = torch.optim.Adam(hooked.model.parameters(), lr=1e-3)
     F.cross_entropy(hooked.model(x), y).backward()
-    np.testing.assert_allclose(hooked.model[2].u.grad.numpy(), g, rtol=1e-10, atol=1e-14)
     before = hooked.model[2].u.detach().clone()
     opt.step()
     ref = torch.optim.Adam([before.requires_grad_()], lr=1e-3)
@@ -268,34 +284,38 @@ def test_adam_gets_the_transformed_gradient() -> None:
     ref.step()
     torch.testing.assert_close(hooked.model[2].u.detach(), before.detach(), rtol=1e-12,
                                atol=1e-14)
+    assert hooked.rules.report().steps == 1
 
 
 def test_switched_off_the_step_is_the_papers() -> None:
+    """One plain SGD step (lr 1, no momentum): with the default recipe the rules move u by the
+    paper's gradient (decay, ClipLR); with the rules off (client_rules=False) by the raw one."""
     x, y = batches()[0]
     plain = receive(message("plain"), net())  # the default recipe
     assert LocalTraining().factor_step == "plain"
-    off = receive(message("dense"), net(), client_rules=False)  # no hooks at all
-    grads = []
+    off = receive(message("dense"), net(), client_rules=False)  # no rules at all
+    moves = []
     for shard in (plain, off):
-        shard.model[2].u.grad = None
+        before = shard.model[2].u.detach().clone()
+        opt = torch.optim.SGD(shard.model.parameters(), lr=1.0)
         F.cross_entropy(shard.model(x), y).backward()
-        grads.append(shard.model[2].u.grad.clone())
+        raw = shard.model[2].u.grad.clone()
+        opt.step()
+        moves.append((before - shard.model[2].u.detach(), raw))
     bare = receive(message("plain"), net(), client_rules=False)
     F.cross_entropy(bare.model(x), y).backward()
-    layer = bare.model[2]
-    u, v, w = (layer.u.detach().numpy(), layer.v.detach().numpy(), layer.omega.numpy())
-    paper = (layer.u.grad.numpy() + 2 * 0.05 * u @ (np.outer(w, w) * (v.T @ v))) \
-        * np.minimum(1, 2.0 / w)
-    np.testing.assert_allclose(grads[0].numpy(), paper, rtol=1e-10, atol=1e-14)
-    np.testing.assert_allclose(grads[1].numpy(), layer.u.grad.numpy(), rtol=0, atol=0)
-    # build_optimizer attaches the step only when asked; remove() detaches it
+    np.testing.assert_allclose(moves[0][0].numpy(), _rule_gradient(bare.model[2], dense=False),
+                               rtol=1e-10, atol=1e-14)
+    np.testing.assert_allclose(moves[1][0].numpy(), moves[1][1].numpy(), rtol=0, atol=1e-15)
+    # build_optimizer attaches one set of rules (a pre- and a post-hook) when there is
+    # something to do, none when γ = 0, τ = None and the step is the paper's
     model = copy.deepcopy(off.model)
-    assert len(build_optimizer(model, TrainConfig())._optimizer_step_pre_hooks) == 1  # ClipLR
-    opt = build_optimizer(model, TrainConfig(factor_step="dense"))
-    assert len(opt._optimizer_step_pre_hooks) == 2
-    step = DenseFactorStep(torch.optim.SGD(model.parameters(), lr=0.1), model)
-    step.remove()
-    assert step.handle is None
+    opt = build_optimizer(model, TrainConfig())
+    assert (len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks)) == (1, 1)
+    opt = build_optimizer(model, TrainConfig(recipe=LocalTraining(factor_step="dense")))
+    assert (len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks)) == (1, 1)
+    none = LocalTraining(frobenius_decay=0.0, clip_lr_tau=None)
+    assert not build_optimizer(model, TrainConfig(recipe=none))._optimizer_step_pre_hooks
 
 
 def test_the_setting_is_validated_once_and_travels() -> None:
@@ -305,8 +325,8 @@ def test_the_setting_is_validated_once_and_travels() -> None:
     with pytest.raises(ConfigError, match=r"factor-step='Dense': expected one of"):
         RunConfig.from_mapping({"factor-step": "Dense"})
     assert RunConfig.from_mapping({"factor-step": "dense"}).training.factor_step == "dense"
-    with pytest.raises(ValueError, match=r"TrainConfig.factor_step='x': expected one of"):
-        TrainConfig(factor_step="x")
+    with pytest.raises(ValueError, match=r"factor_step='x': expected one of"):
+        TrainConfig(recipe=LocalTraining(factor_step="x"))
     settings = TrainSettings.of(LocalTraining(factor_step="dense"), lr=0.1, server_round=1,
                                 keep_ratio=0.5, train_seed=1, method="collective")
     record = settings.to_record()
@@ -323,9 +343,9 @@ def test_the_setting_is_validated_once_and_travels() -> None:
     with pytest.raises(ValueError, match=r"factor-step='fast': expected one of"):
         message("plain", config=ConfigRecord({"factor-step": "fast"}))
     with pytest.raises(ValueError, match=r"damping=-1: expected a finite number ≥ 0"):
-        DenseFactorStep(torch.optim.SGD(net().parameters(), lr=0.1), net(), damping=-1)
-    with pytest.raises(TypeError, match=r"attaches to a torch.optim.Optimizer, got str"):
-        DenseFactorStep("sgd", net())  # type: ignore[arg-type]
+        ClientRules([], factor_step="dense", damping=-1)
+    with pytest.raises(TypeError, match=r"attach to a torch.optim.Optimizer, got str"):
+        ClientRules([], factor_step="dense").attach("sgd")  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- the dense lr
@@ -358,7 +378,7 @@ def test_keep_ratio_1_trains_at_the_dense_lr_with_the_dense_step_only() -> None:
     def final_loss(model: nn.Module, dense_step: bool = False) -> float:
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)  # a user's loop
         if dense_step:
-            DenseFactorStep(opt, model)
+            _dense_step(opt, model)
         for i in range(100):
             batch = slice(16 * (i % 4), 16 * (i % 4) + 16)
             loss = F.mse_loss(model(x[batch]), y[batch])

@@ -19,6 +19,7 @@ from fedshard.client.train.batches import HasTensors, TensorBatches, batches_for
 from fedshard.data.images import ImageArrays, ImageDataset
 from fedshard.data.shakespeare import ShakespeareDataset
 from fedshard.models import resnet18
+from fedshard.settings import LocalTraining
 from fedshard.spectral import shard_model
 
 
@@ -28,7 +29,8 @@ def _pairs(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _epochs(loader: object, epochs: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    return [[(x.clone(), y.clone()) for x, y in loader] for _ in range(epochs)]  # type: ignore[attr-defined]
+    return [[(x.clone(), y.clone()) for x,
+             y in loader] for _ in range(epochs)]  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(("n", "batch_size"), [(30, 8), (32, 8), (5, 8), (1, 1), (97, 32)])
@@ -83,7 +85,7 @@ def test_empty_image_dataset_gives_no_batches_and_train_refuses() -> None:
     assert isinstance(batches, TensorBatches) and list(batches) == []
     with pytest.raises(ValueError, match="yielded no batches; nothing was trained"):
         train(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 10)), batches,
-              TrainConfig(local_epochs=1, log_every_epoch=False))
+              TrainConfig(recipe=LocalTraining(local_epochs=1), log_every_epoch=False))
 
 
 def test_shakespeare_tensors_equal_getitem() -> None:
@@ -108,7 +110,8 @@ def test_training_on_tensor_batches_gives_the_dataloaders_model_bit_for_bit(
     dtype: torch.dtype,
 ) -> None:
     data = ImageDataset(_images(45, 3, 32, seed=5))
-    cfg = TrainConfig(local_epochs=2, lr=0.03, seed=4, log_every_epoch=False)
+    cfg = TrainConfig(recipe=LocalTraining(local_epochs=2, lr=0.03), torch_seed=4,
+                      log_every_epoch=False)
     ref_model, got_model = _submodel(dtype), _submodel(dtype)
     inputs, targets = data.example_tensors()
     # float32: the data set itself through a DataLoader (what the ClientApp did before)

@@ -9,9 +9,11 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from trainconf import with_
 
 from fedshard.client.train import TrainConfig, build_optimizer, evaluate, frobenius_penalty, train
 from fedshard.models import resnet18
+from fedshard.settings import LocalTraining
 from fedshard.spectral import SpectralConv2d, SpectralLayer, SpectralLinear, shard_model
 
 
@@ -48,7 +50,8 @@ def _reference_steps(
     """SGD + momentum + Frobenius decay + ClipLR + weight decay on b, written out by hand."""
     u, v, b = u.copy(), v.copy(), b.copy()
     bufs: dict[str, np.ndarray] = {}
-    tau = np.inf if cfg.clip_lr_tau is None else cfg.clip_lr_tau
+    r = cfg.recipe
+    tau = np.inf if r.clip_lr_tau is None else r.clip_lr_tau
     scale = np.minimum(1.0, tau / omega)  # (n,)
     for _ in range(steps):
         y = x @ v @ np.diag(omega) @ u.T + b  # (B, out)
@@ -58,12 +61,12 @@ def _reference_steps(
         g_w = d.T @ x  # dL/dŴ, (out, in)
         w_hat = u @ np.diag(omega) @ v.T
         # ∂/∂U γ‖UΩVᵀ‖² = 2γ (UΩVᵀ) V Ω ; ∂/∂V = 2γ (UΩVᵀ)ᵀ U Ω
-        g_u = (g_w @ v + 2 * cfg.frobenius_decay * w_hat @ v) * omega
-        g_v = (g_w.T @ u + 2 * cfg.frobenius_decay * w_hat.T @ u) * omega
-        grads = {"u": g_u * scale, "v": g_v * scale, "b": d.sum(0) + cfg.weight_decay * b}
+        g_u = (g_w @ v + 2 * r.frobenius_decay * w_hat @ v) * omega
+        g_v = (g_w.T @ u + 2 * r.frobenius_decay * w_hat.T @ u) * omega
+        grads = {"u": g_u * scale, "v": g_v * scale, "b": d.sum(0) + r.weight_decay * b}
         params = {"u": u, "v": v, "b": b}
         for key, grad in grads.items():
-            bufs[key] = grad if key not in bufs else cfg.momentum * bufs[key] + grad
+            bufs[key] = grad if key not in bufs else r.momentum * bufs[key] + grad
             params[key] -= cfg.lr * bufs[key]
     return u, v, b
 
@@ -76,16 +79,11 @@ def test_two_training_steps_match_hand_computation(clip_lr_tau: float | None) ->
     g = _gen(1)
     x = torch.randn(6, 5, generator=g, dtype=torch.float64)
     t = torch.randint(0, 4, (6,), generator=g)
-    cfg = TrainConfig(
-        local_epochs=2,
-        lr=0.1,
-        momentum=0.9,
-        frobenius_decay=0.05,
-        clip_lr_tau=clip_lr_tau,
-        weight_decay=0.3,
-        log_every_epoch=False,
-    )
-    start = [p.detach().numpy().copy() for p in (layer.u, layer.v, layer.bias)]  # type: ignore[union-attr]
+    cfg = TrainConfig(recipe=LocalTraining(local_epochs=2, lr=0.1, momentum=0.9,
+                                           frobenius_decay=0.05, clip_lr_tau=clip_lr_tau,
+                                           weight_decay=0.3), log_every_epoch=False)
+    start = [p.detach().numpy().copy() for p in (layer.u, layer.v,
+                                                 layer.bias)]  # type: ignore[union-attr]
     expected = _reference_steps(*start, np.array(omega), x.numpy(), t.numpy(), cfg, steps=2)
     loader = DataLoader(TensorDataset(x, t), batch_size=6, shuffle=False)
     result = train(layer, loader, cfg)
@@ -118,7 +116,8 @@ def test_frobenius_penalty_equals_explicit_norm() -> None:
 def test_factors_get_no_weight_decay_dense_parameters_do() -> None:
     lin = _spectral_linear(4, 4, [1.0, 2.0], seed=4)
     model = nn.Sequential(nn.Linear(3, 4).double(), lin)
-    opt = build_optimizer(model, TrainConfig(weight_decay=0.01, log_every_epoch=False))
+    opt = build_optimizer(model, TrainConfig(recipe=LocalTraining(weight_decay=0.01),
+                                             log_every_epoch=False))
     factor_group, dense_group = opt.param_groups
     assert factor_group["weight_decay"] == 0.0
     assert {id(p) for p in factor_group["params"]} == {id(lin.u), id(lin.v)}
@@ -152,7 +151,8 @@ def _data(n: int = 16, seed: int = 7) -> TensorDataset:
 def test_momentum_and_clipping_are_per_term_permutation_equivariant() -> None:
     """Permuting the terms before training permutes the trained factors the same way."""
     omega, perm = [30.0, 1.0, 12.0, 2.0], [2, 0, 3, 1]
-    cfg = TrainConfig(local_epochs=3, lr=0.05, frobenius_decay=0.01, log_every_epoch=False)
+    cfg = TrainConfig(recipe=LocalTraining(local_epochs=3, lr=0.05, frobenius_decay=0.01),
+                      log_every_epoch=False)
     loader = DataLoader(_data(), batch_size=4, shuffle=False)
     plain, permuted = _two_layer(omega), _two_layer(omega, perm)
     train(plain, loader, cfg)
@@ -168,7 +168,8 @@ def test_a_term_with_zero_gradient_never_moves_and_keeps_zero_momentum() -> None
     with torch.no_grad():  # term 1 contributes nothing, so its gradient is exactly zero
         model[0].u[:, 1] = 0.0
         model[0].v[:, 1] = 0.0
-    cfg = TrainConfig(local_epochs=2, lr=0.1, frobenius_decay=0.01, log_every_epoch=False)
+    cfg = TrainConfig(recipe=LocalTraining(local_epochs=2, lr=0.1, frobenius_decay=0.01),
+                      log_every_epoch=False)
     opt = build_optimizer(model, cfg)
     for x, t in DataLoader(_data(), batch_size=4):
         opt.zero_grad()
@@ -195,7 +196,8 @@ class _Dropper(nn.Module):
 
 def test_training_is_deterministic_given_seed_and_leaves_global_rng_alone() -> None:
     dataset = _data(24)
-    cfg = TrainConfig(local_epochs=2, lr=0.05, seed=11, log_every_epoch=False)
+    cfg = TrainConfig(recipe=LocalTraining(local_epochs=2, lr=0.05), torch_seed=11,
+                      log_every_epoch=False)
 
     def run(config: TrainConfig) -> dict[str, torch.Tensor]:
         model = _Dropper()
@@ -206,7 +208,7 @@ def test_training_is_deterministic_given_seed_and_leaves_global_rng_alone() -> N
         return model.state_dict()
 
     first, second = run(cfg), run(cfg)
-    other = run(dataclasses.replace(cfg, seed=12))
+    other = run(dataclasses.replace(cfg, torch_seed=12))
     for key in first:
         assert torch.equal(first[key], second[key]), key
     assert not torch.equal(first["body.0.u"], other["body.0.u"])
@@ -238,7 +240,7 @@ def test_train_reports_mean_loss_over_all_examples_and_learns() -> None:
     dataset = TensorDataset(x, t)
     model = _two_layer([1.0, 2.0, 4.0])
     before = evaluate(model, DataLoader(dataset, batch_size=64))
-    cfg = TrainConfig(local_epochs=20, lr=0.05, log_every_epoch=False)
+    cfg = TrainConfig(recipe=LocalTraining(local_epochs=20, lr=0.05), log_every_epoch=False)
     result = train(model, DataLoader(dataset, batch_size=8, shuffle=False), cfg)
     after = evaluate(model, DataLoader(dataset, batch_size=64))
     assert result.num_examples == 64
@@ -257,8 +259,8 @@ def test_channels_last_training_matches_default_layout() -> None:
     results = []
     for channels_last in (False, True):
         sub, _ = shard_model(dense, layers, omegas)
-        cfg = TrainConfig(local_epochs=2, lr=0.05, channels_last=channels_last,
-                          log_every_epoch=False)
+        cfg = TrainConfig(recipe=LocalTraining(local_epochs=2, lr=0.05),
+                          channels_last=channels_last, log_every_epoch=False)
         train(sub, DataLoader(data, batch_size=4), cfg)
         results.append(sub.state_dict())
     for key, value in results[0].items():
@@ -267,27 +269,29 @@ def test_channels_last_training_matches_default_layout() -> None:
 
 def test_train_logs_each_epoch(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level("INFO", logger="fedshard.client.train.loop")
-    train(_two_layer([1.0]), DataLoader(_data(8), batch_size=4), TrainConfig(local_epochs=2))
+    train(_two_layer([1.0]), DataLoader(_data(8), batch_size=4),
+          TrainConfig(recipe=LocalTraining(local_epochs=2)))
     assert [r.getMessage()[:9] for r in caplog.records] == ["epoch 1/2", "epoch 2/2"]
 
 
 @pytest.mark.parametrize(
     ("field", "value", "pattern"),
     [
-        ("local_epochs", 0, r"TrainConfig\.local_epochs=0: expected an integer ≥ 1; no training"),
-        ("lr", -0.1, r"TrainConfig\.lr=-0\.1: expected ≥ 0 \(a finite number"),
-        ("momentum", 1.0, r"TrainConfig\.momentum=1\.0: expected in \[0, 1\)"),
+        ("local_epochs", 0, r"LocalTraining.*\n  - local_epochs=0: expected an integer ≥ 1"),
+        ("lr", -0.1, r"lr=-0\.1: expected > 0 \(a finite number"),
+        ("momentum", 1.0, r"momentum=1\.0: expected in \[0, 1\)"),
         ("frobenius_decay", -1.0, r"frobenius_decay=-1\.0: expected a finite number ≥ 0"),
         ("clip_lr_tau", 0.0, r"clip_lr_tau=0\.0: expected τ ≥ 1 \(the paper uses 10\), or None"),
         ("clip_lr_tau", 0.5, r"clip_lr_tau=0\.5: expected τ ≥ 1"),
         ("weight_decay", float("nan"), r"weight_decay=nan"),
         ("device", "warp-drive", r"device='warp-drive': expected a torch device"),
-        ("seed", 1.5, r"seed=1\.5: expected an int"),
+        ("torch_seed", 1.5, r"torch_seed=1\.5: expected an int"),
     ],
 )
 def test_train_config_validation(field: str, value: object, pattern: str) -> None:
+    """The recipe's fields by the server's rules (fedshard.settings), the node's own here."""
     with pytest.raises(ValueError, match=pattern):
-        TrainConfig(**{field: value})  # type: ignore[arg-type]
+        with_(TrainConfig(), **{field: value})
 
 
 def test_training_errors() -> None:

@@ -1,10 +1,9 @@
-"""ClipLR on any optimizer, the analytic Frobenius gradient, norm clipping, dict batches,
+"""The client rules on any optimizer, the analytic Frobenius gradient, norm clipping, dict batches,
 the finiteness check without per-step host reads, and torch.compile (against references)."""
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,15 +11,17 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
+from trainconf import with_
 
 from fedshard.client.train import (
-    ClipLR,
-    FrobeniusDecay,
+    ClientRules,
     TrainConfig,
     build_optimizer,
     evaluate,
     train,
 )
+from fedshard.client.train.fast import FastOptions
+from fedshard.settings import LocalTraining
 from fedshard.spectral import SpectralConv2d, SpectralLinear
 
 
@@ -60,10 +61,14 @@ def _assert_same(a: nn.Module, b: nn.Module, rtol: float = 1e-12, atol: float = 
         torch.testing.assert_close(x, y, rtol=rtol, atol=atol, msg=key)
 
 
-# -- ClipLR attaches to any torch optimizer -----------------------------------------------------
+# -- the client rules on any torch optimizer ----------------------------------------------------
 
 
 _SCALE = torch.tensor([1.0, 10 / 12, 10 / 30], dtype=torch.float64)  # min(1, τ/ω), τ = 10
+
+
+def _rules(model: nn.Module, tau: float | None = 10.0, gamma: float = 0.0) -> ClientRules:
+    return ClientRules.of(model, LocalTraining(frobenius_decay=gamma, clip_lr_tau=tau))
 
 
 def _by_hand(reference: nn.Module, lr: float) -> None:
@@ -77,32 +82,17 @@ def _by_hand(reference: nn.Module, lr: float) -> None:
 def test_cliplr_in_a_user_loop_matches_the_rule_applied_by_hand() -> None:
     model, reference = _model(), _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    clip = ClipLR(opt, model, tau=10)
-    assert clip.handle is not None
+    rules = _rules(model)
+    assert len(rules.attach(opt)) == 2
     x, t = _data()[:8]
     nn.functional.cross_entropy(model(x), t).backward()
     nn.functional.cross_entropy(reference(x), t).backward()
     opt.step()
     _by_hand(reference, 0.1)
     _assert_same(model, reference)
+    assert rules.report().steps == 1 and rules.report().scaled_columns == 2
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())
-
-
-def test_cliplr_acts_on_any_optimizer() -> None:
-    """Adam honours the hook too: its first step moves an entry by about lr·sign(g) unless
-    |g| is far below its ε = 1e-8, which a scale τ/ω ~ 1e-13 makes of the factor gradients."""
-    model = _model()
-    opt = torch.optim.Adam(model.parameters(), lr=0.1)
-    ClipLR(opt, model, tau=1e-12)
-    before = copy.deepcopy(model)
-    x, t = _data()[:8]
-    nn.functional.cross_entropy(model(x), t).backward()
-    opt.step()
-    for name in ("u", "v"):
-        moved = getattr(model[0], name) - getattr(before[0], name)
-        assert moved.abs().max() < 1e-3, name
-    assert (model[2].weight - before[2].weight).abs().max() > 0.09  # unclipped: a full step
 
 
 def test_cliplr_follows_omega_written_in_place() -> None:
@@ -110,7 +100,7 @@ def test_cliplr_follows_omega_written_in_place() -> None:
     load_state_dict after the optimizer was built gives min(1, τ/ω_new)."""
     model, reference = _model(), _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ClipLR(opt, model, tau=10)
+    _rules(model).attach(opt)
     new_omega = torch.tensor([20.0, 1.0, 40.0], dtype=torch.float64)
     for m in (model, reference):
         m.load_state_dict({**m.state_dict(), "0.omega": new_omega})
@@ -129,7 +119,7 @@ def test_cliplr_follows_omega_written_in_place() -> None:
 def test_cliplr_with_a_closure_clips_the_closures_gradients() -> None:
     model, reference = _model(), _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ClipLR(opt, model, tau=10)
+    _rules(model).attach(opt)
     x, t = _data()[:8]
 
     def closure() -> torch.Tensor:
@@ -146,16 +136,17 @@ def test_cliplr_with_a_closure_clips_the_closures_gradients() -> None:
     _assert_same(model, reference)
 
 
-def test_cliplr_without_tau_or_removed_is_the_plain_optimizer() -> None:
+def test_rules_without_anything_to_do_or_removed_leave_the_plain_optimizer() -> None:
     model, removed, reference = _model(), _model(), _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    assert ClipLR(opt, model, tau=None).handle is None
+    assert _rules(model, tau=None).attach(opt) == []  # γ = 0 and τ = None: nothing to do
     dense = nn.Linear(4, 3)  # no spectral layer: nothing to scale, no hook on the optimizer
     dense_opt = torch.optim.SGD(dense.parameters(), lr=0.1)
-    assert ClipLR(dense_opt, dense, tau=1.0).handle is None
+    assert _rules(dense, tau=1.0).attach(dense_opt) == []
     assert not dense_opt._optimizer_step_pre_hooks
     opt_removed = torch.optim.SGD(removed.parameters(), lr=0.1, momentum=0.9)
-    ClipLR(opt_removed, removed, tau=1.0).remove()
+    for handle in _rules(removed, tau=1.0).attach(opt_removed):
+        handle.remove()
     plain = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     for x, t in DataLoader(_data(), batch_size=8):
         for m, o in ((model, opt), (removed, opt_removed), (reference, plain)):
@@ -167,7 +158,7 @@ def test_cliplr_without_tau_or_removed_is_the_plain_optimizer() -> None:
 
 
 def test_cliplr_state_dict_round_trip_and_lr_scheduler() -> None:
-    cfg = TrainConfig(lr=0.2, momentum=0.9, log_every_epoch=False)
+    cfg = TrainConfig(recipe=LocalTraining(lr=0.2, momentum=0.9), log_every_epoch=False)
     batches = list(DataLoader(_data(32), batch_size=8))
 
     def run(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, steps: list[Any]) -> None:
@@ -204,7 +195,8 @@ def test_build_optimizer_applies_cliplr() -> None:
     """build_optimizer's SGD (what Shard.optimizer returns) clips: one step against the rule
     by hand."""
     model, reference = _model(), _model()
-    opt = build_optimizer(model, TrainConfig(lr=0.1, momentum=0.9, clip_lr_tau=10.0))
+    opt = build_optimizer(model, TrainConfig(recipe=LocalTraining(
+        lr=0.1, momentum=0.9, clip_lr_tau=10.0, frobenius_decay=0.0)))
     x, t = _data()[:8]
     nn.functional.cross_entropy(model(x), t).backward()
     nn.functional.cross_entropy(reference(x), t).backward()
@@ -213,28 +205,15 @@ def test_build_optimizer_applies_cliplr() -> None:
     _assert_same(model, reference)
 
 
-def test_column_scale_is_the_one_overridable_rule() -> None:
-    class Freeze(ClipLR):
-        def column_scale(self, omega: torch.Tensor) -> torch.Tensor:
-            return torch.zeros_like(omega)
-
-    model = _model()
-    before = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    Freeze(opt, model, tau=1.0)
-    x, t = _data()[:8]
-    nn.functional.cross_entropy(model(x), t).backward()
-    opt.step()
-    assert torch.equal(model[0].u, before[0].u) and torch.equal(model[0].v, before[0].v)
-    assert not torch.equal(model[2].weight, before[2].weight)
-
-
-def test_cliplr_errors() -> None:
+def test_rules_errors_name_the_setting_and_the_servers_rule() -> None:
     with pytest.raises(TypeError,
-                       match=r"ClipLR attaches to a torch\.optim\.Optimizer, got list"):
-        ClipLR([], _model(), tau=1.0)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"tau=0: expected a finite number > 0 or None"):
-        ClipLR(torch.optim.SGD(_model().parameters(), lr=0.1), _model(), tau=0)
+                       match=r"ClientRules attach to a torch\.optim\.Optimizer, got list"):
+        _rules(_model()).attach([])  # type: ignore[arg-type]
+    # the same τ rule as the server's (fedshard.settings): τ ≥ 1
+    with pytest.raises(ValueError, match=r"clip_lr_tau=0\.5: expected τ ≥ 1"):
+        ClientRules([], clip_lr_tau=0.5)
+    with pytest.raises(ValueError, match=r"frobenius_decay=-1\.0: expected a finite number ≥ 0"):
+        ClientRules([], frobenius_decay=-1.0)
 
 
 # -- Frobenius decay and norm clipping ----------------------------------------------------------
@@ -249,21 +228,16 @@ def test_frobenius_gradient_equals_autograd_of_the_explicit_dense_norm() -> None
     want_u, want_v = layer.u.grad.clone(), layer.v.grad.clone()
     layer.u.grad = None  # None grads are created
     layer.v.grad = torch.ones_like(layer.v)  # existing grads are added to
-    FrobeniusDecay(model, gamma).add_gradient_()
+    _rules(model, tau=None, gamma=gamma).before_step()
     torch.testing.assert_close(layer.u.grad, want_u, rtol=1e-13, atol=1e-15)
     torch.testing.assert_close(layer.v.grad, want_v + 1, rtol=1e-13, atol=1e-15)
 
 
 def test_max_grad_norm_clips_the_global_norm_before_the_step() -> None:
     model, reference = _model(), _model()
-    cfg = TrainConfig(
-        lr=0.5,
-        momentum=0.0,
-        frobenius_decay=0.0,
-        clip_lr_tau=None,
-        max_grad_norm=0.05,
-        log_every_epoch=False,
-    )
+    cfg = TrainConfig(recipe=LocalTraining(lr=0.5, momentum=0.0, frobenius_decay=0.0,
+                                           clip_lr_tau=None), max_grad_norm=0.05,
+                      log_every_epoch=False)
     x, t = _data()[:8]
     train(model, DataLoader(TensorDataset(x, t), batch_size=8), cfg)
     nn.functional.cross_entropy(reference(x), t).backward()
@@ -302,7 +276,7 @@ class _DictData(Dataset[dict[str, Any]]):
 )
 def test_dict_batches_train_like_pairs(x_key: str, y_key: str, cfg_keys: dict[str, str]) -> None:
     base = _data()
-    cfg = TrainConfig(local_epochs=2, log_every_epoch=False, **cfg_keys)
+    cfg = TrainConfig(recipe=LocalTraining(local_epochs=2), log_every_epoch=False, **cfg_keys)
     pairs, dicts = _model(), _model()
     want = train(pairs, DataLoader(base, batch_size=8), cfg)
     extra = {"coarse_label": 0, "id": "a"}  # unrelated keys are ignored
@@ -342,7 +316,7 @@ def test_dict_batch_errors_name_the_keys_and_the_setting() -> None:
         match=r"TrainConfig\.input_key='pixels' is not a key of the "
         r"batch; found keys \['img', 'label'\]",
     ):
-        run("img", "label", dataclasses.replace(cfg, input_key="pixels"))
+        run("img", "label", with_(cfg, input_key="pixels"))
     with pytest.raises(ValueError, match=r"pairs or dicts, got list of length 3"):
         train(_model(), DataLoader(TensorDataset(*base[:], base[:][1]), batch_size=8), cfg)
     with pytest.raises(ValueError, match=r"TrainConfig\.max_grad_norm=0\.0: expected a finite"):
@@ -380,9 +354,10 @@ def test_training_reads_the_device_only_every_32_steps() -> None:
     model, loader = _model(), DataLoader(_data(96), batch_size=1)  # 96 steps
     with _HostReads() as reads:
         train(model, loader, TrainConfig(log_every_epoch=False))
-    # checks after steps 32, 64, 96 and at the epoch end, 3 reads for the TrainResult, and
-    # the DataLoader's own base seed (a CPU generator)
-    assert reads.count == 96 // 32 + 1 + 3 + 1
+    # checks after steps 32, 64, 96 and at the epoch end, 3 reads for the TrainResult, one
+    # for the client rules' report (ω above τ in the one sharded layer), and the DataLoader's
+    # own base seed (a CPU generator)
+    assert reads.count == 96 // 32 + 1 + 3 + 1 + 1
 
 
 def _broken() -> nn.Module:
@@ -394,7 +369,7 @@ def _broken() -> nn.Module:
 
 def test_non_finite_loss_raises_with_remedies_that_apply() -> None:
     loader = DataLoader(_data(40), batch_size=1)
-    on = TrainConfig(log_every_epoch=False, clip_lr_tau=10.0)
+    on = TrainConfig(recipe=LocalTraining(clip_lr_tau=10.0), log_every_epoch=False)
     with pytest.raises(
         FloatingPointError,
         match=r"became nan in epoch 1 \(found after step 32; "
@@ -406,9 +381,9 @@ def test_non_finite_loss_raises_with_remedies_that_apply() -> None:
     assert str(info.value).startswith("Training diverged: ")  # how the server counts it
     assert "ClipLR" not in str(info.value)  # already on: not a remedy
     with pytest.raises(FloatingPointError) as info:
-        train(_broken(), loader, dataclasses.replace(on, factor_step="dense"))
+        train(_broken(), loader, with_(on, factor_step="dense"))
     assert "factor_step" not in str(info.value)  # already on: not a remedy
-    off = dataclasses.replace(on, clip_lr_tau=None, max_grad_norm=1.0)
+    off = with_(on, clip_lr_tau=None, max_grad_norm=1.0)
     with pytest.raises(
         FloatingPointError,
         match=r"lower max_grad_norm \(now 1\.0\) or enable "
@@ -433,13 +408,12 @@ def test_compiled_training_matches_eager_on_cpu() -> None:
         import torch._inductor
     except ImportError as err:  # pragma: no cover - inductor ships with torch
         pytest.skip(f"torch.compile's inductor backend cannot be imported here: {err}")
-    cfg = TrainConfig(
-        local_epochs=2, lr=0.05, frobenius_decay=1e-2, max_grad_norm=5.0, log_every_epoch=False
-    )
+    cfg = TrainConfig(recipe=LocalTraining(local_epochs=2, lr=0.05, frobenius_decay=1e-2),
+                      max_grad_norm=5.0, log_every_epoch=False)
     eager, compiled = _model(torch.float32), _model(torch.float32)
     loader = DataLoader(_data(32, torch.float32), batch_size=8)
     want = train(eager, loader, cfg)
-    got = train(compiled, loader, dataclasses.replace(cfg, compile=True))
+    got = train(compiled, loader, with_(cfg, compile=True))
     _assert_same(compiled, eager, rtol=1e-5, atol=1e-6)  # float32 rounding
     assert got.loss == pytest.approx(want.loss, rel=1e-5)
     assert got.accuracy == want.accuracy
@@ -460,20 +434,22 @@ def test_compiled_training_of_several_models_in_one_process_matches_eager() -> N
             for a, b in zip(eager.parameters(), compiled.parameters(), strict=True):
                 a.add_(0.1 * round_)
                 b.add_(0.1 * round_)
-        cfg = TrainConfig(local_epochs=2, lr=lr, frobenius_decay=1e-2, log_every_epoch=False)
+        cfg = TrainConfig(recipe=LocalTraining(local_epochs=2, lr=lr, frobenius_decay=1e-2),
+                          log_every_epoch=False)
         want = train(eager, loader, cfg)
-        got = train(compiled, loader, dataclasses.replace(cfg, compile=True))
+        got = train(compiled, loader, with_(cfg, compile=True))
         _assert_same(compiled, eager, rtol=1e-5, atol=1e-6)
         assert got.loss == pytest.approx(want.loss, rel=1e-5), round_
 
 
 def test_cuda_graph_needs_a_cuda_device() -> None:
     from fedshard.client.train import TrainConfig as _Cfg
+    from fedshard.client.train.fast import FastOptions
     from fedshard.client.train.fast import TrainStep as _Step
 
     model = torch.nn.Linear(3, 2)
     with pytest.raises(ValueError, match=r"cuda_graph=True needs the model on a CUDA device"):
-        _Step(model, _Cfg(cuda_graph=True))
+        _Step(model, _Cfg(fast=FastOptions(cuda_graph=True)))
 
 
 def _conv_model() -> nn.Sequential:
@@ -493,21 +469,22 @@ def _conv_model() -> nn.Sequential:
 
 
 @pytest.mark.parametrize("option, value, error", [
-    ("pad_terms", 8, r"TrainConfig.pad_terms=0: expected an int >= 1"),
-    ("merge_terms", True, r"TrainConfig.merge_terms=0: expected a bool"),
+    ("pad_terms", 8, r"pad_terms=0: expected an int ≥ 1"),
+    ("merge_terms", True, r"merge_terms=0: expected True or False"),
 ])
 def test_conv_layout_options_train_the_same_factors(option: str, value: object,
                                                     error: str) -> None:
-    """TrainConfig.pad_terms=8 (the 5-term conv padded to 8 channels) and merge_terms (one
+    """FastOptions.pad_terms=8 (the 5-term conv padded to 8 channels) and merge_terms (one
     convolution with U diag(ω) Vᵀ) for a whole local training (Frobenius decay, ClipLR with ω
     up to 30, momentum): float64 factors as the plain two thin convolutions give."""
     g = _gen(8)
     data = TensorDataset(torch.randn(20, 3, 6, 6, generator=g, dtype=torch.float64),
                          torch.randint(0, 3, (20,), generator=g))
-    cfg = TrainConfig(local_epochs=2, lr=0.01, frobenius_decay=1e-2, log_every_epoch=False)
+    cfg = TrainConfig(recipe=LocalTraining(local_epochs=2, lr=0.01, frobenius_decay=1e-2),
+                      log_every_epoch=False)
     plain, other = _conv_model(), _conv_model()
     want = train(plain, DataLoader(data, batch_size=8), cfg)
-    got = train(other, DataLoader(data, batch_size=8), dataclasses.replace(cfg, **{option: value}))
+    got = train(other, DataLoader(data, batch_size=8), with_(cfg, **{option: value}))
     attribute = {"pad_terms": "pad_terms_to", "merge_terms": "merge_terms"}[option]
     assert getattr(other[0], attribute) == value
     assert (plain[0].pad_terms_to, plain[0].merge_terms) == (1, False)  # CPU default: off
@@ -515,7 +492,7 @@ def test_conv_layout_options_train_the_same_factors(option: str, value: object,
     _assert_same(other, plain)
     assert got.loss == pytest.approx(want.loss, rel=1e-12)
     with pytest.raises(ValueError, match=error):
-        TrainConfig(**{option: 0})  # type: ignore[arg-type]
+        FastOptions(**{option: 0})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("padding_mode, stride, dilation", [("zeros", 1, 1), ("reflect", 2, 1),

@@ -1,5 +1,5 @@
 """One training step reused by every later model of the same shape in a process
-(``TrainConfig.reuse_step``).
+(``FastOptions.reuse_step``).
 
 A CUDA-graphed :class:`~fedshard.client.train.fast.TrainStep` pays an eager warm-up step and a
 capture for each batch shape before it replays; built afresh for each client, that is most of
@@ -18,7 +18,7 @@ names, every parameter's and buffer's shape, dtype, device, strides and ``requir
 plain (number, string, tuple) attributes of every module (stride, padding, groups, ε, dropout
 ``p``, ``pad_terms_to``...), ``repr(model)``, and the step's settings (lr and momentum are baked
 into a graph). A model with forward/backward hooks or an instance-level ``forward`` is never
-pooled (the hooks are arbitrary code the pooled copy would not run); ``TrainConfig.reuse_step``
+pooled (the hooks are arbitrary code the pooled copy would not run); ``FastOptions.reuse_step``
 turns pooling off for anything else this cannot see.
 """
 
@@ -77,9 +77,10 @@ def model_signature(model: nn.Module, cfg: TrainConfig) -> tuple[Any, ...] | Non
          t.requires_grad)
         for kind, named in (("param", model.named_parameters()), ("buffer", model.named_buffers()))
         for name, t in named)
-    settings = (cfg.lr, cfg.momentum, cfg.frobenius_decay, cfg.clip_lr_tau, cfg.weight_decay,
-                str(torch.device(cfg.device)), cfg.channels_last, cfg.compile, cfg.cuda_graph,
-                cfg.max_grad_norm, cfg.pad_terms, cfg.merge_terms)
+    r, fast = cfg.recipe, cfg.fast
+    settings = (cfg.lr, r.momentum, r.frobenius_decay, r.clip_lr_tau, r.weight_decay,
+                r.factor_step, str(torch.device(cfg.device)), cfg.channels_last,
+                cfg.max_grad_norm, repr(fast))
     return (tuple(modules), tensors, repr(model), settings)
 
 

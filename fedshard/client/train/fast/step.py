@@ -16,21 +16,28 @@ import torch
 from torch import nn
 
 from fedshard.client.train.config import TrainConfig
+from fedshard.client.train.fast.options import FastOptions
 from fedshard.client.train.step import EagerStep
 from fedshard.spectral.conv import SpectralConv2d
 
 __all__ = ["TrainStep", "configure_convolutions", "conv_options"]
 
 
+def _options(cfg: TrainConfig) -> FastOptions:
+    """``cfg``'s fast options (all off when it has none)."""
+    return cfg.fast if isinstance(cfg.fast, FastOptions) else FastOptions()
+
+
 def conv_options(model: nn.Module, cfg: TrainConfig) -> tuple[int, bool]:
-    """``(pad_terms_to, merge_terms)`` that ``cfg`` asks of the sharded convolutions of
-    ``model`` (on its training device): ``cfg.pad_terms``, or when it is ``None`` 8 under
-    ``cuda_graph`` on CUDA without ``compile`` and 1 otherwise; and ``cfg.merge_terms``."""
-    pad = cfg.pad_terms
+    """``(pad_terms_to, merge_terms)`` that ``cfg``'s fast options ask of the sharded
+    convolutions of ``model`` (on its training device): ``pad_terms``, or when it is ``None``
+    8 under ``cuda_graph`` on CUDA without ``compile`` and 1 otherwise; and ``merge_terms``."""
+    opts = _options(cfg)
+    pad = opts.pad_terms
     if pad is None:
         on_cuda = any(p.is_cuda for p in model.parameters())
-        pad = 8 if cfg.cuda_graph and on_cuda and not cfg.compile else 1
-    return pad, cfg.merge_terms
+        pad = 8 if opts.cuda_graph and on_cuda and not opts.compile else 1
+    return pad, opts.merge_terms
 
 
 def configure_convolutions(model: nn.Module, cfg: TrainConfig) -> None:
@@ -53,8 +60,8 @@ def configure_convolutions(model: nn.Module, cfg: TrainConfig) -> None:
 
 class TrainStep(EagerStep):
     """:class:`~fedshard.client.train.step.EagerStep` made fast: the forward and loss compiled
-    (``cfg.compile``) and/or the whole step captured as CUDA graphs and replayed
-    (``cfg.cuda_graph``).
+    (``FastOptions.compile``) and/or the whole step captured as CUDA graphs and replayed
+    (``FastOptions.cuda_graph``).
 
     Parameters
     ----------
@@ -68,7 +75,7 @@ class TrainStep(EagerStep):
     Raises
     ------
     ValueError
-        If ``cfg.cuda_graph`` is set and the model is not on a CUDA device, or if the
+        If ``cuda_graph`` is set and the model is not on a CUDA device, or if the
         model's convolutions are not in the form ``cfg`` asks for.
 
     Notes
@@ -84,14 +91,15 @@ class TrainStep(EagerStep):
                  if isinstance(m, SpectralConv2d)}
         if found - {wanted}:
             raise ValueError(
-                f"TrainConfig asks for sharded convolutions with (pad_terms_to, merge_terms) = "
+                f"FastOptions ask for sharded convolutions with (pad_terms_to, merge_terms) = "
                 f"{wanted}, the model has {sorted(found)}; call "
                 "fedshard.client.train.fast.configure_convolutions(model, cfg) first (it sets "
                 "them on the model). No step was built.")
         super().__init__(model, cfg)
-        if cfg.cuda_graph and not all(p.is_cuda for p in self.params):
+        opts = _options(cfg)
+        if opts.cuda_graph and not all(p.is_cuda for p in self.params):
             raise ValueError(
-                f"TrainConfig.cuda_graph=True needs the model on a CUDA device, got "
+                f"FastOptions.cuda_graph=True needs the model on a CUDA device, got "
                 f"device={cfg.device!r}; set cuda_graph=False (or train on a GPU). No step "
                 "was run.")
         # Forward and loss only (AOTAutograd differentiates them): the compiled code is
@@ -100,18 +108,18 @@ class TrainStep(EagerStep):
         # and why not Inductor's own CUDA graphs.
         eager_loss = super().loss
         self._loss: Callable[..., tuple[torch.Tensor, ...]] = (
-            torch.compile(eager_loss) if cfg.compile else eager_loss)
+            torch.compile(eager_loss) if opts.compile else eager_loss)
         self._graphs: _StepGraphs | None = (
-            _StepGraphs(super().__call__) if cfg.cuda_graph else None)
+            _StepGraphs(super().__call__) if opts.cuda_graph else None)
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """:meth:`EagerStep.loss`, compiled under ``cfg.compile``."""
+        """:meth:`EagerStep.loss`, compiled under ``FastOptions.compile``."""
         return self._loss(inputs, targets)
 
     def __call__(
         self, inputs: torch.Tensor, targets: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Train on one batch, as :meth:`EagerStep.__call__`. Under ``cfg.cuda_graph`` the
+        """Train on one batch, as :meth:`EagerStep.__call__`. Under ``FastOptions.cuda_graph`` the
         outputs are the graph's static tensors: read them before the next call."""
         if self._graphs is not None:
             return self._graphs(inputs, targets)
@@ -133,6 +141,7 @@ class TrainStep(EagerStep):
                    if s.get("momentum_buffer") is not None]
         for buf in momenta:
             buf.zero_()
+        self.rules.steps = 0  # what the rules report is this model's round
 
     def store_state(self, model: nn.Module) -> None:
         """Copy the step's model's parameters and buffers into ``model`` in place (the

@@ -12,9 +12,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from fedshard.client.train import STEP_POOL, TrainConfig, train
-from fedshard.client.train.fast import TrainStep
+from fedshard.client.train import TrainConfig, train
+from fedshard.client.train.fast import STEP_POOL, TrainStep
 from fedshard.models import resnet18
+from fedshard.settings import LocalTraining
 from fedshard.spectral import shard_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -65,8 +66,8 @@ def _assert_close(a: nn.Module, b: nn.Module, rtol: float, atol: float) -> None:
                                    msg=f"{key}: max |diff| {diff:.3g}, max |value| {scale:.3g}")
 
 
-CFG = TrainConfig(local_epochs=1, lr=0.02, log_every_epoch=False, clip_lr_tau=10.0,
-                  max_grad_norm=5.0)
+CFG = TrainConfig(recipe=LocalTraining(local_epochs=1, lr=0.02, clip_lr_tau=10.0),
+                  log_every_epoch=False, max_grad_norm=5.0)
 
 
 def test_cuda_training_matches_cpu_training() -> None:

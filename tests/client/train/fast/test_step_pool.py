@@ -4,22 +4,24 @@ test_cuda.py), and models that differ in anything that shapes the step never sha
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from trainconf import with_
 
-from fedshard.client.train import STEP_POOL, EagerStep, TrainConfig, train
+from fedshard.client.train import EagerStep, TrainConfig, train
 from fedshard.client.train.fast import (
+    STEP_POOL,
+    FastOptions,
     StepPool,
     TrainStep,
     configure_convolutions,
-    enabled,
     model_signature,
 )
+from fedshard.settings import LocalTraining
 from fedshard.spectral import SpectralConv2d, SpectralLinear
 
 D = torch.float64
@@ -69,8 +71,8 @@ def _loader(client: int, n: int = 22) -> DataLoader[tuple[torch.Tensor, ...]]:
 
 
 # ClipLR τ = 10 clips some columns (ω up to 60), weight decay on the dense parameters
-CFG = TrainConfig(local_epochs=2, lr=0.02, momentum=0.9, frobenius_decay=1e-2, clip_lr_tau=10.0,
-                  weight_decay=1e-3, log_every_epoch=False)
+CFG = TrainConfig(recipe=LocalTraining(local_epochs=2, lr=0.02, momentum=0.9, frobenius_decay=1e-2,
+                                       clip_lr_tau=10.0, weight_decay=1e-3), log_every_epoch=False)
 
 
 def _same(a: nn.Module, b: nn.Module) -> None:
@@ -85,8 +87,8 @@ def test_clients_trained_on_one_pooled_step_equal_fresh_training() -> None:
     sizes = (22, 19, 22, 30)  # last batches of 6, 3, 6 and 6 examples
     for client, n in enumerate(sizes):
         fresh, pooled = _client_model(client), _client_model(client)
-        want = train(fresh, _loader(client, n), dataclasses.replace(CFG, reuse_step=False))
-        got = train(pooled, _loader(client, n), dataclasses.replace(CFG, reuse_step=True))
+        want = train(fresh, _loader(client, n), with_(CFG, reuse_step=False))
+        got = train(pooled, _loader(client, n), with_(CFG, reuse_step=True))
         _same(pooled, fresh)
         assert (got.loss, got.accuracy, got.num_examples) == \
             (want.loss, want.accuracy, want.num_examples), client
@@ -102,14 +104,14 @@ def test_pooled_compiled_step_trains_later_clients_like_eager() -> None:
         import torch._inductor
     except ImportError as err:  # pragma: no cover - inductor ships with torch
         pytest.skip(f"torch.compile's inductor backend cannot be imported here: {err}")
-    cfg = dataclasses.replace(CFG, local_epochs=1)
+    cfg = with_(CFG, local_epochs=1)
     for client in range(2):
         eager, pooled = _client_model(client).float(), _client_model(client).float()
         loader = DataLoader(TensorDataset(*(t.float() if t.is_floating_point() else t
                                             for t in _loader(client).dataset.tensors)),
                             batch_size=8)
         want = train(eager, loader, cfg)
-        got = train(pooled, loader, dataclasses.replace(cfg, compile=True, reuse_step=True))
+        got = train(pooled, loader, with_(cfg, compile=True, reuse_step=True))
         for (key, x), y in zip(pooled.state_dict().items(), eager.state_dict().values(),
                                strict=True):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=key)
@@ -120,7 +122,7 @@ def test_pooled_compiled_step_trains_later_clients_like_eager() -> None:
 
 def test_pooled_training_leaves_earlier_clients_models_alone() -> None:
     first, second = _client_model(0), _client_model(1)
-    cfg = dataclasses.replace(CFG, reuse_step=True)
+    cfg = with_(CFG, reuse_step=True)
     train(first, _loader(0), cfg)
     after_first = {k: v.clone() for k, v in first.state_dict().items()}
     train(second, _loader(1), cfg)
@@ -136,9 +138,9 @@ def test_anything_that_shapes_the_step_gets_its_own_entry() -> None:
     others = {
         "terms": model_signature(_client_model(0, omega=(1.0, 2.0, 3.0)), CFG),
         "stride": model_signature(_client_model(0, stride=2), CFG),
-        "lr": model_signature(_client_model(0), dataclasses.replace(CFG, lr=0.01)),
-        "momentum": model_signature(_client_model(0), dataclasses.replace(CFG, momentum=0.5)),
-        "tau": model_signature(_client_model(0), dataclasses.replace(CFG, clip_lr_tau=None)),
+        "lr": model_signature(_client_model(0), with_(CFG, lr=0.01)),
+        "momentum": model_signature(_client_model(0), with_(CFG, momentum=0.5)),
+        "tau": model_signature(_client_model(0), with_(CFG, clip_lr_tau=None)),
         "dtype": model_signature(_client_model(0).float(), CFG),
         "eval mode": model_signature(_client_model(0).eval(), CFG),
     }
@@ -160,7 +162,7 @@ def test_models_with_hooks_or_their_own_forward_are_never_pooled() -> None:
     calls: list[int] = []
     hooked[0].register_forward_hook(lambda *_: calls.append(1))
     assert model_signature(hooked, CFG) is None
-    train(hooked, _loader(0), dataclasses.replace(CFG, reuse_step=True))
+    train(hooked, _loader(0), with_(CFG, reuse_step=True))
     assert len(calls) == 6 and len(STEP_POOL) == 0  # 3 batches x 2 epochs, the hook ran
     patched = _client_model(0)
     patched[2].forward = lambda x: torch.relu(x) * 2
@@ -172,7 +174,7 @@ def test_load_state_makes_a_used_step_train_another_model_as_a_fresh_step() -> N
     1) and the same steps give what a fresh eager step gives client 1; store_state copies the
     result out, and the model the step was built on is not the caller's."""
     batches = [(x, y) for x, y in _loader(1)]
-    used = TrainStep(_client_model(0), dataclasses.replace(CFG, pad_terms=1))
+    used = TrainStep(_client_model(0), with_(CFG, pad_terms=1))
     for x, y in _loader(0):
         used(x, y)
     caller, fresh = _client_model(1), _client_model(1)
@@ -192,9 +194,9 @@ def test_the_fast_path_changes_convolutions_only_when_asked_and_by_name() -> Non
     """TrainStep does not rewrite the model's layers: it refuses convolutions that are not in
     the form the config asks for, and configure_convolutions (what train's fast path calls)
     sets that form explicitly; the plain loop leaves the layers alone."""
-    padded = dataclasses.replace(CFG, pad_terms=8)
-    assert enabled(padded) and enabled(dataclasses.replace(CFG, merge_terms=True))
-    assert not enabled(CFG) and not enabled(dataclasses.replace(CFG, pad_terms=1))
+    padded = with_(CFG, pad_terms=8)
+    assert padded.fast_enabled() and with_(CFG, merge_terms=True).fast_enabled()
+    assert not CFG.fast_enabled() and not with_(CFG, pad_terms=1).fast_enabled()
     model = _client_model(0)
     with pytest.raises(ValueError, match=r"\(pad_terms_to, merge_terms\) = \(8, False\), the "
                                          r"model has \[\(1, False\)\]; call .*"
@@ -215,7 +217,7 @@ def test_pool_keeps_the_most_recently_used_entries() -> None:
     for model in (models[0], models[1], models[0], models[2]):
         with pool.lease(model, CFG) as step:
             step(torch.randn(2, 3, 6, 6, dtype=D), torch.tensor([0, 1]))
-    kept = {e.step.decay.layers[0].omega.numel() for e in pool._entries.values()}
+    kept = {e.step.rules.layers[0].omega.numel() for e in pool._entries.values()}
     assert kept == {1, 3}  # models[1] was the least recently used
     with pytest.raises(ValueError, match=r"StepPool size=0: expected an int >= 1"):
         StepPool(size=0)
@@ -229,7 +231,7 @@ def test_a_new_learning_rate_replaces_the_entry_of_the_same_model() -> None:
     other = _client_model(0, omega=(1.0, 2.0))
     for lr in (0.05, 0.04, 0.03):
         for model in (_client_model(0), other):
-            with pool.lease(model, dataclasses.replace(CFG, lr=lr)) as step:
+            with pool.lease(model, with_(CFG, lr=lr)) as step:
                 step(*batch)
     assert len(pool) == 2
     assert {k[-1][0] for k in pool._entries} == {0.03}
@@ -248,7 +250,7 @@ def test_clients_training_in_threads_at_once_each_get_their_own_result() -> None
     concurrently with the pool equal their fresh trainings."""
     import threading
 
-    cfg = dataclasses.replace(CFG, reuse_step=True)
+    cfg = with_(CFG, reuse_step=True)
     models = [_client_model(c) for c in range(6)]
     errors: list[BaseException] = []
 
@@ -268,7 +270,7 @@ def test_clients_training_in_threads_at_once_each_get_their_own_result() -> None
     assert not errors
     for c, model in enumerate(models):
         fresh = _client_model(c)
-        train(fresh, _loader(c), dataclasses.replace(CFG, reuse_step=False))
+        train(fresh, _loader(c), with_(CFG, reuse_step=False))
         _same(model, fresh)
 
 
@@ -276,27 +278,27 @@ def test_a_failed_training_drops_its_entry_and_leaves_the_model_as_it_was() -> N
     model = _client_model(0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(FloatingPointError, match=r"training loss became"):
-        train(model, _loader(0), dataclasses.replace(CFG, lr=1e12, clip_lr_tau=None,
+        train(model, _loader(0), with_(CFG, lr=1e12, clip_lr_tau=None,
                                                      reuse_step=True))
     assert len(STEP_POOL) == 0
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), key
     # the next client of the same shape starts from a new entry and trains as a fresh step
     fresh, pooled = _client_model(1), _client_model(1)
-    train(fresh, _loader(1), dataclasses.replace(CFG, reuse_step=False))
-    train(pooled, _loader(1), dataclasses.replace(CFG, reuse_step=True))
+    train(fresh, _loader(1), with_(CFG, reuse_step=False))
+    train(pooled, _loader(1), with_(CFG, reuse_step=True))
     _same(pooled, fresh)
 
 
 def test_a_pooled_cuda_graph_still_needs_a_cuda_device() -> None:
     with pytest.raises(ValueError, match=r"cuda_graph=True needs the model on a CUDA device"):
-        train(_client_model(0), _loader(0), dataclasses.replace(CFG, cuda_graph=True))
+        train(_client_model(0), _loader(0), with_(CFG, cuda_graph=True))
     assert len(STEP_POOL) == 0
 
 
 def test_reuse_step_is_validated() -> None:
-    with pytest.raises(ValueError, match=r"TrainConfig.reuse_step='yes': expected True, False"):
-        TrainConfig(reuse_step="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"reuse_step='yes': expected True, False or None"):
+        TrainConfig(fast=FastOptions(reuse_step="yes"))  # type: ignore[arg-type]
 
 
 @pytest.fixture
@@ -327,7 +329,7 @@ def test_every_entry_the_pool_drops_has_its_graphs_released(released: list[Train
 
     first = use(_client_model(0), CFG)
     assert released == []
-    second = use(_client_model(0), dataclasses.replace(CFG, lr=0.01))  # next round's lr
+    second = use(_client_model(0), with_(CFG, lr=0.01))  # next round's lr
     assert released == [first]
     third = use(_client_model(0, omega=(1.0,)), CFG)
     fourth = use(_client_model(0, omega=(1.0, 2.0)), CFG)  # size 2: `second` is evicted
@@ -346,9 +348,9 @@ def test_steps_outside_the_pool_release_their_graphs_too(released: list[TrainSte
         pass
     assert released == [inner]  # the fresh step of the busy entry's second caller
     # a fast option without pooling: train's own fresh TrainStep
-    train(_client_model(2), _loader(2), dataclasses.replace(CFG, reuse_step=False, local_epochs=1,
+    train(_client_model(2), _loader(2), with_(CFG, reuse_step=False, local_epochs=1,
                                                             pad_terms=2))
     assert len(released) == 2 and released[1] is not outer
     # no fast option: the plain loop's eager step, nothing captured, nothing to release
-    train(_client_model(3), _loader(3), dataclasses.replace(CFG, reuse_step=False, local_epochs=1))
+    train(_client_model(3), _loader(3), with_(CFG, reuse_step=False, local_epochs=1))
     assert len(released) == 2

@@ -1,0 +1,293 @@
+"""The paper's client rules (Sec. 3.3), written once for every trainer and every optimizer:
+:class:`ClientRules`.
+
+Around each step of the optimizer that moves the factors ``U``, ``V`` of the sharded layers:
+
+- **Frobenius decay** adds ``∂/∂U γ‖U Ω Vᵀ‖²_F`` to the factors' gradients before the step
+  (it is a term of the loss, so every optimizer sees it as such);
+- the **dense factor step** (``factor_step="dense"``) transforms the factors' gradients before
+  the step (:mod:`fedshard.client.train.precondition`);
+- **ClipLR** scales what the step moved factor column ``i`` by ``min(1, τ/ω_i)``, after the
+  step: a per-term learning-rate scale, so it means the same under SGD, SGD with momentum,
+  Adam, AdamW or RMSprop (an adaptive optimizer divides a scaled *gradient* by its own scaled
+  magnitude, so scaling the gradient would do nothing there).
+
+fedshard's own step attaches the rules to the optimizer it builds (:meth:`ClientRules.attach`);
+:func:`fedshard.client.receive` makes them follow *any* torch optimizer that steps the
+received factors, the one your loop or your framework builds (:meth:`ClientRules.follow`,
+through torch's global optimizer step hooks); the batched engine uses them on its stacked
+factors. :meth:`ClientRules.report` tells what was applied.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+from torch.utils.hooks import RemovableHandle
+
+from fedshard.client.train.hooks import before_step
+from fedshard.client.train.precondition import DAMPING, dense_layer_gradients
+from fedshard.settings import LocalTraining, SettingsError, finite_real
+from fedshard.spectral.layers import SpectralLayer
+
+__all__ = ["ClientRules", "Factors", "RulesReport"]
+
+logger = logging.getLogger(__name__)
+
+
+class Factors(Protocol):
+    """A sharded layer's trainable factors and multipliers, as the rules read them:
+    ``u`` ``(..., rows, n)``, ``v`` ``(..., rows', n)``, ``omega`` ``(..., n)`` (a leading
+    client axis where the batched engine stacks clients). :class:`SpectralLayer` is one."""
+
+    @property
+    def u(self) -> torch.Tensor: ...
+
+    @property
+    def v(self) -> torch.Tensor: ...
+
+    @property
+    def omega(self) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class RulesReport:
+    """What the rules did (:meth:`ClientRules.report`).
+
+    Attributes
+    ----------
+    steps : int
+        Optimizer steps the rules applied to.
+    frobenius_decay, clip_lr_tau, factor_step
+        The rules' settings (γ, τ or ``None``, ``"plain"``/``"dense"``).
+    scaled_columns : int
+        Factor columns (terms, over the layers; over the clients for stacked factors) whose
+        moves ClipLR scales, those with ``ω_i > τ``; 0 when ClipLR is off.
+    columns : int
+        All factor columns.
+    """
+
+    steps: int
+    frobenius_decay: float
+    clip_lr_tau: float | None
+    factor_step: str
+    scaled_columns: int
+    columns: int
+
+
+#: Optimizers fedshard's rules were attached to directly: a followed model's rules leave them
+#: alone (they already apply their own rules), so no rule is applied twice.
+_ATTACHED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
+class ClientRules:
+    """Frobenius decay, the dense factor step and ClipLR on the factors of some layers, for
+    any torch optimizer.
+
+    Parameters
+    ----------
+    layers : sequence of Factors
+        The sharded layers (their ``u``, ``v``, ``omega``); :meth:`of` takes them from a
+        model.
+    frobenius_decay : float
+        γ ≥ 0 (0: none).
+    clip_lr_tau : float or None
+        τ ≥ 1 (``None``: ClipLR off).
+    factor_step : str
+        ``"plain"`` (the paper's) or ``"dense"``.
+    damping : float
+        δ of the dense factor step (:data:`~fedshard.client.train.precondition.DAMPING`).
+
+    Raises
+    ------
+    fedshard.settings.SettingsError
+        (a ``ValueError``) if a setting breaks its rule in :mod:`fedshard.settings`, the same
+        rules the server checks.
+
+    Notes
+    -----
+    Paper, Sec. 3.3. Frobenius decay: with ``G_U = UᵀU``, ``G_V = VᵀV`` the penalty
+    ``γ‖U Ω Vᵀ‖²_F = γ tr(Ω G_U Ω G_V)`` has gradients ``∂/∂U = U (2γ ωωᵀ ⊙ G_V)`` and
+    ``∂/∂V = V (2γ ωωᵀ ⊙ G_U)``, added to the factors' gradients (after ``backward()``,
+    before the step; with several ``backward()`` per step, once per step). ClipLR ("Effective
+    learning rate"): ``∂L/∂U = (∂L/∂Ŵ) V Ω``, so ω_i scales the effective learning rate of
+    term i; the rule bounds it by τ times the nominal rate, scaling column i's move by
+    ``s_i = min(1, τ/ω_i)``: ``u_i ← u_i + s_i (u_i' − u_i)`` with ``u_i'`` the optimizer's
+    result. For SGD with momentum this equals the paper's gradient scaling exactly (the
+    momentum buffer is linear in the gradients and ``s`` is constant within a round: the
+    buffer of scaled gradients is ``s`` times the buffer of unscaled ones); columns with
+    ``s_i = 1`` are left exactly as the optimizer moved them. Everything is read from the
+    layers at each step (ω may be overwritten between steps) and nothing waits for the
+    device, so a captured CUDA graph of the step replays the rules too.
+    """
+
+    def __init__(self, layers: Sequence[Factors], *, frobenius_decay: float = 0.0,
+                 clip_lr_tau: float | None = None, factor_step: str = "plain",
+                 damping: float = DAMPING) -> None:
+        try:  # the server's rules for the same settings
+            LocalTraining(frobenius_decay=frobenius_decay, clip_lr_tau=clip_lr_tau,
+                          factor_step=factor_step)
+        except SettingsError as err:
+            raise SettingsError("ClientRules", err.found, "no rule was attached") from None
+        if not (finite_real(damping) and damping >= 0):
+            raise ValueError(f"ClientRules damping={damping!r}: expected a finite number ≥ 0 "
+                             f"(default {DAMPING}); no rule was attached.")
+        self.layers = list(layers)
+        self.gamma = float(frobenius_decay)
+        self.tau = clip_lr_tau
+        self.dense = factor_step == "dense"
+        self.damping = damping
+        self.steps = 0
+        self._saved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._held: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[Factors]] = \
+            weakref.WeakKeyDictionary()
+
+    @classmethod
+    def of(cls, model: nn.Module, recipe: LocalTraining) -> ClientRules:
+        """The rules of ``recipe`` (γ, τ, factor step) on every
+        :class:`~fedshard.spectral.SpectralLayer` of ``model``."""
+        return cls([m for m in model.modules() if isinstance(m, SpectralLayer)],
+                   frobenius_decay=recipe.frobenius_decay, clip_lr_tau=recipe.clip_lr_tau,
+                   factor_step=recipe.factor_step)
+
+    @property
+    def active(self) -> bool:
+        """Whether there is anything to do (some layer and some rule)."""
+        return bool(self.layers) and (self.gamma != 0 or self.tau is not None or self.dense)
+
+    # ------------------------------------------------------------------ the rule
+    @torch.no_grad()
+    def before_step(self, layers: Iterable[Factors] | None = None) -> None:
+        """Before the optimizer's step: add Frobenius decay's gradient, transform the
+        gradients for the dense factor step, and keep the factors for ClipLR."""
+        self._saved = []
+        for layer in self.layers if layers is None else layers:
+            if self.gamma:
+                self._add_decay(layer)
+            if self.dense:
+                new = dense_layer_gradients(layer, self.damping)  # both read before either is set
+                for factor, grad in zip((layer.u, layer.v), new, strict=True):
+                    if grad is not None:
+                        assert factor.grad is not None
+                        factor.grad.copy_(grad)
+            if self.tau is not None:
+                scale = torch.clamp(self.tau / layer.omega, max=1.0).unsqueeze(-2)  # (..., 1, n)
+                for factor in (layer.u, layer.v):
+                    if factor.grad is not None:
+                        factor.grad.mul_(scale)  # the gradient, as before (next: the move)
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """After the optimizer's step: scale each column's move by ClipLR's ``min(1, τ/ω_i)``
+        (columns it does not scale keep the optimizer's result exactly)."""
+        for factor, old, scale, scaled in self._saved:
+            clipped = torch.lerp(old, factor, scale)  # old + s (new − old)
+            factor.copy_(torch.where(scaled, clipped, factor))
+        self._saved = []
+        self.steps += 1
+
+    def _add_decay(self, layer: Factors) -> None:
+        omega = layer.omega
+        weight = 2.0 * self.gamma * (omega.unsqueeze(-1) * omega.unsqueeze(-2))  # 2γ ωωᵀ
+        gram_u, gram_v = layer.u.mT @ layer.u, layer.v.mT @ layer.v  # (..., n, n) each
+        # U's gradient mixes with V's Gram matrix and vice versa
+        for factor, gram in ((layer.u, gram_v), (layer.v, gram_u)):
+            if factor.grad is None:
+                if not factor.requires_grad:  # frozen: nothing to decay
+                    continue
+                factor.grad = torch.zeros_like(factor)
+            if factor.ndim == 2:
+                factor.grad.addmm_(factor, gram * weight)  # (rows, n) += (rows, n) @ (n, n)
+            else:
+                factor.grad.add_(factor @ (gram * weight))  # stacked: (C, rows, n)
+
+    # ------------------------------------------------------------------ where it runs
+    def attach(self, optimizer: torch.optim.Optimizer) -> list[RemovableHandle]:
+        """Apply the rules around every ``step()`` of ``optimizer`` (its step pre- and
+        post-hooks; ``step(closure)`` is supported, L-BFGS's repeated closures are not).
+
+        Returns the two hook handles (``remove()`` detaches the rules); none when there is
+        nothing to do (:attr:`active`)."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"ClientRules attach to a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}; nothing was attached.")
+        if not self.active:
+            return []
+        _ATTACHED.add(optimizer)
+        pre = optimizer.register_step_pre_hook(before_step(self.before_step))
+        post = optimizer.register_step_post_hook(lambda *_: self.after_step())
+        return [pre, post]
+
+    def follow(self) -> Callable[[], None]:
+        """Apply the rules around every step of any torch optimizer that holds some of the
+        layers' factors (the one a user's loop or a framework builds), except optimizers
+        the rules of fedshard's own step were attached to (:meth:`attach`).
+
+        Uses torch's global optimizer step hooks. They stay registered while this object is
+        alive (keep it, e.g. on the model, as :func:`fedshard.client.receive` does); the
+        returned function removes them now.
+        """
+        if not self.active:
+            return lambda: None
+        ref = weakref.ref(self)
+
+        def pre(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+            rules = ref()
+            if rules is None or optimizer in _ATTACHED:
+                return None
+            held = rules._layers_of(optimizer)
+            if not held:
+                return None
+            return before_step(lambda: rules.before_step(held))(optimizer, args, kwargs)
+
+        def post(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> None:
+            rules = ref()
+            if rules is not None and optimizer not in _ATTACHED and rules._layers_of(optimizer):
+                rules.after_step()
+
+        handles = [register_optimizer_step_pre_hook(pre),
+                   register_optimizer_step_post_hook(post)]
+
+        def remove() -> None:
+            for handle in handles:
+                handle.remove()
+
+        weakref.finalize(self, remove)
+        return remove
+
+    def _layers_of(self, optimizer: torch.optim.Optimizer) -> list[Factors]:
+        """The layers whose factors ``optimizer`` steps (cached per optimizer)."""
+        held = self._held.get(optimizer)
+        if held is None:
+            ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            held = [m for m in self.layers if id(m.u) in ids or id(m.v) in ids]
+            self._held[optimizer] = held
+        return held
+
+    # ------------------------------------------------------------------ what was applied
+    @torch.no_grad()
+    def report(self) -> RulesReport:
+        """What the rules did so far (reads ω: waits for the device once)."""
+        scaled = columns = 0
+        for layer in self.layers:
+            columns += int(layer.omega.numel())
+            if self.tau is not None:
+                scaled += int((layer.omega > self.tau).sum())
+        return RulesReport(self.steps, self.gamma, self.tau,
+                           "dense" if self.dense else "plain", scaled, columns)
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(layers={len(self.layers)}, frobenius_decay={self.gamma}, "
+                f"clip_lr_tau={self.tau}, factor_step={'dense' if self.dense else 'plain'!r})")
