@@ -197,3 +197,30 @@ def test_run_config_keep_ratios_work_in_a_user_project(caplog: pytest.LogCapture
     with caplog.at_level(logging.WARNING):
         ctx.node_config["keep-ratio"] = 0.7  # the node's own wins
         assert keep_ratio_of(ctx) == 0.7
+
+
+def test_a_round_without_an_optimizer_step_says_the_rules_were_not_applied(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A loop that updates the parameters by hand (no torch optimizer) trains without the
+    rules: the reply says ClipLR scaled nothing and the node logs which rules were skipped;
+    with an optimizer the reply counts the terms ClipLR scaled."""
+    msg = message(gamma=0.05, tau=1.0)
+    shard = receive(msg, net())
+    for x, y in batches():
+        shard.model.zero_grad()
+        F.cross_entropy(shard.model(x), y).backward()
+        with torch.no_grad():
+            for p in shard.model.parameters():
+                p -= 0.1 * p.grad
+    caplog.set_level(logging.WARNING, logger="fedshard")
+    reply = shard.reply(num_examples=32)
+    assert reply.content[P.METRICS]["clip-lr-terms"] == 0.0
+    assert "The client rules were not applied this round: Frobenius decay (γ=0.05), ClipLR " \
+           "(τ=1" in caplog.text
+    caplog.clear()
+    stepped = receive(msg, net())
+    plain_loop(stepped.model, 0.1)
+    reply = stepped.reply(num_examples=32)
+    omegas = [msg.content[P.ARRAYS][f"{layer}.omega"].numpy() for layer in ("2", "4")]
+    assert reply.content[P.METRICS]["clip-lr-terms"] == sum(int((w > 1.0).sum()) for w in omegas)
+    assert reply.content[P.METRICS]["clip-lr-terms"] > 0 and "not applied" not in caplog.text

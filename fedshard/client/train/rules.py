@@ -184,7 +184,7 @@ class ClientRules:
                 scale = torch.clamp(self.tau / layer.omega, max=1.0).unsqueeze(-2)  # (..., 1, n)
                 for factor in (layer.u, layer.v):
                     if factor.grad is not None:
-                        factor.grad.mul_(scale)  # the gradient, as before (next: the move)
+                        self._saved.append((factor, factor.detach().clone(), scale, scale < 1))
 
     @torch.no_grad()
     def after_step(self) -> None:

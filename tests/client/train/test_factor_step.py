@@ -255,20 +255,24 @@ def test_a_plain_sgd_loop_after_receive_trains_as_fedshards_loop() -> None:
     assert not torch.allclose(theirs["2.u"], mine["2.u"], rtol=1e-4, atol=1e-6)
 
 
-def _rule_gradient(layer: nn.Module, dense: bool, tau: float = 2.0,
-                   gamma: float = 0.05) -> np.ndarray:
+def _rule_gradient(layer: nn.Module, dense: bool, gamma: float = 0.05) -> np.ndarray:
     """u's gradient as the rules give it to the step (numpy, from ``layer.u.grad``): plus
-    Frobenius decay, the dense transform if asked, then ClipLR's column scale."""
+    Frobenius decay, then the dense transform if asked."""
     u, v, w = (layer.u.detach().numpy(), layer.v.detach().numpy(), layer.omega.numpy())
     g = layer.u.grad.numpy() + 2 * gamma * u @ (np.outer(w, w) * (v.T @ v))
     if dense:
         g = dense_factor_gradient(torch.tensor(g), layer.u, layer.v, layer.omega).numpy()
-    return g * np.minimum(1, tau / w)
+    return g
+
+
+def _clip(layer: nn.Module, tau: float = 2.0) -> np.ndarray:
+    return np.minimum(1, tau / layer.omega.numpy())  # ClipLR's per-column scale of the move
 
 
 def test_adam_steps_with_the_transformed_gradient() -> None:
     """Any optimizer that steps a received shard applies the rules: Adam's step on the
-    followed sub-model equals Adam's step on the gradient the rules give (numpy)."""
+    followed sub-model is Adam's step on the gradient the rules give (numpy: decay, the dense
+    transform), each column's move scaled by ClipLR's min(1, τ/ω_i)."""
     msg = message("dense")
     hooked = receive(msg, net())
     bare = receive(msg, net(), client_rules=False)
@@ -279,11 +283,12 @@ def test_adam_steps_with_the_transformed_gradient() -> None:
     F.cross_entropy(hooked.model(x), y).backward()
     before = hooked.model[2].u.detach().clone()
     opt.step()
+    start = before.clone()
     ref = torch.optim.Adam([before.requires_grad_()], lr=1e-3)
     before.grad = torch.tensor(g)
     ref.step()
-    torch.testing.assert_close(hooked.model[2].u.detach(), before.detach(), rtol=1e-12,
-                               atol=1e-14)
+    want = start + torch.tensor(_clip(bare.model[2])) * (before.detach() - start)
+    torch.testing.assert_close(hooked.model[2].u.detach(), want, rtol=1e-12, atol=1e-14)
     assert hooked.rules.report().steps == 1
 
 
@@ -304,8 +309,8 @@ def test_switched_off_the_step_is_the_papers() -> None:
         moves.append((before - shard.model[2].u.detach(), raw))
     bare = receive(message("plain"), net(), client_rules=False)
     F.cross_entropy(bare.model(x), y).backward()
-    np.testing.assert_allclose(moves[0][0].numpy(), _rule_gradient(bare.model[2], dense=False),
-                               rtol=1e-10, atol=1e-14)
+    paper = _rule_gradient(bare.model[2], dense=False) * _clip(bare.model[2])
+    np.testing.assert_allclose(moves[0][0].numpy(), paper, rtol=1e-10, atol=1e-14)
     np.testing.assert_allclose(moves[1][0].numpy(), moves[1][1].numpy(), rtol=0, atol=1e-15)
     # build_optimizer attaches one set of rules (a pre- and a post-hook) when there is
     # something to do, none when γ = 0, τ = None and the step is the paper's
