@@ -207,8 +207,9 @@ def test_fmnist_table_suite_matches_issue_6() -> None:
             cfg.training.local_epochs, cfg.dataset) == (100, 0.1, 1.0, 2, "fashion-mnist")
     # ClipLR only where the paper uses it; +Scaled only on Top-n and PriSM rows
     for r in suite.runs:
-        assert (r.config.training.clip_lr_tau is not None) == (r.label in ("PriSM + Wallenius + ClipLR", "Unbiased",
-                                                "Collective")), r.name
+        clip_lr = r.config.training.clip_lr_tau is not None
+        assert clip_lr == (r.label in ("PriSM + Wallenius + ClipLR", "Unbiased",
+                                       "Collective")), r.name
         assert r.config.sharding.scaled == r.label.endswith("+ Scaled"), r.name
     # the budget arithmetic stated in the file's comments: ≤ 8 h
     def per_round(r: RunSpec) -> float:
@@ -251,8 +252,9 @@ def test_beyond_suites_match_issue_17() -> None:
         assert run.num_rounds == 100 and cfg["keep-ratios"] == "0.1" and cfg["diagnostics"]
     assert {r.seed for r in main} == {0, 1}
     cosine = [r for r in suite.runs if r.config.sharding.fedavg_cosine]
-    assert {r.config.sharding.method for r in cosine} == {"top-n", "collective", "unbiased", "prism"}
+    methods = {"top-n", "collective", "unbiased", "prism"}
+    assert {r.config.sharding.method for r in cosine} == methods
     assert all(r.num_rounds == 30 and r.seed == 0 for r in cosine)
     pilot = load_suite(ROOT / "experiments" / "beyond-pilot.toml")
-    assert {r.config.sharding.method for r in pilot.runs} == {"top-n", "collective", "unbiased", "prism"}
+    assert {r.config.sharding.method for r in pilot.runs} == methods
     assert all(r.config.sharding.fedavg_cosine and r.num_rounds == 3 for r in pilot.runs)
