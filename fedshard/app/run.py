@@ -9,6 +9,7 @@ The ServerApp is thin: it reads ``context.run_config`` once into a ``RunConfig``
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -16,14 +17,7 @@ from flwr.app import ArrayRecord, ConfigRecord
 from flwr.serverapp import Grid
 from torch import nn
 
-from fedshard.app.callbacks import (
-    CentralEvaluation,
-    Checkpointing,
-    MetricsLog,
-    RoundCallback,
-    RoundCallbacks,
-    TensorBoardLog,
-)
+from fedshard.app.callbacks import Checkpointing, MetricsLog, central_evaluation
 from fedshard.app.checkpoint import RESUME_MAY_CHANGE, Checkpoint
 from fedshard.app.config import RunConfig
 from fedshard.app.results import RunRecorder
@@ -35,7 +29,9 @@ from fedshard.app.task import (
     grid_runtime,
     resolve_device,
 )
-from fedshard.server.strategy import NoRoundTrainedError, SpectralSharding
+from fedshard.server.callbacks import NoRoundTrainedError, RoundCallback
+from fedshard.server.side_jobs import TensorBoardLog
+from fedshard.server.strategy import SpectralSharding
 from fedshard.spectral import sharded_layer_names
 from fedshard.spectral.truncation import truncate_
 
@@ -124,8 +120,9 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
     recorder = RunRecorder(directory, cfg.as_dict(), cfg.num_server_rounds,
                            resume_round=done if checkpoint is not None else None,
                            overwrite=cfg.overwrite)
-    after_each_round = RoundCallbacks(strategy, side_jobs(cfg, model, strategy, recorder,
-                                                          device=device))
+    strategy.callbacks.extend(side_jobs(cfg, model, strategy.sharded_layers, recorder,
+                                        device=device))
+    untrained: NoRoundTrainedError | None = None
     try:
         result = strategy.start(
             grid=grid,
@@ -134,25 +131,19 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
             timeout=cfg.round_timeout,
             # where this ServerApp runs, so that a deployed node that looks simulated is warned
             train_config=ConfigRecord({RUNTIME_KEY: runtime} if runtime else {}),
-            evaluate_fn=after_each_round,
         )
     except NoRoundTrainedError as err:  # the files are written first; raised again below
-        result = err.result
-    finally:
-        after_each_round.end()
+        if err.result is None:
+            raise
+        result, untrained = err.result, err
     # Flower's Result holds no arrays when no round produced an update, and then the model
     # is still the one the rounds started from.
     final = result.arrays if len(result.arrays) > 0 else initial
     summary = recorder.finish(final.to_torch_state_dict(),
                               {"sharding": _savings(cfg, model, strategy, recorder.rows)})
-    if strategy.rounds_trained == 0:
-        raise RuntimeError(
-            f"No round trained: none of the {cfg.num_server_rounds - done} round(s) of run "
-            f"{directory} got a usable training reply, so the saved model is the initial one "
-            "(results were written). Check the replies-dropped/dropped-<reason>/"
-            "replies-missing metrics in metrics.jsonl and the server log: nodes without a "
-            "keep ratio, error replies from the ClientApp, round-timeout too short, or replies "
-            "refused by max-update-ratio/max-num-examples.")
+    if untrained is not None:
+        raise NoRoundTrainedError(f"{untrained} The run's results (the initial model among "
+                                  f"them) were written to {directory}.", result) from None
     return summary
 
 
@@ -173,16 +164,15 @@ def _savings(cfg: RunConfig, model: nn.Module, strategy: SpectralSharding,
     return savings
 
 
-def side_jobs(cfg: RunConfig, model: nn.Module, strategy: SpectralSharding,
+def side_jobs(cfg: RunConfig, model: nn.Module, sharded_layers: Sequence[str],
               recorder: RunRecorder, *, device: str = "cpu") -> list[RoundCallback]:
-    """What runs after every round, in order: central evaluation on the test set (``model``
-    is loaded with each evaluated round), the round's row in ``metrics.jsonl``, TensorBoard
-    (with ``tensorboard``), and the checkpoint, written once the round is recorded."""
-    jobs: list[RoundCallback] = [
-        CentralEvaluation.for_run(cfg, model, strategy.sharded_layers, device=device),
-        MetricsLog(recorder),
-    ]
+    """What runs after every round, after the strategy's own checks, in order: central
+    evaluation on the test set (``model`` is loaded with each evaluated round), the round's
+    row in ``metrics.jsonl``, TensorBoard (with ``tensorboard``), and the checkpoint, written
+    once the round is recorded."""
+    jobs: list[RoundCallback] = [central_evaluation(cfg, model, sharded_layers, device=device),
+                                 MetricsLog(recorder)]
     if cfg.tensorboard:
         jobs.append(TensorBoardLog(cfg.results_path / "tensorboard"))
-    jobs.append(Checkpointing(cfg.results_path, cfg.as_dict(), strategy))
+    jobs.append(Checkpointing(cfg.results_path, cfg.as_dict()))
     return jobs

@@ -10,12 +10,27 @@
 - :mod:`~fedshard.server.schedule` - the learning-rate schedule over rounds (cosine).
 - :mod:`~fedshard.server.metrics` - per-round metrics, client-metric aggregation, TensorBoard.
 - :mod:`~fedshard.server.fedavg_cosine` - the paper's post-gradient analysis (Sec. 4.4).
+- :mod:`~fedshard.server.callbacks` - what a run does around its rounds (:class:`RoundCallback`:
+  the strategy's own checks and stops, yours); :mod:`~fedshard.server.side_jobs` - central
+  evaluation and TensorBoard as callbacks.
 - :mod:`~fedshard.server.privacy` - Flower's DP wrappers refused (they assume dense replies).
 """
 
+from fedshard.server.callbacks import (
+    NO_TRAINING_PATIENCE,
+    CompoundingMultipliers,
+    ConfigPrecedence,
+    RoundCallback,
+    SingleNodeGroups,
+    StopOnDivergence,
+    StopRun,
+    StopWhenUntrained,
+    default_callbacks,
+)
 from fedshard.server.metrics import mean_client_metrics
 from fedshard.server.nodes import load_keep_ratio_table
 from fedshard.server.schedule import cosine_lr
+from fedshard.server.side_jobs import CentralEvaluation, TensorBoardLog
 from fedshard.server.strategy import (
     SHARDING_METHODS,
     NoRoundTrainedError,
@@ -26,11 +41,22 @@ from fedshard.settings import LR_SCHEDULES
 
 __all__ = [
     "LR_SCHEDULES",
+    "NO_TRAINING_PATIENCE",
     "SHARDING_METHODS",
+    "CentralEvaluation",
+    "CompoundingMultipliers",
+    "ConfigPrecedence",
     "NoRoundTrainedError",
+    "RoundCallback",
+    "SingleNodeGroups",
     "SpectralSharding",
+    "StopOnDivergence",
+    "StopRun",
+    "StopWhenUntrained",
+    "TensorBoardLog",
     "TrainingDivergedError",
     "cosine_lr",
+    "default_callbacks",
     "load_keep_ratio_table",
     "mean_client_metrics",
 ]

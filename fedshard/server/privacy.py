@@ -7,23 +7,28 @@ and noises ``reply − global`` array by array (the factor arrays of a shard hav
 than the global weights: a broadcast error), the client-side one needs ``fixedclipping_mod`` on
 the ClientApp, which rejects fedshard's capability ``query``; ``LocalDpMod`` requires the reply
 to carry the keys that were sent (a shard reply leaves ω out) and errors. They fail only after
-some rounds or silently protect nothing, so the wrappers are refused at the first call.
+some rounds or silently protect nothing, so they are refused before round 1.
 
-A wrapper is recognized by what it is, not by who called: an object of another strategy class
-that holds this one in its ``strategy`` attribute (:func:`wrappers_of`). The strategy checks
-this when one of its training hooks is called from outside its own ``start``.
+How: SpectralSharding runs under its own ``start()`` or by direct calls of its hooks (your own
+loop, a test). Every Flower strategy's ``start()`` calls the strategy's ``summary()`` before
+round 1, a wrapper's ``start()`` its wrapped strategy's too; SpectralSharding's ``summary()``
+outside its own ``start()`` marks it as driven by another strategy, and its training hooks then
+refuse (:func:`refuse_foreign_driver`). A client-side DP wrapper is also recognized by what it
+puts in the round config (``clipping_norm``), however its hooks are reached.
 """
 
 from __future__ import annotations
 
-import gc
+from collections.abc import Mapping
+from typing import Any
 
-from flwr.serverapp.strategy import Strategy
+__all__ = ["DP_CONFIG_KEYS", "WRAPPED_MESSAGE", "refuse_foreign_driver"]
 
-__all__ = ["WRAPPED_MESSAGE", "refuse_wrappers", "wrappers_of"]
+#: Round-config keys that Flower's client-side DP wrappers add before calling the strategy.
+DP_CONFIG_KEYS = ("clipping_norm",)
 
 WRAPPED_MESSAGE = (
-    "SpectralSharding is being driven by another strategy ({wrapper}); Flower's "
+    "SpectralSharding is being driven by another strategy ({driver}); Flower's "
     "differential-privacy wrappers (DifferentialPrivacy{{Server,Client}}Side{{Fixed,Adaptive}}"
     "Clipping) and other meta-strategies assume dense replies of the global model's shapes and "
     "cannot clip or noise per-term factor shards. The run is stopped before round 1. fedshard "
@@ -34,33 +39,19 @@ WRAPPED_MESSAGE = (
 )
 
 
-def wrappers_of(strategy: Strategy) -> list[Strategy]:
-    """The other strategies that hold ``strategy`` as the one they drive.
-
-    Flower's DP wrappers (and its other meta-strategies) keep the wrapped strategy in their
-    ``strategy`` attribute and call its hooks from their own ``start``; this finds such an
-    object by that reference (the objects whose attributes refer to ``strategy``, through
-    :func:`gc.get_referrers`), whoever called.
-    """
-    found: list[Strategy] = []
-    for holder in gc.get_referrers(strategy):
-        if isinstance(holder, Strategy):  # an object whose attribute values are held inline
-            if holder is not strategy and vars(holder).get("strategy") is strategy:
-                found.append(holder)
-        elif isinstance(holder, dict) and holder.get("strategy") is strategy:  # a __dict__
-            found.extend(owner for owner in gc.get_referrers(holder)
-                         if isinstance(owner, Strategy) and owner is not strategy
-                         and vars(owner) is holder and owner not in found)
-    return found
-
-
-def refuse_wrappers(strategy: Strategy) -> None:
-    """Raise ``RuntimeError`` if another :class:`~flwr.serverapp.strategy.Strategy` holds
-    ``strategy`` to drive it (:func:`wrappers_of`), as Flower's DP wrappers do.
+def refuse_foreign_driver(foreign_start: bool, config: Mapping[str, Any]) -> None:
+    """Raise ``RuntimeError`` (:data:`WRAPPED_MESSAGE`) if another strategy's ``start()``
+    drives this one (``foreign_start``: its ``summary()`` was called outside its own
+    ``start()``) or the round config carries a client-side DP wrapper's keys.
 
     Plain use (``strategy.start()``, a test or a user's loop calling the hooks, a subclass
     with its own ``start``) passes.
     """
-    wrappers = wrappers_of(strategy)
-    if wrappers:
-        raise RuntimeError(WRAPPED_MESSAGE.format(wrapper=type(wrappers[0]).__name__))
+    dp_keys = [k for k in DP_CONFIG_KEYS if k in config]
+    if dp_keys:
+        raise RuntimeError(WRAPPED_MESSAGE.format(
+            driver=f"a client-side DP wrapper: the round config carries {', '.join(dp_keys)}"))
+    if foreign_start:
+        raise RuntimeError(WRAPPED_MESSAGE.format(
+            driver="its start() called SpectralSharding.summary() from outside "
+                   "SpectralSharding.start()"))

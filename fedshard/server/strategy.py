@@ -1,16 +1,15 @@
 """``SpectralSharding``, the Flower strategy: thin hooks over :mod:`fedshard.server.nodes`,
-:mod:`fedshard.server.rounds` (plan, protocol, aggregate) and :mod:`fedshard.server.schedule`."""
+:mod:`fedshard.server.rounds` (plan, protocol, aggregate) and :mod:`fedshard.server.schedule`;
+what a run does around its rounds is :mod:`fedshard.server.callbacks`."""
 
 from __future__ import annotations
 
 import inspect
-from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import fields
-from logging import ERROR, INFO, WARNING
+from logging import INFO, WARNING
 from typing import Any
 
-import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
@@ -19,10 +18,17 @@ from flwr.serverapp.strategy import FedAvg, Result
 
 from fedshard import protocol as P
 from fedshard.sampling import SHARDING_METHODS
+from fedshard.server import callbacks as cb
 from fedshard.server import rounds
+from fedshard.server.callbacks import (
+    NO_TRAINING_PATIENCE,
+    NoRoundTrainedError,
+    RoundCallback,
+    TrainingDivergedError,
+)
 from fedshard.server.metrics import mean_client_metrics
 from fedshard.server.nodes import NodeDirectory
-from fedshard.server.privacy import refuse_wrappers
+from fedshard.server.privacy import refuse_foreign_driver
 from fedshard.server.schedule import round_recipe, schedule_length
 from fedshard.settings import (
     CONCERNS,
@@ -38,30 +44,6 @@ from fedshard.spectral import multipliers_can_compound, sharded_layer_names
 
 __all__ = ["NO_TRAINING_PATIENCE", "SHARDING_METHODS", "NoRoundTrainedError", "SpectralSharding",
            "TrainingDivergedError"]
-
-#: When the run's number of rounds is unknown (no ``num_rounds`` given to the constructor, and
-#: ``start()`` overridden without calling this strategy's), the run is stopped with a
-#: ``RuntimeError`` once this many configured rounds in a row, from the first, trained nothing.
-NO_TRAINING_PATIENCE = 3
-
-#: Collective's multipliers need C ≥ 2 nodes per keep-ratio group: with C = 1 Theorem 2 gives
-#: ω = 1 and the n largest terms (Top-n). The annealed Collective is the same on λ^γ.
-_GROUP_SIZE_METHODS = ("collective", "anneal-collective")
-
-
-class NoRoundTrainedError(RuntimeError):
-    """No round of the run changed the model; ``result`` is what ``start()`` would have
-    returned (its ``arrays`` are the initial ones), for an app that writes its files first."""
-
-    def __init__(self, message: str, result: Result) -> None:
-        super().__init__(message)
-        self.result = result
-
-
-class TrainingDivergedError(RuntimeError):
-    """More than :attr:`~fedshard.settings.ReplyPolicy.max_diverged_fraction` of a round's
-    replies reported that training diverged: the run stops after that round (the global model
-    is the previous round's), whoever wrote ``start()``."""
 
 
 class SpectralSharding(FedAvg):
@@ -107,6 +89,12 @@ class SpectralSharding(FedAvg):
     train_metrics_aggr_fn, evaluate_metrics_aggr_fn : callable, optional
         As in ``FedAvg``; default: every numeric client metric's weighted mean. Only these go
         to Flower; the server's statistics are logged and kept with them in :attr:`history`.
+    callbacks : sequence of RoundCallback, optional
+        What the run does around its rounds, in order
+        (:class:`~fedshard.server.callbacks.RoundCallback`: warnings, stops, evaluation,
+        files, ...); default :func:`~fedshard.server.callbacks.default_callbacks`, the
+        strategy's own checks. Add yours to those (``[*default_callbacks(), mine]``) or to
+        :attr:`callbacks` before ``start``.
 
     Raises
     ------
@@ -131,19 +119,22 @@ class SpectralSharding(FedAvg):
     (``server-round``, ``keep-ratio``, ``train-seed``, ``method``) are always the strategy's.
     Your other keys travel unchanged.
 
-    **Nothing depends on** :meth:`start`. The schedule's length, the round counter and the
-    end-of-run check live in ``configure_train``/``aggregate_train``, which every Flower
-    ``start()`` calls: when the last round (``num_rounds``) is aggregated and no round trained,
-    or, with ``num_rounds`` unknown, after :data:`NO_TRAINING_PATIENCE` untrained rounds from
-    the first, ``aggregate_train`` raises ``RuntimeError`` (this strategy's own ``start()``
-    finishes the rounds and then raises :class:`NoRoundTrainedError`, which carries the
-    result). Not with ``fraction_train=0`` (no training asked for).
+    **The run's checks are callbacks** (:mod:`fedshard.server.callbacks`), called from the
+    training hooks, so they hold whoever drives the hooks: the end-of-run check
+    (:class:`~fedshard.server.callbacks.StopWhenUntrained`: a run that trained nothing ends
+    with :class:`NoRoundTrainedError`; under this strategy's own ``start()`` after the last
+    round, carrying the result), the divergence stop (:class:`TrainingDivergedError`), and
+    the warnings about the round config, keep-ratio groups of one node and compounding
+    multipliers. ``start()`` only records the schedule's length and hands Flower's
+    ``evaluate_fn`` the callbacks' :meth:`~fedshard.server.callbacks.RoundCallback.on_round`.
 
     The client contract (record keys, shapes, ω, what must come back) is the docstring of
     :mod:`fedshard.protocol`. Every reply is checked (:func:`fedshard.protocol.check_train_reply`);
     a bad one is dropped or clipped with a logged reason, counted in the round's metrics.
-    Flower's differential-privacy wrappers cannot drive this strategy
-    (:mod:`fedshard.server.privacy`); they are refused before round 1.
+    Flower's differential-privacy wrappers and other meta-strategies cannot drive this
+    strategy (:mod:`fedshard.server.privacy`): another strategy's ``start()`` (which calls this
+    one's :meth:`summary`, as every Flower strategy's ``start`` does) and a client-side DP
+    wrapper's round config are refused before round 1.
 
     Examples
     --------
@@ -171,6 +162,7 @@ class SpectralSharding(FedAvg):
         min_available_nodes: int = 2,
         train_metrics_aggr_fn: rounds.MetricsAggrFn | None = None,
         evaluate_metrics_aggr_fn: rounds.MetricsAggrFn | None = None,
+        callbacks: Sequence[RoundCallback] | None = None,
     ) -> None:
         super().__init__(
             fraction_train=fraction_train, fraction_evaluate=fraction_evaluate,
@@ -193,29 +185,38 @@ class SpectralSharding(FedAvg):
         if len(set(sharded_layers)) != len(sharded_layers):
             problems.append(Problem((("sharded_layers", list(sharded_layers)),),
                                     "expected distinct names"))
+        if callbacks is not None and not all(isinstance(c, RoundCallback) for c in callbacks):
+            problems.append(Problem((("callbacks", list(callbacks)),),
+                                    "expected RoundCallback objects (fedshard.server.callbacks)"))
         if problems:
             raise SettingsError("SpectralSharding arguments", problems)
         self.sharded_layers = tuple(sharded_layers) if self.sharding.method != "none" else ()
         # num_rounds: the schedule's length, the constructor's, or set by start() (see start).
         self.num_rounds, self._given_rounds = num_rounds, num_rounds
-        # The schedule's base lr (a round's config may set its own lr: see Notes).
-        self.base_lr = self.training.base_lr
         self.seed, self.device = seed, device
         self.nodes = NodeDirectory(seed=seed, min_available_nodes=min_available_nodes,
                                    policy=node_policy, sharded=self.sharding.method != "none")
+        self.callbacks: list[RoundCallback] = (list(callbacks) if callbacks is not None
+                                               else cb.default_callbacks())
         self.rounds_trained = 0  # rounds whose aggregate replaced the global model
         # server_round -> the round's metrics (server statistics and client aggregates).
         self.history: dict[int, dict[str, float]] = {}
         # Rounds already completed before this start() (a resumed run): Flower's round r is
         # this run's round r + round_offset, for the schedule, the random streams and history.
         self.round_offset = 0
+        self.current_arrays: ArrayRecord | None = None  # the global model of the last round
+        # set by from_model: the model has no normalization layer (CompoundingMultipliers)
+        self.unnormalized = False
+        self.in_own_start = False  # inside this strategy's start() (see StopWhenUntrained)
         self._round: rounds.RoundState | None = None
         self._configured: int | None = None  # the last round configure_train was called for
-        self._starting = False  # inside this strategy's own start() (see configure_train)
-        self._untrained_streak = 0  # aggregated rounds in a row that trained nothing
-        self._told: set[str] = set()  # one-time warnings already logged
-        # set by from_model: the model has no normalization layer (see _warn_compounding)
-        self._unnormalized = False
+        self._foreign_start = False  # summary() was called by another strategy's start()
+        self._told_schedule = False  # the missing-schedule warning was logged
+
+    @property
+    def base_lr(self) -> float:
+        """The schedule's base lr (``training.lr``, or the default 0.05)."""
+        return self.training.base_lr
 
     @property
     def capabilities(self) -> dict[int, P.Capabilities]:
@@ -236,9 +237,10 @@ class SpectralSharding(FedAvg):
         (``method="top-n"``, ``lr=0.01``, ...), routed to its object (on top of one given as
         ``sharding=...`` etc.). An unknown name raises ``TypeError``.
 
-        Remembers whether the model has a normalization layer: without one, the first round
-        whose multipliers exceed 1 (Unbiased, PriSM + Wallenius, Collective with ≥ 2 nodes of
-        a keep ratio < 1) logs a WARNING that ω can compound from layer to layer.
+        Remembers whether the model has a normalization layer (:attr:`unnormalized`): without
+        one, the first round whose multipliers exceed 1 (Unbiased, PriSM + Wallenius,
+        Collective with ≥ 2 nodes of a keep ratio < 1) logs a WARNING that ω can compound
+        from layer to layer (:class:`~fedshard.server.callbacks.CompoundingMultipliers`).
         """
         known = set(inspect.signature(cls).parameters) - {"sharded_layers"}
         kwargs = group_settings(options)
@@ -252,8 +254,7 @@ class SpectralSharding(FedAvg):
         layers = sharded_layer_names(model, example_input=example_input)
         method = getattr(kwargs.get("sharding"), "method", Sharding.method)
         strategy = cls(sharded_layers=layers, **kwargs)
-        # the keep ratios are known at the first round: the warning waits for them
-        strategy._unnormalized = multipliers_can_compound(model, method, layers)
+        strategy.unnormalized = multipliers_can_compound(model, method, layers)
         return strategy
 
     def resume(self, completed_rounds: int, capabilities: dict[int, tuple[float, str]],
@@ -275,15 +276,21 @@ class SpectralSharding(FedAvg):
         return {n: (c.keep_ratio, c.key) for n, c in self.capabilities.items()}  # checkpoints
 
     def summary(self) -> None:
-        """Log the configuration."""
+        """Log the configuration (Flower's ``start()`` calls it before round 1). Called outside
+        this strategy's own :meth:`start` (by a DP wrapper's or a meta-strategy's ``start``,
+        or by you), it marks this strategy as driven by another one: its training hooks then
+        refuse to run until its own ``start()`` (:func:`fedshard.server.privacy.
+        refuse_foreign_driver`). To log the configuration and drive the hooks yourself, call
+        ``summary()`` after them."""
+        if not self.in_own_start:
+            self._foreign_start = True
         t, sh = self.training, self.sharding
         log(INFO, "\t├──> SpectralSharding: method=%s design=%s scaled=%s", sh.method,
             sh.design, sh.scaled)
         log(INFO, "\t│\t├── sharded layers (%d): %s", len(self.sharded_layers),
             ", ".join(self.sharded_layers))
-        rounds = self._schedule_rounds(warn=False)
-        schedule = (f"{t.lr_schedule} over {rounds} rounds" if rounds is not None
-                    or t.lr_schedule == "constant" else
+        schedule = (f"{t.lr_schedule} over {self.num_rounds} rounds"
+                    if self.num_rounds is not None or t.lr_schedule == "constant" else
                     "constant: the cosine schedule needs num_rounds")
         log(INFO, "\t│\t└── lr=%g (%s; a round's config may set its own), local epochs=%d, "
             "batch=%d, momentum=%g, FD=%g, ClipLR τ=%s (the nodes' receive() applies both)",
@@ -296,80 +303,58 @@ class SpectralSharding(FedAvg):
               evaluate_config: ConfigRecord | None = None,
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
               ) -> Result:
-        """Flower's ``start``; ``num_rounds`` (after resumed rounds) sets the schedule too.
+        """Flower's ``start``; ``num_rounds`` (after resumed rounds) sets the schedule too, and
+        after every round the callbacks' :meth:`~RoundCallback.on_round` run (after your
+        ``evaluate_fn``, whose metrics they see), then their ``on_end``.
 
         Raises
         ------
-        NoRoundTrainedError
-            (a ``RuntimeError``, also logged as an ERROR) after the last round if no round
-            changed the model; its ``result`` is the run's.
+        StopRun
+            What a callback raised to stop the run; by default :class:`NoRoundTrainedError`
+            (also logged as an ERROR) after the last round if no round changed the model
+            (its ``result`` is the run's) and :class:`TrainingDivergedError`.
         """
         self.num_rounds = schedule_length(self._given_rounds, num_rounds, self.round_offset)
-        self._starting = True
+        self.in_own_start, self._foreign_start = True, False
+        result: Result | None = None
         try:
             result = super().start(grid, initial_arrays, self.num_rounds - self.round_offset,
-                                   timeout, train_config, evaluate_config, evaluate_fn)
+                                   timeout, train_config, evaluate_config,
+                                   self.after_round_fn(evaluate_fn))
         finally:
-            self._starting = False
-        if self.rounds_trained == 0 and self.fraction_train > 0:
-            log(ERROR, rounds.NO_ROUND_TRAINED)
-            raise NoRoundTrainedError(self._untrained_message(self.num_rounds), result)
+            self.in_own_start = False
+            cb.run_end(self.callbacks, self, result)
         return result
 
-    def _schedule_rounds(self, warn: bool = True) -> int | None:
-        """The schedule's length: :meth:`start`'s, else the constructor's, else ``None`` (one
-        WARNING when the cosine schedule then falls back to the base lr)."""
-        if self.num_rounds is None and self._given_rounds is not None:
-            self.num_rounds = self._given_rounds
-        if self.num_rounds is None and warn and self.training.lr_schedule == "cosine":
-            self._once("rounds", WARNING, "The cosine lr schedule needs num_rounds, and none "
-                       "is known (this strategy's start() was not called, and "
-                       "SpectralSharding(num_rounds=...) was not given): every round's lr is "
-                       "the base lr=%g. Give num_rounds to the constructor for the cosine "
-                       "schedule.", self.base_lr)
-        return self.num_rounds
+    def after_round_fn(
+        self, evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Callable[[int, ArrayRecord], MetricRecord | None]:
+        """What :meth:`start` gives Flower as ``evaluate_fn``: yours (if any), then the
+        callbacks' :meth:`~RoundCallback.on_round` on the run's round (a resumed run's Flower
+        round 0, the checkpoint's model, is not a round); returns to Flower your metrics and
+        those the callbacks added."""
 
-    def _once(self, key: str, level: int, msg: str, *args: Any) -> None:
-        if key not in self._told:
-            self._told.add(key)
-            log(level, msg, *args)
+        def after_round(flower_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+            if flower_round == 0 and self.round_offset > 0:
+                return None
+            server_round = flower_round + self.round_offset
+            record = evaluate_fn(flower_round, arrays) if evaluate_fn is not None else None
+            yours = {k: float(v) for k, v in (record or {}).items()
+                     if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            row = {**self.history.get(server_round, {}), **yours}
+            added = cb.run_round(self.callbacks, self, server_round, arrays, row)
+            out: dict[str, Any] = {**yours, **added}
+            return MetricRecord(out) if out else None
 
-    def _untrained_message(self, rounds_run: int) -> str:
-        return (f"No round trained: none of the {rounds_run} round(s) so far got a usable "
-                "training reply, the model is the initial one. Check the server log above: "
-                "nodes that declare no keep ratio (ShardingClientApp(keep_ratios=...) or "
-                "keep-ratio in the node/run config), error replies from the ClientApp, a "
-                "timeout too short, replies refused by the reply bounds (dropped-<reason> in "
-                "strategy.history).")
-
-    def _check_progress(self, server_round: int, trained: bool) -> None:
-        """The end-of-run check (see the class Notes), run by every ``aggregate_train``."""
-        self._untrained_streak = 0 if trained else self._untrained_streak + 1
-        if self.rounds_trained > 0 or self.fraction_train == 0.0 or self._starting:
-            return  # this strategy's own start() checks after the last round's side jobs
-        last = self._schedule_rounds(warn=False)
-        if last is not None and server_round >= last:
-            log(ERROR, rounds.NO_ROUND_TRAINED)
-            raise RuntimeError(self._untrained_message(server_round - self.round_offset)
-                               + " The run stops here.")
-        if last is None and self._untrained_streak >= NO_TRAINING_PATIENCE:
-            log(ERROR, rounds.NO_ROUND_TRAINED)
-            raise RuntimeError(
-                self._untrained_message(self._untrained_streak) + f" The number of rounds is "
-                f"unknown, so the run stops after {NO_TRAINING_PATIENCE} untrained rounds.")
+        return after_round
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Sample nodes, shard every sharded layer per keep-ratio group, one message per node.
-
-        Called from outside this strategy's own :meth:`start` (a test, a user's loop, a
-        meta-strategy), it first refuses to be driven by a strategy that holds it, as
-        Flower's DP wrappers do (:func:`fedshard.server.privacy.refuse_wrappers`)."""
-        if not self._starting:  # driven from outside: a plain call, or another strategy
-            refuse_wrappers(self)
+        """Sample nodes, shard every sharded layer per keep-ratio group, one message per node."""
+        refuse_foreign_driver(self._foreign_start, config)
         server_round += self.round_offset
-        self._round, self._configured = None, server_round
+        self._round, self._configured, self.current_arrays = None, server_round, arrays
         if self.fraction_train == 0.0:
             return []
         nodes = self.nodes.sample(grid, server_round, self.fraction_train, self.min_train_nodes)
@@ -377,64 +362,24 @@ class SpectralSharding(FedAvg):
             log(WARNING, "Round %d: no connected node declared a keep ratio; no training.",
                 server_round)
             return []
-        training, lr, mine = round_recipe(self.training, config, server_round,
-                                          self._schedule_rounds(warn=P.LR not in config))
-        self._tell_precedence(config, mine, lr)
-        self._warn_single_node_groups(server_round, nodes)
+        if self.num_rounds is None and self.training.lr_schedule == "cosine" \
+                and P.LR not in config:
+            self._warn_no_schedule()
+        training, lr, _ = round_recipe(self.training, config, server_round, self.num_rounds)
         messages, self._round = rounds.shard_round(
             server_round, arrays, self.sharded_layers, nodes, config, sharding=self.sharding,
             training=training, lr=lr, replies=self.replies, seed=self.seed,
             device=self.device)
-        self._warn_compounding(messages)
+        cb.run_configure(self.callbacks, self, server_round, config, messages)
         return messages
 
-    def _tell_precedence(self, config: ConfigRecord, mine: list[str], lr: float) -> None:
-        """Say once which of the user's config entries are sent as they are, and which are
-        replaced (the per-node keys)."""
-        replaced = sorted(k for k in P.NODE_KEYS if k in config and k != "server-round")
-        if replaced:
-            self._once("node-keys", WARNING, "The config sets %s: these are per node and "
-                       "always the strategy's; the values given are replaced.",
-                       ", ".join(replaced))
-        if P.LR in mine and self.training.lr is not None:
-            self._once("lr", WARNING, "config['lr']=%g is sent to the nodes as is: the "
-                       "round's config wins over the strategy's lr=%g and its %s schedule, "
-                       "which apply only to rounds whose config sets no lr.", lr,
-                       self.training.lr, self.training.lr_schedule)
-        elif mine:
-            self._once("mine", INFO, "The round's config sets %s: sent to the nodes as is "
-                       "(the strategy's values apply where it sets none).", ", ".join(mine))
-
-    def _warn_single_node_groups(self, server_round: int,
-                                 nodes: dict[int, P.Capabilities]) -> None:
-        """Collective's ω = C/(1+π(C−1)) needs C ≥ 2 nodes per keep-ratio group: a group of one
-        node gets the n largest terms with ω = 1, i.e. Top-n (Unbiased's ω = 1/π does not
-        depend on C: one node per group is still unbiased, with more variance)."""
-        if self.sharding.method not in _GROUP_SIZE_METHODS or not self.sharded_layers:
-            return
-        sizes = Counter(c.keep_ratio for c in nodes.values())
-        alone = sorted(r for r, c in sizes.items() if c == 1 and r < 1.0)
-        if alone:
-            log(WARNING, "Round %d: keep-ratio group(s) r=%s have a single sampled node: "
-                "with C = 1, method=%s gives that node the n largest terms with ω = 1 (Top-n); "
-                "the other terms are not trained by it. Let nodes share keep ratios, or sample "
-                "more nodes (fraction_train / min_train_nodes) so that every group has ≥ 2.",
-                server_round, ", ".join(f"{r:g}" for r in alone), self.sharding.method)
-
-    def _warn_compounding(self, messages: list[Message]) -> None:
-        """Once, at the first round whose multipliers exceed 1 in a model without a
-        normalization layer (:meth:`from_model`)."""
-        if not self._unnormalized or "compound" in self._told:
-            return
-        top = max((float(np.max(P.decode_array(a))) for m in messages
-                   for k, a in m.content.array_records[P.ARRAYS].items()
-                   if k.endswith(".omega")),
-                  default=1.0)
-        if top > 1.0 + 1e-6:  # ω = 1 (Top-n, PriSM, r = 1, C = 1) cannot compound
-            self._once("compound", WARNING, "The model has no normalization layer: with "
-                       "method=%r the multipliers ω (up to %.3g this round) scale every sharded "
-                       "layer's output and can compound from layer to layer (the paper's models "
-                       "all normalize).", self.sharding.method, top)
+    def _warn_no_schedule(self) -> None:
+        if not self._told_schedule:
+            self._told_schedule = True
+            log(WARNING, "The cosine lr schedule needs num_rounds, and none is known (this "
+                "strategy's start() was not called, and SpectralSharding(num_rounds=...) was "
+                "not given): every round's lr is the base lr=%g. Give num_rounds to the "
+                "constructor for the cosine schedule.", self.base_lr)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -447,7 +392,7 @@ class SpectralSharding(FedAvg):
                 "for it; the last configured round is %s); no reply is aggregated and the "
                 "global model is kept.", server_round, self._configured)
         if state is None or state.server_round != server_round:
-            self._check_progress(server_round, trained=False)
+            cb.run_aggregate(self.callbacks, self, server_round, {}, None)  # an untrained round
             return None, None
         sent_lrs = {m.content[P.CONFIG].get(P.LR) for m in state.messages}  # as sent, after
         new_arrays, client, metrics = state.finish(replies, self.train_metrics_aggr_fn,
@@ -459,34 +404,8 @@ class SpectralSharding(FedAvg):
             self.rounds_trained += 1
         metrics["rounds-trained"] = float(self.rounds_trained)
         self.history[server_round] = metrics
-        self._check_divergence(server_round, metrics, state)
-        self._check_progress(server_round, trained=new_arrays is not None)
+        cb.run_aggregate(self.callbacks, self, server_round, metrics, state)
         return new_arrays, client
-
-    def _check_divergence(self, server_round: int, metrics: dict[str, float],
-                          state: rounds.RoundState) -> None:
-        """Stop the run when most nodes' training diverged (NaN or inf): the nodes were sent an
-        lr their sub-models cannot take, and averaging the few that survived hides it."""
-        diverged = metrics.get("dropped-diverged", 0.0)
-        replied = metrics.get("replies-used", 0.0) + metrics.get("replies-dropped", 0.0)
-        if not diverged or diverged <= self.replies.max_diverged_fraction * replied:
-            return
-        sent = [m.content[P.CONFIG] for m in state.messages]
-        lrs = sorted({float(lr) for c in sent if isinstance(lr := c.get(P.LR), (int, float))})
-        steps = sorted({str(c.get("factor-step", "plain")) for c in sent})
-        lr_text = "/".join(f"{v:g}" for v in lrs) or "?"
-        advice = [f"lower the lr the nodes are sent (lr={lr_text}: the strategy's lr, or "
-                  "config['lr'] where your train config or configure_train sets it), e.g. to "
-                  f"{lrs[0] / 10:g}" if lrs else "lower the lr the nodes are sent"]
-        if "plain" in steps:
-            advice.append("take the dense model's steps on the factors: factor_step='dense' "
-                          "(LocalTraining / from_model) or run config factor-step = \"dense\"")
-        message = (f"Round {server_round}: training diverged (NaN or inf) on {diverged:.0f} of "
-                   f"the {replied:.0f} nodes that replied (max_diverged_fraction="
-                   f"{self.replies.max_diverged_fraction:g}); the run stops here and the global "
-                   f"model stays the previous round's. To fix: {'; or '.join(advice)}.")
-        log(ERROR, "%s", message)
-        raise TrainingDivergedError(message)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

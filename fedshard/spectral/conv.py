@@ -110,36 +110,11 @@ class SpectralConv2d(SpectralLayer):
             assert isinstance(self.padding, tuple)
             self._pad = (self.padding[1], self.padding[1], self.padding[0], self.padding[0])
 
-    #: Pad the ``n`` intermediate channels with zero terms to a multiple of this (1: off;
-    #: set by :func:`fedshard.client.train.fast.configure_convolutions` from
-    #: ``TrainConfig.pad_terms``): cuDNN runs thin convolutions whose channel count is not a
-    #: multiple of 8 on slower kernels (figures in ``benchmarks/README.md``). A zero term adds
-    #: exactly nothing to the output and gets exactly zero gradient; only the real ``n``
-    #: columns are parameters, so what is trained and sent is unchanged.
-    pad_terms_to: int = 1
-
-    #: Run one dense k×k convolution with the kernel ``U diag(ω) Vᵀ`` built each step instead of
-    #: the two thin ones (set by :func:`fedshard.client.train.fast.configure_convolutions` from
-    #: ``TrainConfig.merge_terms``): the same map and gradients of ``u``, ``v`` (autograd
-    #: through the product), fewer and larger kernels (a step bound by kernel launches or
-    #: latency, as a small sub-model's on a GPU) for the dense FLOPs.
-    merge_terms: bool = False
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the layer to ``x`` of shape ``(B, in_channels, H, W)``."""
-        v: torch.Tensor = self.v
         u = self.u * self.omega  # ω folded into the 1x1 conv's (c_out, n) weight
-        if self.merge_terms:
-            # (c_out, n) @ (n, c_in·k_h·k_w), reshaped as decompose() flattens W
-            weight = (u @ v.mT).reshape(u.shape[0], self.in_channels, *self.kernel_size)
-            return self._spatial_conv(x, weight, self.bias)
-        rank = self.rank
-        pad = -rank % self.pad_terms_to
-        if pad:
-            v, u = F.pad(v, (0, pad)), F.pad(u, (0, pad))  # zero columns n .. n+pad-1
-            rank += pad
         # (n, c_in, k_h, k_w): row-major reshape matches W.reshape(c_out, -1) in decompose().
-        kernel = v.mT.reshape(rank, self.in_channels, *self.kernel_size)
+        kernel = self.v.mT.reshape(self.rank, self.in_channels, *self.kernel_size)
         hidden = self._spatial_conv(x, kernel, None)
         # hidden: (B, n, H', W'); 1x1 conv with U diag(ω): (c_out, n, 1, 1).
         return F.conv2d(hidden, u[:, :, None, None], self.bias)

@@ -1,4 +1,5 @@
-"""The run's side jobs as callbacks (fedshard.app.callbacks), each against something
+"""The run's side jobs as the strategy's callbacks (fedshard.server.side_jobs,
+fedshard.app.callbacks), each against something
 independent: a hand-computed loss and accuracy, a hand-truncated weight with known singular
 values, the checkpoint file read back, the event file read back by TensorBoard's own reader,
 and the evaluation schedule and resumed round numbers written out by hand."""
@@ -9,6 +10,7 @@ import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,17 +19,12 @@ from flwr.app import ArrayRecord
 from torch import nn
 
 from fedshard import SpectralSharding
-from fedshard.app.callbacks import (
-    CentralEvaluation,
-    Checkpointing,
-    MetricsLog,
-    RoundCallback,
-    RoundCallbacks,
-    TensorBoardLog,
-)
+from fedshard.app.callbacks import Checkpointing, MetricsLog
 from fedshard.app.checkpoint import Checkpoint
 from fedshard.app.results import RunRecorder
 from fedshard.client.train.batches import TensorBatches
+from fedshard.server.callbacks import RoundCallback, run_end
+from fedshard.server.side_jobs import CentralEvaluation, TensorBoardLog
 
 # Four examples of two features; a Linear(2, 3) with W = [[1, 0], [0, 1], [0, 0]], b = 0
 # gives logits (x0, x1, 0): predictions 0, 1, 2, 0 against targets 0, 1, 1, 2 (2 of 4 right).
@@ -66,12 +63,12 @@ class Probe(RoundCallback):
         self.calls: list[tuple[int, dict[str, float]]] = []
         self.ended = 0
 
-    def on_round(self, server_round: int, arrays: ArrayRecord,
+    def on_round(self, strategy: object, server_round: int, arrays: ArrayRecord,
                  metrics: Mapping[str, float]) -> Mapping[str, float] | None:
         self.calls.append((server_round, dict(metrics)))
         return self.adds
 
-    def on_end(self) -> None:
+    def on_end(self, strategy: object, result: object) -> None:
         self.ended += 1
 
 
@@ -79,10 +76,16 @@ def _strategy(num_rounds: int = 7) -> SpectralSharding:
     return SpectralSharding(sharded_layers=["hidden"], num_rounds=num_rounds)
 
 
+def _after_round(strategy: SpectralSharding, callbacks: list[RoundCallback]) -> Any:
+    """What the strategy's start() hands Flower as evaluate_fn, with these callbacks."""
+    strategy.callbacks = list(callbacks)
+    return strategy.after_round_fn()
+
+
 def test_central_evaluation_matches_the_hand_computed_loss_and_accuracy() -> None:
     model = _linear()
     arrays = ArrayRecord(model.state_dict())
-    out = _evaluation(nn.Linear(2, 3)).on_round(1, arrays, {})
+    out = _evaluation(nn.Linear(2, 3)).on_round(None, 1, arrays, {})
     assert out is not None
     assert out["test-accuracy"] == 0.5
     assert out["test-loss"] == pytest.approx(_hand_loss(), rel=1e-6)
@@ -111,15 +114,16 @@ def test_top_n_diagnostics_equal_the_model_with_its_weight_truncated_by_hand() -
     with torch.no_grad():
         model.hidden.weight.copy_(q @ torch.diag(torch.tensor([4.0, 3, 2, 1])))
     arrays = ArrayRecord(model.state_dict())
-    out = _evaluation(Deep(), top_n_layers=["hidden"], top_n_ratio=0.5).on_round(1, arrays, {})
+    out = _evaluation(Deep(), top_n_layers=["hidden"], top_n_ratio=0.5).on_round(
+        None, 1, arrays, {})
     assert out is not None
 
     by_hand = Deep()
     by_hand.load_state_dict(model.state_dict())
     with torch.no_grad():
         by_hand.hidden.weight.copy_(q @ torch.diag(torch.tensor([4.0, 3, 0, 0])))
-    reference = _evaluation(Deep()).on_round(1, ArrayRecord(by_hand.state_dict()), {})
-    untruncated = _evaluation(Deep()).on_round(1, arrays, {})
+    reference = _evaluation(Deep()).on_round(None, 1, ArrayRecord(by_hand.state_dict()), {})
+    untruncated = _evaluation(Deep()).on_round(None, 1, arrays, {})
     assert reference is not None and untruncated is not None
     assert out["tail-energy-top-n"] == pytest.approx(5 / 30, rel=1e-12)
     assert out["test-loss-top-n"] == pytest.approx(reference["test-loss"], rel=1e-5)
@@ -140,7 +144,7 @@ def test_top_n_diagnostics_equal_the_model_with_its_weight_truncated_by_hand() -
 def test_flower_gets_test_metrics_exactly_on_the_due_rounds(eval_every, num_rounds, due):
     strategy = _strategy(num_rounds)
     probe = Probe()
-    evaluate_fn = RoundCallbacks(strategy, [
+    evaluate_fn = _after_round(strategy, [
         _evaluation(nn.Linear(2, 3), eval_every=eval_every, num_rounds=num_rounds), probe])
     arrays = ArrayRecord(_linear().state_dict())
     returned = {r: evaluate_fn(r, arrays) for r in range(num_rounds + 1)}
@@ -148,9 +152,9 @@ def test_flower_gets_test_metrics_exactly_on_the_due_rounds(eval_every, num_roun
     for r in due:
         record = returned[r]
         assert record is not None
-        # only the two Flower metrics go back; test-examples stays with the callbacks
+        # what the callbacks added goes back to Flower
         assert dict(record) == {"test-loss": pytest.approx(_hand_loss(), rel=1e-6),
-                                "test-accuracy": 0.5}
+                                "test-accuracy": 0.5, "test-examples": 4.0}
     # every round reaches the later callbacks, evaluated or not
     assert [r for r, _ in probe.calls] == list(range(num_rounds + 1))
     assert [r for r, m in probe.calls if "test-accuracy" in m] == due
@@ -161,8 +165,8 @@ def test_metrics_start_from_the_strategy_row_and_flow_in_order() -> None:
     # a client-side metric named like the central one: it is recorded, not returned to Flower
     strategy.history[1] = {"train-loss": 0.25, "test-accuracy": 0.9}
     first, second = Probe({"extra": 1.0}), Probe()
-    evaluate_fn = RoundCallbacks(strategy, [first, second])
-    assert evaluate_fn(1, ArrayRecord(_linear().state_dict())) is None
+    evaluate_fn = _after_round(strategy, [first, second])
+    assert dict(evaluate_fn(1, ArrayRecord(_linear().state_dict()))) == {"extra": 1.0}
     assert first.calls == [(1, {"train-loss": 0.25, "test-accuracy": 0.9})]
     assert second.calls == [(1, {"train-loss": 0.25, "test-accuracy": 0.9, "extra": 1.0})]
     assert strategy.history[1] == {"train-loss": 0.25, "test-accuracy": 0.9}  # not written to
@@ -170,16 +174,16 @@ def test_metrics_start_from_the_strategy_row_and_flow_in_order() -> None:
 
 def test_callbacks_cannot_change_the_metrics_they_are_given() -> None:
     class Writer(RoundCallback):
-        def on_round(self, server_round, arrays, metrics):
+        def on_round(self, strategy, server_round, arrays, metrics):
             metrics["x"] = 1.0  # type: ignore[index]
 
     with pytest.raises(TypeError, match="does not support item assignment"):
-        RoundCallbacks(_strategy(), [Writer()])(1, ArrayRecord(_linear().state_dict()))
+        _after_round(_strategy(), [Writer()])(1, ArrayRecord(_linear().state_dict()))
 
 
 def test_end_reaches_every_callback_once() -> None:
     probes = [Probe(), Probe()]
-    RoundCallbacks(_strategy(), probes).end()
+    run_end(probes, _strategy(), None)
     assert [p.ended for p in probes] == [1, 1]
 
 
@@ -187,7 +191,7 @@ def test_metrics_log_writes_the_round_rows(tmp_path: Path) -> None:
     strategy = _strategy(num_rounds=2)
     strategy.history[1] = {"train-loss": 0.25}
     with RunRecorder(tmp_path / "run", {"seed": 1}, 2) as recorder:
-        evaluate_fn = RoundCallbacks(strategy, [
+        evaluate_fn = _after_round(strategy, [
             _evaluation(nn.Linear(2, 3), eval_every=2, num_rounds=2), MetricsLog(recorder)])
         arrays = ArrayRecord(_linear().state_dict())
         for r in range(3):
@@ -203,7 +207,7 @@ def test_checkpoint_is_read_back_as_written_and_round_zero_is_skipped(tmp_path: 
     strategy = _strategy()
     strategy.resume(0, {7: (0.5, "node-key")}, {1: {"train-loss": 0.25}})
     config = {"seed": 3, "resume": True, "overwrite": False, "model": "mlp"}
-    evaluate_fn = RoundCallbacks(strategy, [Checkpointing(tmp_path, config, strategy)])
+    evaluate_fn = _after_round(strategy, [Checkpointing(tmp_path, config)])
     model = _linear()
     arrays = ArrayRecord(model.state_dict())
     evaluate_fn(0, arrays)
@@ -224,9 +228,9 @@ def test_a_resumed_run_counts_on_and_skips_its_checkpointed_model(tmp_path: Path
     strategy = _strategy(num_rounds=5)
     strategy.resume(2, {}, {1: {"train-loss": 0.5}, 2: {"train-loss": 0.4}})
     probe = Probe()
-    evaluate_fn = RoundCallbacks(strategy, [
+    evaluate_fn = _after_round(strategy, [
         _evaluation(nn.Linear(2, 3), eval_every=2, num_rounds=5), probe,
-        Checkpointing(tmp_path, {}, strategy)])
+        Checkpointing(tmp_path, {})])
     arrays = ArrayRecord(_linear().state_dict())
     # Flower's round 0 is the checkpoint's model: already evaluated, recorded and saved
     assert evaluate_fn(0, arrays) is None
@@ -249,8 +253,8 @@ def test_checkpoint_comes_after_the_row_so_a_refused_model_is_still_recorded(
     with torch.no_grad():
         model.weight[0, 0] = float("nan")
     with RunRecorder(tmp_path / "run", {}, 7) as recorder:
-        evaluate_fn = RoundCallbacks(strategy, [
-            MetricsLog(recorder), Checkpointing(tmp_path / "run", {}, strategy)])
+        evaluate_fn = _after_round(strategy, [
+            MetricsLog(recorder), Checkpointing(tmp_path / "run", {})])
         strategy.history[1] = {"train-loss": 0.25}
         with pytest.raises(ValueError, match=r"Round 1's model has non-finite values in "
                                              r"'weight' \(1 of 6\)"):
@@ -265,12 +269,12 @@ def test_tensorboard_callback_writes_what_tensorboard_reads_back(tmp_path: Path)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     board = TensorBoardLog(tmp_path)
-    evaluate_fn = RoundCallbacks(_strategy(), [
+    evaluate_fn = _after_round(_strategy(), [
         Probe({"test-accuracy": 0.5, "test-loss": 1.5, "bad": float("nan")}), board])
     arrays = ArrayRecord(_linear().state_dict())
     for r in range(3):
         evaluate_fn(r, arrays)
-    evaluate_fn.end()
+    board.on_end(None, None)
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     assert sorted(events.Tags()["scalars"]) == ["test-accuracy", "test-loss"]  # NaN left out
@@ -296,8 +300,8 @@ def test_the_run_composes_evaluation_record_tensorboard_checkpoint(tmp_path: Pat
     model = build_model(cfg)
     strategy = build_strategy(cfg, model)
     with RunRecorder(cfg.results_path, cfg.as_dict(), 3) as recorder:
-        jobs = side_jobs(cfg, model, strategy, recorder)
-        RoundCallbacks(strategy, jobs).end()
+        jobs = side_jobs(cfg, model, strategy.sharded_layers, recorder)
+        run_end(jobs, strategy, None)
     assert [type(j) for j in jobs] == [CentralEvaluation, MetricsLog, TensorBoardLog,
                                        Checkpointing]
     evaluation, checkpointing = jobs[0], jobs[3]
@@ -306,3 +310,15 @@ def test_the_run_composes_evaluation_record_tensorboard_checkpoint(tmp_path: Pat
     assert evaluation.top_n_layers == strategy.sharded_layers != ()
     assert evaluation.top_n_ratio == 0.5  # the largest keep ratio of the mix
     assert "resume" not in checkpointing.config and checkpointing.config["seed"] == 5
+
+
+def test_tensorboard_without_the_package_is_a_clear_error(tmp_path, monkeypatch) -> None:
+    import sys
+
+    from fedshard.app.config import RunConfig
+
+    # as if the package were absent: importing torch.utils.tensorboard then fails
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(ImportError, match=r"'tensorboard' package is not installed; install it"):
+        TensorBoardLog(tmp_path)
+    assert RunConfig.from_mapping({"tensorboard": True}).tensorboard is True

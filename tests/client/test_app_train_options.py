@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fedshard.client.handlers
+from fedshard.client.train.fast import conv_form
 from fedshard.spectral import SpectralConv2d
 
 
@@ -27,7 +28,7 @@ def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **extra: Any
 
     def spy(model: torch.nn.Module, loader: Any, cfg: Any) -> Any:
         result = inner(model, loader, cfg)
-        flags = {m.merge_terms for m in model.modules() if isinstance(m, SpectralConv2d)}
+        flags = {conv_form(m)[1] for m in model.modules() if isinstance(m, SpectralConv2d)}
         seen.append((cfg.fast is not None and cfg.fast.merge_terms, flags))
         return result
 

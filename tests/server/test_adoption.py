@@ -14,7 +14,6 @@ from test_strategy import grid_with, initial, strategy
 
 from fedshard import SpectralSharding
 from fedshard import protocol as P
-from fedshard.app.callbacks import TensorBoardLog
 from fedshard.app.config import RunConfig
 from fedshard.server.schedule import schedule_length
 
@@ -97,7 +96,8 @@ def test_any_client_metric_is_aggregated_and_server_statistics_stay_out() -> Non
 def test_min_node_defaults_are_fedavgs() -> None:
     ours = inspect.signature(SpectralSharding).parameters
     theirs = inspect.signature(FedAvg).parameters
-    assert len(ours) <= 15, list(ours)  # FedAvg's own and one object per concern
+    # FedAvg's own, one object per concern, and the callbacks
+    assert len(ours) <= 16, list(ours)
     for name in ("min_train_nodes", "min_evaluate_nodes", "min_available_nodes",
                  "fraction_train", "fraction_evaluate"):
         assert ours[name].default == theirs[name].default, name
@@ -119,21 +119,3 @@ def test_drop_warning_is_one_line(caplog: pytest.LogCaptureFixture) -> None:
     assert "FloatingPointError('Training diverged at lr=0.1')" in drops[0].getMessage()
     assert any("Traceback" in r.getMessage() and r.levelno == logging.DEBUG
                for r in caplog.records)
-
-
-def test_tensorboard_without_the_package_is_a_clear_error(tmp_path, monkeypatch) -> None:
-    import sys
-
-    # as if the package were absent: importing torch.utils.tensorboard then fails
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
-    with pytest.raises(ImportError, match=r"'tensorboard' package is not installed; install it"):
-        TensorBoardLog(tmp_path)
-    assert RunConfig.from_mapping({"tensorboard": True}).tensorboard is True
-
-
-def test_tensorboard_writes_scalars(tmp_path) -> None:
-    pytest.importorskip("tensorboard", reason="the tensorboard package is not installed here")
-    log = TensorBoardLog(tmp_path)
-    log.write(1, {"test-accuracy": 0.5, "lr": 0.01})
-    log.close()
-    assert list(tmp_path.glob("events.out.tfevents.*"))

@@ -20,7 +20,7 @@ from fedshard.client.train import (
     evaluate,
     train,
 )
-from fedshard.client.train.fast import FastOptions
+from fedshard.client.train.fast import FastOptions, conv_form
 from fedshard.settings import LocalTraining
 from fedshard.spectral import SpectralConv2d, SpectralLinear
 
@@ -525,31 +525,9 @@ def test_conv_layout_options_train_the_same_factors(option: str, value: object,
     got = train(other, DataLoader(data, batch_size=8), with_(cfg, **{option: value}))
     attribute = {"pad_terms": "pad_terms_to", "merge_terms": "merge_terms"}[option]
     assert getattr(other[0], attribute) == value
-    assert (plain[0].pad_terms_to, plain[0].merge_terms) == (1, False)  # CPU default: off
+    assert conv_form(plain[0]) == (1, False)  # CPU default: off
     assert other[0].u.shape == (4, 5)  # the parameters keep their n columns
     _assert_same(other, plain)
     assert got.loss == pytest.approx(want.loss, rel=1e-12)
     with pytest.raises(ValueError, match=error):
         FastOptions(**{option: 0})  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize("padding_mode, stride, dilation", [("zeros", 1, 1), ("reflect", 2, 1),
-                                                            ("zeros", 1, 2)])
-def test_merged_terms_compute_the_dense_layer(padding_mode: str, stride: int,
-                                              dilation: int) -> None:
-    """``merge_terms`` (one convolution with U diag(ω) Vᵀ) against the dense layer it stands
-    for (``to_dense``) and against the two thin convolutions, in float64."""
-    g = _gen(9)
-    d = torch.float64
-    conv = SpectralConv2d(
-        torch.randn(4, 5, generator=g, dtype=d), torch.randn(3 * 9, 5, generator=g, dtype=d),
-        torch.tensor([1.0, 3.0, 8.0, 15.0, 30.0], dtype=d), torch.randn(4, generator=g, dtype=d),
-        in_channels=3, kernel_size=3, padding=1, stride=stride, dilation=dilation,
-        padding_mode=padding_mode,
-    )
-    x = torch.randn(2, 3, 9, 9, generator=g, dtype=d)
-    two = conv(x)
-    conv.merge_terms = True
-    merged = conv(x)
-    torch.testing.assert_close(merged, conv.to_dense()(x), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(merged, two, rtol=1e-12, atol=1e-12)

@@ -10,17 +10,24 @@ Everything here is opt-in through one object, :class:`FastOptions`, given to
 Where each option wins, measured: ``benchmarks/README.md``.
 """
 
+from fedshard.client.train.fast.convolutions import (
+    FastSpectralConv2d,
+    configure_convolutions,
+    conv_form,
+)
 from fedshard.client.train.fast.options import FastOptions
 from fedshard.client.train.fast.plug import STEP_POOL
 from fedshard.client.train.fast.pool import StepPool, model_signature
-from fedshard.client.train.fast.step import TrainStep, configure_convolutions, conv_options
+from fedshard.client.train.fast.step import TrainStep, conv_options
 
 __all__ = [
     "STEP_POOL",
     "FastOptions",
+    "FastSpectralConv2d",
     "StepPool",
     "TrainStep",
     "configure_convolutions",
+    "conv_form",
     "conv_options",
     "model_signature",
 ]

@@ -96,8 +96,9 @@ class FastOptions(Settings):
         :class:`~fedshard.client.train.fast.TrainStep`. On exit the trained state is in
         ``model`` and a fresh step's CUDA graphs are released.
         """
+        from fedshard.client.train.fast.convolutions import configure_convolutions
         from fedshard.client.train.fast.plug import STEP_POOL
-        from fedshard.client.train.fast.step import TrainStep, configure_convolutions
+        from fedshard.client.train.fast.step import TrainStep
 
         configure_convolutions(model, cfg)
         reuse = self.cuda_graph if self.reuse_step is None else self.reuse_step

@@ -1,7 +1,7 @@
 """The fast training step: :class:`TrainStep`, the reference :class:`EagerStep` with its
 forward/backward compiled (``torch.compile``) and/or the whole step replayed from CUDA graphs,
-and :func:`configure_convolutions`, the explicit switch of the sharded convolutions' padded or
-merged forms. Same numbers as the eager step up to float rounding.
+and :func:`conv_options`, the sharded convolutions' form the options ask for. Same numbers as
+the eager step up to float rounding.
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ import torch
 from torch import nn
 
 from fedshard.client.train.config import TrainConfig
+from fedshard.client.train.fast.convolutions import conv_form
 from fedshard.client.train.fast.options import FastOptions
 from fedshard.client.train.step import EagerStep
 from fedshard.spectral.conv import SpectralConv2d
 
-__all__ = ["TrainStep", "configure_convolutions", "conv_options"]
+__all__ = ["TrainStep", "conv_options"]
 
 
 def _options(cfg: TrainConfig) -> FastOptions:
@@ -38,24 +39,6 @@ def conv_options(model: nn.Module, cfg: TrainConfig) -> tuple[int, bool]:
         on_cuda = any(p.is_cuda for p in model.parameters())
         pad = 8 if opts.cuda_graph and on_cuda and not opts.compile else 1
     return pad, opts.merge_terms
-
-
-def configure_convolutions(model: nn.Module, cfg: TrainConfig) -> None:
-    """Set every :class:`~fedshard.spectral.SpectralConv2d` of ``model`` to the form ``cfg``
-    trains (:func:`conv_options`), in place, and leave it so.
-
-    Both forms compute the same layer: ``pad_terms_to`` adds zero terms (exactly nothing to
-    the output and exactly zero gradient; the parameters keep their ``n`` columns), and
-    ``merge_terms`` runs one dense convolution of ``U diag(ω) Vᵀ`` (the same function and
-    gradients up to rounding). So the trained model may keep them; set the two attributes
-    back on the layers to undo. :func:`~fedshard.client.train.train` calls this before it
-    builds a :class:`TrainStep`; a :class:`TrainStep` built by hand checks that it was done.
-    """
-    pad, merge = conv_options(model, cfg)
-    for m in model.modules():
-        if isinstance(m, SpectralConv2d):
-            m.pad_terms_to = pad
-            m.merge_terms = merge
 
 
 class TrainStep(EagerStep):
@@ -87,8 +70,7 @@ class TrainStep(EagerStep):
 
     def __init__(self, model: nn.Module, cfg: TrainConfig) -> None:
         wanted = conv_options(model, cfg)
-        found = {(m.pad_terms_to, m.merge_terms) for m in model.modules()
-                 if isinstance(m, SpectralConv2d)}
+        found = {conv_form(m) for m in model.modules() if isinstance(m, SpectralConv2d)}
         if found - {wanted}:
             raise ValueError(
                 f"FastOptions ask for sharded convolutions with (pad_terms_to, merge_terms) = "

@@ -19,6 +19,7 @@ from fedshard.client.train.fast import (
     StepPool,
     TrainStep,
     configure_convolutions,
+    conv_form,
     model_signature,
 )
 from fedshard.settings import LocalTraining
@@ -128,7 +129,7 @@ def test_pooled_training_leaves_earlier_clients_models_alone() -> None:
     train(second, _loader(1), cfg)
     for key, value in first.state_dict().items():
         assert torch.equal(value, after_first[key]), key
-    assert first[0].pad_terms_to == 1  # the CPU default: no padding
+    assert conv_form(first[0])[0] == 1  # the CPU default: no padding
 
 
 def test_anything_that_shapes_the_step_gets_its_own_entry() -> None:
@@ -202,13 +203,13 @@ def test_the_fast_path_changes_convolutions_only_when_asked_and_by_name() -> Non
                                          r"model has \[\(1, False\)\]; call .*"
                                          r"configure_convolutions\(model, cfg\) first"):
         TrainStep(model, padded)
-    assert "pad_terms_to" not in vars(model[0])
+    assert conv_form(model[0]) == (1, False)
     configure_convolutions(model, padded)
     assert (model[0].pad_terms_to, model[0].merge_terms) == (8, False)
     TrainStep(model, padded)  # now it may
     plain = _client_model(0)
     train(plain, _loader(0), CFG)
-    assert "pad_terms_to" not in vars(plain[0]) and "merge_terms" not in vars(plain[0])
+    assert type(plain[0]) is SpectralConv2d  # the plain layer: not switched
 
 
 def test_pool_keeps_the_most_recently_used_entries() -> None:

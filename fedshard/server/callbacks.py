@@ -1,0 +1,331 @@
+"""What a run does around its rounds, as callbacks the strategy composes: :class:`RoundCallback`.
+
+:class:`~fedshard.server.strategy.SpectralSharding` calls its callbacks, in order, at four
+points of a run: a round's train messages are built (:meth:`~RoundCallback.on_configure`), its
+replies aggregated (:meth:`~RoundCallback.on_aggregate`), the round is over and its model is
+the global one (:meth:`~RoundCallback.on_round`, where Flower calls ``evaluate_fn``), and the
+run is over (:meth:`~RoundCallback.on_end`). A callback can stop the run: it raises
+:class:`StopRun` (or a subclass), which ends ``start()`` with the reason.
+
+The strategy's own checks are callbacks too (:func:`default_callbacks`), so a user of the
+library gets them and can leave one out or add their own (pfl-research composes its
+callbacks in the same way, ``pfl/callback``):
+
+- :class:`ConfigPrecedence` - says once which of the round config's entries are sent as they
+  are and which are replaced;
+- :class:`SingleNodeGroups` - warns when Collective meets a keep-ratio group of one node;
+- :class:`CompoundingMultipliers` - warns once when multipliers above 1 meet a model without
+  normalization layers;
+- :class:`StopOnDivergence` - stops the run when most replies report that training diverged;
+- :class:`StopWhenUntrained` - stops the run that trained nothing, with what to check.
+
+Metrics flow one way through :meth:`~RoundCallback.on_round`: each callback sees the round's
+row (the strategy's statistics and the client aggregates) and what the callbacks before it
+added; what it returns is added for the ones after it (a test-set evaluation, then the file
+that records the row, then a checkpoint).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message
+
+from fedshard import protocol as P
+
+if TYPE_CHECKING:
+    from flwr.serverapp.strategy import Result
+
+    from fedshard.server.rounds import RoundState
+    from fedshard.server.strategy import SpectralSharding
+
+__all__ = [
+    "NO_TRAINING_PATIENCE",
+    "CompoundingMultipliers",
+    "ConfigPrecedence",
+    "NoRoundTrainedError",
+    "RoundCallback",
+    "SingleNodeGroups",
+    "StopOnDivergence",
+    "StopRun",
+    "StopWhenUntrained",
+    "TrainingDivergedError",
+    "default_callbacks",
+    "no_round_trained",
+]
+
+logger = logging.getLogger(__name__)
+
+#: When the run's number of rounds is unknown (no ``num_rounds`` given to the strategy, and
+#: ``start()`` overridden without calling the strategy's), :class:`StopWhenUntrained` stops the
+#: run once this many configured rounds in a row, from the first, trained nothing.
+NO_TRAINING_PATIENCE = 3
+
+
+class StopRun(RuntimeError):
+    """Raised by a callback to stop the run; its message says why (and what to change)."""
+
+
+class NoRoundTrainedError(StopRun):
+    """No round of the run changed the model; ``result`` is what ``start()`` would have
+    returned (its ``arrays`` are the initial ones), or ``None`` when the run stopped before
+    its last round."""
+
+    def __init__(self, message: str, result: Result | None = None) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+class TrainingDivergedError(StopRun):
+    """More than :attr:`~fedshard.settings.ReplyPolicy.max_diverged_fraction` of a round's
+    replies reported that training diverged: the run stops after that round (the global model
+    is the previous round's)."""
+
+
+def no_round_trained(rounds: int) -> str:
+    """The message of a run that trained nothing in ``rounds`` round(s)."""
+    return (f"No round trained: none of the {rounds} round(s) got a usable training reply, so "
+            "the model is the initial one. Check the server log above and the round metrics "
+            "(replies-dropped, dropped-<reason>, replies-missing): nodes that declare no keep "
+            "ratio (ShardingClientApp(keep_ratios=...) or keep-ratio in the node/run config), "
+            "error replies from the ClientApp, a round timeout too short, or replies refused "
+            "by the reply bounds (max-update-ratio, max-num-examples).")
+
+
+class RoundCallback:
+    """One thing a run does around its rounds; override the hooks you need (each does nothing
+    by default). ``strategy`` is the :class:`~fedshard.server.strategy.SpectralSharding` that
+    calls it; every round is the run's (a resumed run counts on from its checkpoint)."""
+
+    def on_configure(self, strategy: SpectralSharding, server_round: int,
+                     config: ConfigRecord, messages: Sequence[Message]) -> None:
+        """The round's train messages were built from the caller's ``config`` (not sent yet;
+        the global model they were cut from is ``strategy.current_arrays``)."""
+
+    def on_aggregate(self, strategy: SpectralSharding, server_round: int,
+                     metrics: Mapping[str, float], state: RoundState | None) -> None:
+        """The round's replies were checked and aggregated; ``metrics`` is its row so far and
+        ``state`` what it sent (``None``: the round sent nothing, e.g. no node had declared
+        a keep ratio). Raise :class:`StopRun` to stop the run here."""
+
+    def on_round(self, strategy: SpectralSharding, server_round: int, arrays: ArrayRecord,
+                 metrics: Mapping[str, float]) -> Mapping[str, float] | None:
+        """The round is over and ``arrays`` is the global model (round 0: the initial one);
+        ``metrics`` the round's row and what earlier callbacks added (read only). Returns
+        metrics to add (``None``: none). Raise :class:`StopRun` to stop the run here."""
+        return None
+
+    def on_end(self, strategy: SpectralSharding, result: Result | None) -> None:
+        """The run is over (``result``: what ``start()`` returns; ``None`` when it failed or
+        was stopped). Release what the callback holds; raise to fail the run."""
+
+
+# ---------------------------------------------------------------------------- the strategy's own
+class ConfigPrecedence(RoundCallback):
+    """Says once which of the round config's entries are sent as they are, and which are
+    replaced (the per-node keys: the keep ratio, the training seed, the method)."""
+
+    def __init__(self) -> None:
+        self.told: set[str] = set()
+
+    def on_configure(self, strategy: SpectralSharding, server_round: int,
+                     config: ConfigRecord, messages: Sequence[Message]) -> None:
+        replaced = sorted(k for k in P.NODE_KEYS if k in config and k != P.SERVER_ROUND)
+        mine = sorted(k for k in P.RECIPE_KEYS if k in config)
+        if replaced and self._first("node-keys"):
+            logger.warning("The config sets %s: these are per node and always the strategy's; "
+                           "the values given are replaced.", ", ".join(replaced))
+        if P.LR in mine and strategy.training.lr is not None:
+            if self._first("lr"):
+                logger.warning(
+                    "config['lr']=%g is sent to the nodes as is: the round's config wins over "
+                    "the strategy's lr=%g and its %s schedule, which apply only to rounds whose "
+                    "config sets no lr.", config[P.LR], strategy.training.lr,
+                    strategy.training.lr_schedule)
+        elif mine and self._first("mine"):
+            logger.info("The round's config sets %s: sent to the nodes as is (the strategy's "
+                        "values apply where it sets none).", ", ".join(mine))
+
+    def _first(self, key: str) -> bool:
+        first = key not in self.told
+        self.told.add(key)
+        return first
+
+
+#: Collective's multipliers need C ≥ 2 nodes per keep-ratio group: with C = 1 Theorem 2 gives
+#: ω = 1 and the n largest terms (Top-n). The annealed Collective is the same on λ^γ.
+_GROUP_SIZE_METHODS = ("collective", "anneal-collective")
+
+
+class SingleNodeGroups(RoundCallback):
+    """Warns each round in which Collective meets a keep-ratio group of one sampled node.
+
+    Collective's ω = C/(1+π(C−1)) needs C ≥ 2 nodes per keep-ratio group: a group of one
+    gets the n largest terms with ω = 1, i.e. Top-n (Unbiased's ω = 1/π does not depend on
+    C: one node per group is still unbiased, with more variance).
+    """
+
+    def on_configure(self, strategy: SpectralSharding, server_round: int,
+                     config: ConfigRecord, messages: Sequence[Message]) -> None:
+        method = strategy.sharding.method
+        if method not in _GROUP_SIZE_METHODS or not strategy.sharded_layers:
+            return
+        sizes = Counter(float(r) for m in messages
+                        if isinstance(r := m.content[P.CONFIG].get(P.KEEP_RATIO), (int, float)))
+        alone = sorted(r for r, c in sizes.items() if c == 1 and r < 1.0)
+        if alone:
+            logger.warning(
+                "Round %d: keep-ratio group(s) r=%s have a single sampled node: with C = 1, "
+                "method=%s gives that node the n largest terms with ω = 1 (Top-n); the other "
+                "terms are not trained by it. Let nodes share keep ratios, or sample more nodes "
+                "(fraction_train / min_train_nodes) so that every group has ≥ 2.",
+                server_round, ", ".join(f"{r:g}" for r in alone), method)
+
+
+class CompoundingMultipliers(RoundCallback):
+    """Warns once, at the first round whose multipliers exceed 1, when the model has no
+    normalization layer (``strategy.unnormalized``, which
+    :meth:`~fedshard.server.strategy.SpectralSharding.from_model` sets): ω then scales every
+    sharded layer's output and can compound from layer to layer (the paper's models all
+    normalize)."""
+
+    def __init__(self) -> None:
+        self.told = False
+
+    def on_configure(self, strategy: SpectralSharding, server_round: int,
+                     config: ConfigRecord, messages: Sequence[Message]) -> None:
+        if not strategy.unnormalized or self.told:
+            return
+        top = max((float(np.max(P.decode_array(a))) for m in messages
+                   for k, a in m.content.array_records[P.ARRAYS].items()
+                   if k.endswith(".omega")), default=1.0)
+        if top > 1.0 + 1e-6:  # ω = 1 (Top-n, PriSM, r = 1, C = 1) cannot compound
+            self.told = True
+            logger.warning("The model has no normalization layer: with method=%r the "
+                           "multipliers ω (up to %.3g this round) scale every sharded layer's "
+                           "output and can compound from layer to layer (the paper's models "
+                           "all normalize).", strategy.sharding.method, top)
+
+
+class StopOnDivergence(RoundCallback):
+    """Stops the run after a round in which more than ``max_diverged_fraction`` of the
+    replies are nodes reporting that their training diverged (NaN or inf): the nodes were sent
+    an lr their sub-models cannot take, and averaging the few that survived hides it. Raises
+    :class:`TrainingDivergedError` (logged as an ERROR) with the lr sent and what to change."""
+
+    def on_aggregate(self, strategy: SpectralSharding, server_round: int,
+                     metrics: Mapping[str, float], state: RoundState | None) -> None:
+        diverged = metrics.get("dropped-diverged", 0.0)
+        replied = metrics.get("replies-used", 0.0) + metrics.get("replies-dropped", 0.0)
+        limit = strategy.replies.max_diverged_fraction
+        if state is None or not diverged or diverged <= limit * replied:
+            return
+        sent = [m.content[P.CONFIG] for m in state.messages]
+        lrs = sorted({float(lr) for c in sent if isinstance(lr := c.get(P.LR), (int, float))})
+        steps = sorted({str(c.get("factor-step", "plain")) for c in sent})
+        lr_text = "/".join(f"{v:g}" for v in lrs) or "?"
+        advice = [f"lower the lr the nodes are sent (lr={lr_text}: the strategy's lr, or "
+                  "config['lr'] where your train config or configure_train sets it), e.g. to "
+                  f"{lrs[0] / 10:g}" if lrs else "lower the lr the nodes are sent"]
+        if "plain" in steps:
+            advice.append("take the dense model's steps on the factors: factor_step='dense' "
+                          "(LocalTraining / from_model) or run config factor-step = \"dense\"")
+        message = (f"Round {server_round}: training diverged (NaN or inf) on {diverged:.0f} of "
+                   f"the {replied:.0f} nodes that replied (max_diverged_fraction={limit:g}); "
+                   "the run stops here and the global model stays the previous round's. To "
+                   f"fix: {'; or '.join(advice)}.")
+        logger.error("%s", message)
+        raise TrainingDivergedError(message)
+
+
+class StopWhenUntrained(RoundCallback):
+    """Stops a run in which no round trained (no usable reply, the model is the initial one),
+    with :class:`NoRoundTrainedError` (logged as an ERROR) naming what to check.
+
+    Under the strategy's own ``start()`` every round runs and the error comes at the end,
+    carrying the run's result. Driven otherwise (a subclass's own ``start()``, a user's loop)
+    it comes when the last round (``num_rounds``) is aggregated, or, with the number of
+    rounds unknown, after :data:`NO_TRAINING_PATIENCE` untrained rounds from the first. Not
+    with ``fraction_train=0`` (no training asked for).
+    """
+
+    def __init__(self) -> None:
+        self.streak = 0  # aggregated rounds in a row that trained nothing
+
+    def on_aggregate(self, strategy: SpectralSharding, server_round: int,
+                     metrics: Mapping[str, float], state: RoundState | None) -> None:
+        self.streak = 0 if strategy.rounds_trained else self.streak + 1
+        if strategy.rounds_trained or strategy.fraction_train == 0.0 or strategy.in_own_start:
+            return
+        last = strategy.num_rounds
+        if last is not None and server_round >= last:
+            self._stop(no_round_trained(server_round - strategy.round_offset)
+                       + " The run stops here.")
+        if last is None and self.streak >= NO_TRAINING_PATIENCE:
+            self._stop(no_round_trained(self.streak) + " The number of rounds is unknown, so "
+                       f"the run stops after {NO_TRAINING_PATIENCE} untrained rounds.")
+
+    def on_end(self, strategy: SpectralSharding, result: Result | None) -> None:
+        if result is not None and strategy.rounds_trained == 0 and strategy.fraction_train > 0:
+            assert strategy.num_rounds is not None
+            self._stop(no_round_trained(strategy.num_rounds - strategy.round_offset), result)
+
+    @staticmethod
+    def _stop(message: str, result: Result | None = None) -> None:
+        logger.error("%s", message)
+        raise NoRoundTrainedError(message, result)
+
+
+def default_callbacks() -> list[RoundCallback]:
+    """The strategy's own callbacks, in order (see the module docstring); fresh objects (each
+    keeps its own state: what it already said, untrained rounds in a row)."""
+    return [ConfigPrecedence(), SingleNodeGroups(), CompoundingMultipliers(),
+            StopOnDivergence(), StopWhenUntrained()]
+
+
+# ---------------------------------------------------------------------------- dispatch
+def run_configure(callbacks: Sequence[RoundCallback], strategy: SpectralSharding,
+                  server_round: int, config: ConfigRecord, messages: Sequence[Message]) -> None:
+    for callback in callbacks:
+        callback.on_configure(strategy, server_round, config, messages)
+
+
+def run_aggregate(callbacks: Sequence[RoundCallback], strategy: SpectralSharding,
+                  server_round: int, metrics: Mapping[str, float],
+                  state: RoundState | None) -> None:
+    view = MappingProxyType(dict(metrics))
+    for callback in callbacks:
+        callback.on_aggregate(strategy, server_round, view, state)
+
+
+def run_round(callbacks: Sequence[RoundCallback], strategy: SpectralSharding,
+              server_round: int, arrays: ArrayRecord,
+              metrics: Mapping[str, float]) -> dict[str, float]:
+    """Every callback's :meth:`~RoundCallback.on_round` in order; what they added."""
+    row = dict(metrics)
+    added: dict[str, float] = {}
+    for callback in callbacks:
+        new = callback.on_round(strategy, server_round, arrays, MappingProxyType(row))
+        if new:
+            row.update(new)
+            added.update(new)
+    return added
+
+
+def run_end(callbacks: Sequence[RoundCallback], strategy: SpectralSharding,
+            result: Result | None) -> None:
+    """Every callback's :meth:`~RoundCallback.on_end`, in order, even when one raises (the
+    first exception is raised after the others ran)."""
+    first: BaseException | None = None
+    for callback in callbacks:
+        try:
+            callback.on_end(strategy, result)
+        except BaseException as err:
+            first = first or err
+    if first is not None:
+        raise first
