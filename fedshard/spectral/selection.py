@@ -24,11 +24,16 @@ __all__ = [
 #: ``"by-size"``.
 LAYER_POLICIES = ("paper", "by-size")
 
+#: torch's batch-norm layers (running statistics), by their public classes.
+BATCH_NORMS: tuple[type[nn.Module], ...] = (
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
+    nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d)
+
 
 def multipliers_can_compound(model: nn.Module, method: str, layers: Iterable[str]) -> bool:
     """Whether ω > 1 (Unbiased, Collective, PriSM + Wallenius) can compound from sharded layer
     to sharded layer: some layer is sharded and the model has no normalization layer."""
-    norms = (nn.GroupNorm, nn.LayerNorm, nn.modules.batchnorm._BatchNorm)
+    norms = (nn.GroupNorm, nn.LayerNorm, *BATCH_NORMS)
     return method in ("unbiased", "collective", "prism-wallenius", "anneal-unbiased",
                       "anneal-collective") and any(True for _ in layers) \
         and not any(isinstance(m, norms) for m in model.modules())

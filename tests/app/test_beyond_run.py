@@ -1,4 +1,4 @@
-"""The issue-17 options through run_server (the real ServerApp path, in-process grid, fake
+"""The options beyond the paper through run_server (the real ServerApp path, in-process grid, fake
 Fashion-MNIST): low-rank start, diagnostics and the annealed schedule, checked against
 independent quantities (rank, the schedule's formula, an untruncated model)."""
 

@@ -180,7 +180,7 @@ def test_smoke_suite_is_valid() -> None:
     assert all(r.config.model == "mlp" and r.num_rounds == 2 for r in suite.runs)
 
 
-def test_fmnist_table_suite_matches_issue_6() -> None:
+def test_fmnist_table_suite_holds_the_papers_rows_columns_and_setup() -> None:
     suite = load_suite(ROOT / "experiments" / "fmnist-table.toml")
     paper_rows = ("Top-n", "Top-n + Scaled", "PriSM", "PriSM + Scaled", "PriSM + Wallenius",
                   "PriSM + Wallenius + ClipLR", "Unbiased", "Collective")
@@ -234,9 +234,10 @@ def test_client_gpu_share_is_read_and_checked() -> None:
     assert any("client-num-gpus=-1.0: expected ≥ 0" in p for p in problems(data))
 
 
-def test_beyond_suites_match_issue_17() -> None:
-    """The issue's setup: the table's defaults at r = 0.1, 100 rounds and seeds 0 and 1 for the
-    main rows, 30 rounds of seed 0 with fedavg-cosine for four strategies (3 in the pilot)."""
+def test_beyond_suites_share_the_tables_setup_and_state_their_runs() -> None:
+    """The beyond-the-paper suites: the table's defaults at r = 0.1, 100 rounds and seeds 0
+    and 1 for the main rows, 30 rounds of seed 0 with fedavg-cosine for four strategies (3 in
+    the pilot)."""
     suite = load_suite(ROOT / "experiments" / "beyond.toml")
     table = load_suite(ROOT / "experiments" / "fmnist-table.toml")
     shared = ("dataset", "model", "model-width", "fraction-train", "min-available-nodes",

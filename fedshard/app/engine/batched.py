@@ -48,10 +48,16 @@ from fedshard.client.train.batches import TensorBatches, batches_for
 from fedshard.client.train.config import TrainConfig
 from fedshard.client.train.rules import ClientRules, RulesReport
 from fedshard.spectral.layers import SpectralLayer
+from fedshard.spectral.selection import BATCH_NORMS
 
 __all__ = ["BatchedTrainer", "train_together", "vectorizable"]
 
 logger = logging.getLogger(__name__)
+
+
+#: torch's dropout layers, by their public classes.
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+             nn.FeatureAlphaDropout)
 
 
 def vectorizable(model: nn.Module) -> list[str]:
@@ -59,9 +65,9 @@ def vectorizable(model: nn.Module) -> list[str]:
     train-time randomness (dropout ``p > 0``) or running statistics (batch norm)."""
     reasons = []
     for name, module in model.named_modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+        if isinstance(module, _DROPOUTS) and module.p > 0:
             reasons.append(f"{name or 'model'}: {type(module).__name__}(p={module.p})")
-        elif isinstance(module, nn.modules.batchnorm._BatchNorm):
+        elif isinstance(module, BATCH_NORMS):
             reasons.append(f"{name or 'model'}: {type(module).__name__} (running statistics)")
     return reasons
 

@@ -51,6 +51,12 @@ def _plain(value: Any) -> bool:
     return isinstance(value, _PLAIN)
 
 
+#: The attributes where torch keeps a module's hooks (no public API lists them; the names are
+#: checked against the installed torch by tests/test_torch_internals.py).
+MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                "_backward_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks")
+
+
 def model_signature(model: nn.Module, cfg: TrainConfig) -> tuple[Any, ...] | None:
     """What must be equal for two models to share a pooled step, or ``None`` if ``model``
     cannot be pooled (it has hooks or an instance-level ``forward``).
@@ -65,8 +71,7 @@ def model_signature(model: nn.Module, cfg: TrainConfig) -> tuple[Any, ...] | Non
     """
     modules = []
     for name, m in model.named_modules():
-        hooks = (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks,
-                 m._backward_pre_hooks, m._state_dict_hooks, m._load_state_dict_pre_hooks)
+        hooks = [getattr(m, h) for h in MODULE_HOOKS]  # torch's own: pinned by a test
         if any(hooks) or "forward" in m.__dict__:
             return None
         attrs = tuple(sorted((k, v) for k, v in m.__dict__.items()
