@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from logging import ERROR
 from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
+from flwr.common.logger import log as flwr_log
 from flwr.serverapp import Grid
 from torch import nn
 
@@ -134,17 +136,37 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
         )
     except NoRoundTrainedError as err:  # the files are written first; raised again below
         if err.result is None:
+            _fail(recorder, strategy.current_arrays or initial, err)
             raise
         result, untrained = err.result, err
+    except Exception as err:  # a stop, a timeout, a bug: the run's status says so first
+        _fail(recorder, strategy.current_arrays or initial, err)
+        raise
     # Flower's Result holds no arrays when no round produced an update, and then the model
     # is still the one the rounds started from.
     final = result.arrays if len(result.arrays) > 0 else initial
-    summary = recorder.finish(final.to_torch_state_dict(),
-                              {"sharding": _savings(cfg, model, strategy, recorder.rows)})
     if untrained is not None:
+        _fail(recorder, final, untrained)
         raise NoRoundTrainedError(f"{untrained} The run's results (the initial model among "
                                   f"them) were written to {directory}.", result) from None
+    summary = recorder.finish(final.to_torch_state_dict(),
+                              {"status": "finished",
+                               "sharding": _savings(cfg, model, strategy, recorder.rows)})
     return summary
+
+
+def _fail(recorder: RunRecorder, arrays: ArrayRecord, err: BaseException) -> None:
+    """Write the failed run's summary (``"status": "failed"``, the reason) and the model it
+    stopped with, and say so in the log's last lines; the exception is raised again after."""
+    reason = f"{type(err).__name__}: {err}"
+    try:
+        recorder.finish(arrays.to_torch_state_dict(), {"status": "failed", "failure": reason})
+    except Exception as write_err:  # the run's own error matters more than its files
+        logger.error("The failed run's summary could not be written (%s).", write_err)
+    flwr_log(ERROR, "RUN FAILED after %d round(s): %s. %s has \"status\": \"failed\" "
+             "(flwr run exits 0 all the same: a script should read that file).",
+             max((r["round"] for r in recorder.rows), default=0), reason,
+             recorder.directory / "summary.json")
 
 
 def _savings(cfg: RunConfig, model: nn.Module, strategy: SpectralSharding,

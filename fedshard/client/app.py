@@ -56,7 +56,9 @@ class ShardingClientApp(ClientApp):
     default_keep_ratio : float, optional
         The ratio of a node that names none (see :func:`keep_ratio_of`).
     mods : list, optional
-        Further Flower mods, after :func:`sharding_mod`.
+        Your Flower mods, after :func:`sharding_mod`. fedshard's capability query is answered
+        before them, so they see only your handlers' messages (``train``, ``evaluate``, your
+        own queries), each with its ``"config"`` record.
     keep_ratios : str, KeepRatioMixture or callable, optional
         The keep ratios of the simulated nodes in one line: a mix such as
         ``"0.25:0.5,0.5:0.5"`` (half the partitions keep 25 % of the terms, half 50 %; partition
@@ -76,7 +78,9 @@ class ShardingClientApp(ClientApp):
     def __init__(self, default_keep_ratio: float | None = None,
                  mods: list[Any] | None = None, *, keep_ratios: KeepRatios | None = None,
                  ) -> None:
-        super().__init__(mods=[sharding_mod, *(mods or [])])
+        # the capability query is answered before any mod of yours: your mods see only the
+        # messages of your handlers (a mod reading msg.content["config"] keeps working)
+        super().__init__(mods=[self._capabilities, sharding_mod, *(mods or [])])
         self.default_keep_ratio = default_keep_ratio
         if isinstance(keep_ratios, str):
             keep_ratios = KeepRatioMixture.parse(keep_ratios)  # a bad mix fails here
@@ -85,11 +89,18 @@ class ShardingClientApp(ClientApp):
                             "such as \"0.25:0.5,0.5:0.5\", a KeepRatioMixture or a function "
                             "of the node config; no app was built")
         self.keep_ratios = keep_ratios
+        self.query()(self._answer)  # Flower needs a query handler; the mod answers first
 
-        @self.query()
-        def _query(msg: Message, context: Context) -> Message:
-            key = context.node_config.get("partition-id")  # stable across launches
-            ratio = (keep_ratio_of(context, self.default_keep_ratio)
-                     if self.keep_ratios is None
-                     else node_keep_ratio(context.node_config, self.keep_ratios))
-            return handle_query(msg, ratio, None if key is None else str(key))
+    def _capabilities(self, msg: Message, context: Context, call_next: Any) -> Message:
+        """A mod, the app's first: answers fedshard's capability query and passes every other
+        message on."""
+        if not P.is_capability_query(msg):
+            return call_next(msg, context)
+        return self._answer(msg, context)
+
+    def _answer(self, msg: Message, context: Context) -> Message:
+        """This node's keep ratio (the node's ``partition-id`` as its stable key)."""
+        key = context.node_config.get("partition-id")  # stable across launches
+        ratio = (keep_ratio_of(context, self.default_keep_ratio) if self.keep_ratios is None
+                 else node_keep_ratio(context.node_config, self.keep_ratios))
+        return handle_query(msg, ratio, None if key is None else str(key))

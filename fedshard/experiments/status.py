@@ -1,7 +1,8 @@
 """Where each run of a suite stands on disk: pending, partial, resumable, finished or stale.
 
 A run is *finished* when its folder has ``summary.json`` (written last, atomically, by
-:class:`fedshard.app.results.RunRecorder`) with ``rounds-completed`` equal to the run's
+:class:`fedshard.app.results.RunRecorder`) without ``"status": "failed"``, with
+``rounds-completed`` equal to the run's
 ``num-server-rounds`` and a round that trained (``rounds-trained`` > 0 where it says), and its
 ``config.json`` shows the settings the suite asks for now; a
 finished run with other settings is *stale*. A run that is not finished is *resumable* when its
@@ -85,6 +86,8 @@ def run_status(spec: RunSpec) -> RunStatus:
         return RunStatus(spec, RunState.STALE, f"summary.json but no readable config.json "
                          f"({err}); cannot tell which settings it ran with", summary)
     done = summary.get("rounds-completed")
+    if summary.get("status") == "failed":
+        return _unfinished(spec, f"failed after {done} round(s): {summary.get('failure')}")
     if summary.get("rounds-trained") == 0:  # older summaries do not say: taken as trained
         return _unfinished(spec, f"no round trained ({done} rounds completed, the model is the "
                            "initial one: the ServerApp raised 'No round trained')")

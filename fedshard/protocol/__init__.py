@@ -44,6 +44,7 @@ from fedshard.protocol.bounds import UPDATE_POLICIES, read_count, scalar_metrics
 from fedshard.protocol.capabilities import (
     Capabilities,
     capabilities_reply,
+    is_capability_query,
     query_message,
     read_capabilities,
 )
@@ -113,6 +114,7 @@ __all__ = [
     "encode_array",
     "encode_shard",
     "factor_key",
+    "is_capability_query",
     "is_factor_key",
     "layer_of",
     "query_message",

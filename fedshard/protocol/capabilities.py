@@ -11,7 +11,8 @@ from flwr.common import MessageType
 from fedshard.protocol.keys import CAPABILITIES, KEEP_RATIO, NODE_KEY, QUERY
 from fedshard.sampling import as_keep_ratio
 
-__all__ = ["Capabilities", "capabilities_reply", "query_message", "read_capabilities"]
+__all__ = ["Capabilities", "capabilities_reply", "is_capability_query", "query_message",
+           "read_capabilities"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,12 @@ def query_message(node: int) -> Message:
     """The capability query sent to ``node``."""
     return Message(RecordDict({QUERY: ConfigRecord({"want": [KEEP_RATIO, NODE_KEY]})}),
                    dst_node_id=node, message_type=MessageType.QUERY)
+
+
+def is_capability_query(msg: Message) -> bool:
+    """Whether ``msg`` is fedshard's capability query (a ``query`` message with a
+    :data:`~fedshard.protocol.keys.QUERY` record), not another query of the ClientApp's."""
+    return msg.metadata.message_type == MessageType.QUERY and QUERY in msg.content
 
 
 def capabilities_reply(msg: Message, keep_ratio: float, node_key: str | int | None) -> Message:

@@ -11,12 +11,17 @@ The strategy's own checks are callbacks too (:func:`default_callbacks`), so a us
 library gets them and can leave one out or add their own (pfl-research composes its
 callbacks in the same way, ``pfl/callback``):
 
+- :class:`ShardingBudgetReport` - says, for every keep ratio when it first appears, what a node
+  receives, sends and computes against the dense model, and warns when sharding saves less than
+  it should (the largest layers left dense, factors that cost more than their layer);
 - :class:`ConfigPrecedence` - says once which of the round config's entries are sent as they
   are and which are replaced;
 - :class:`SingleNodeGroups` - warns when Collective meets a keep-ratio group of one node;
 - :class:`CompoundingMultipliers` - warns once when multipliers above 1 meet a model without
   normalization layers;
 - :class:`StopOnDivergence` - stops the run when most replies report that training diverged;
+- :class:`StopWhenEveryReplyFails` - stops the run after a round whose every reply is the same
+  error, with the error in full and the likely fix;
 - :class:`StopWhenUntrained` - stops the run that trained nothing, with what to check.
 
 Metrics flow one way through :meth:`~RoundCallback.on_round`: each callback sees the round's
@@ -37,6 +42,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message
 
 from fedshard import protocol as P
+from fedshard.spectral.budget import budget_summary, budget_warnings, sharding_budget
 
 if TYPE_CHECKING:
     from flwr.serverapp.strategy import Result
@@ -50,12 +56,15 @@ __all__ = [
     "ConfigPrecedence",
     "NoRoundTrainedError",
     "RoundCallback",
+    "ShardingBudgetReport",
     "SingleNodeGroups",
     "StopOnDivergence",
     "StopRun",
+    "StopWhenEveryReplyFails",
     "StopWhenUntrained",
     "TrainingDivergedError",
     "default_callbacks",
+    "likely_fix",
     "no_round_trained",
 ]
 
@@ -126,6 +135,46 @@ class RoundCallback:
 
 
 # ---------------------------------------------------------------------------- the strategy's own
+class ShardingBudgetReport(RoundCallback):
+    """What sharding buys, per keep ratio, logged when a ratio first appears in a round: the
+    bytes a node receives and sends and (with the strategy's model and example input, which
+    :meth:`~fedshard.server.strategy.SpectralSharding.from_model` keeps) its forward FLOPs,
+    against the dense model (INFO); and a WARNING where a keep ratio r < 1 saves less than half
+    of what it names (above (1 + r)/2 of the dense model), naming the largest layers left dense
+    and the line that shards them, or where a layer's ⌈rN⌉ factors cost more than the layer
+    (:func:`fedshard.spectral.budget_warnings`)."""
+
+    def __init__(self) -> None:
+        self.reported: set[float] = set()
+
+    def on_configure(self, strategy: SpectralSharding, server_round: int,
+                     config: ConfigRecord, messages: Sequence[Message]) -> None:
+        if not strategy.sharded_layers:
+            return
+        ratios = {float(r) for m in messages
+                  if isinstance(r := m.content[P.CONFIG].get(P.KEEP_RATIO), (int, float))}
+        new = ratios - self.reported
+        if not new:
+            return
+        self.reported |= new
+        source = strategy.budget_model if strategy.budget_model is not None \
+            else strategy.current_arrays
+        if source is None:
+            return
+        try:
+            budget = sharding_budget(source, strategy.sharded_layers, new,
+                                     example_input=strategy.example_input
+                                     if strategy.budget_model is not None else None)
+        except (TypeError, ValueError) as err:  # a report must not stop the run
+            logger.warning("What sharding saves could not be counted (%s); the run goes on.",
+                           err)
+            return
+        logger.info("Round %d, what a node receives and computes against the dense model: %s",
+                    server_round, "; ".join(budget_summary(budget)))
+        for text in budget_warnings(budget):
+            logger.warning("%s", text)
+
+
 class ConfigPrecedence(RoundCallback):
     """Says once which of the round config's entries are sent as they are, and which are
     replaced (the per-node keys: the keep ratio, the training seed, the method)."""
@@ -243,6 +292,48 @@ class StopOnDivergence(RoundCallback):
         raise TrainingDivergedError(message)
 
 
+class StopWhenEveryReplyFails(RoundCallback):
+    """Stops the run after a round in which every node answered with an error and all the
+    errors are one: the same error would come back every round, so the run stops at once
+    (:class:`StopRun`, logged as an ERROR) with the error in full and, where it is a known
+    one, the likely fix (a state dict that does not fit the received arrays: was
+    ``receive(msg, model)`` called?)."""
+
+    def on_aggregate(self, strategy: SpectralSharding, server_round: int,
+                     metrics: Mapping[str, float], state: RoundState | None) -> None:
+        if state is None or metrics.get("replies-used", 0.0) or not state.dropped:
+            return
+        reasons = {reason for _, reason in state.dropped}
+        if len(state.dropped) < len(state.sent) or len(reasons) != 1:
+            return  # some node did not answer, or the nodes failed differently
+        (reason,) = reasons
+        if not reason.startswith("error-reply"):
+            return
+        message = (f"Round {server_round}: every one of the {len(state.dropped)} nodes answered "
+                   f"with the same error, so every round would: the run stops here. The "
+                   f"error: {reason}")
+        hint = likely_fix(reason)
+        if hint:
+            message += f" Likely fix: {hint}"
+        logger.error("%s", message)
+        raise StopRun(message)
+
+
+def likely_fix(reason: str) -> str:
+    """What usually causes an error a ClientApp replies with, and what to change ("" when the
+    error is not a known one)."""
+    if "state_dict" in reason or "Missing key" in reason or "Unexpected key" in reason:
+        return ("the ClientApp's model does not take the arrays it was sent. A node of "
+                "SpectralSharding receives a sub-model (factors u, v, omega of the sharded "
+                "layers): build it with model = receive(msg, Net()).model (fedshard.receive) "
+                "instead of loading msg.content['arrays'] into your dense model, and make sure "
+                "server and nodes build the same model.")
+    if "keep ratio" in reason or "keep-ratio" in reason:
+        return ("every node must declare a keep ratio: ShardingClientApp(keep_ratios=...), or "
+                "keep-ratio in the node or run config.")
+    return ""
+
+
 class StopWhenUntrained(RoundCallback):
     """Stops a run in which no round trained (no usable reply, the model is the initial one),
     with :class:`NoRoundTrainedError` (logged as an ERROR) naming what to check.
@@ -284,8 +375,9 @@ class StopWhenUntrained(RoundCallback):
 def default_callbacks() -> list[RoundCallback]:
     """The strategy's own callbacks, in order (see the module docstring); fresh objects (each
     keeps its own state: what it already said, untrained rounds in a row)."""
-    return [ConfigPrecedence(), SingleNodeGroups(), CompoundingMultipliers(),
-            StopOnDivergence(), StopWhenUntrained()]
+    return [ShardingBudgetReport(), ConfigPrecedence(), SingleNodeGroups(),
+            CompoundingMultipliers(), StopOnDivergence(), StopWhenEveryReplyFails(),
+            StopWhenUntrained()]
 
 
 # ---------------------------------------------------------------------------- dispatch

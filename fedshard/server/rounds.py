@@ -64,6 +64,7 @@ class RoundState:
     device: str | None = None  # where the SVD and the rebuild run (None: numpy on the host)
     reference: bool = False  # fedavg-cosine: nodes were sent the dense model to train too
     references: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)  # node -> state
+    dropped: list[tuple[int, str]] = field(default_factory=list)  # (node, full reason), in order
 
     def collect(self, replies: Iterable[Message]) -> tuple[list[P.TrainReply], Counter[str], int]:
         """The valid replies, the dropped ones counted by reason (each logged), and the
@@ -88,6 +89,7 @@ class RoundState:
                 seen.add(node)
             if isinstance(reply, str):
                 dropped[reply.split(":", 1)[0]] += 1
+                self.dropped.append((node, reply))
                 log(WARNING, "Round %d: dropping the reply of node %d (%s); it does not touch "
                     "the global model.", self.server_round, node, one_line(reply))
                 log(DEBUG, "Round %d, node %d, the full reason: %s", self.server_round, node,

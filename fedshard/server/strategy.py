@@ -205,8 +205,11 @@ class SpectralSharding(FedAvg):
         # this run's round r + round_offset, for the schedule, the random streams and history.
         self.round_offset = 0
         self.current_arrays: ArrayRecord | None = None  # the global model of the last round
-        # set by from_model: the model has no normalization layer (CompoundingMultipliers)
+        # set by from_model: the model has no normalization layer (CompoundingMultipliers),
+        # the model and an input of it (ShardingBudgetReport counts FLOPs with them)
         self.unnormalized = False
+        self.budget_model: torch.nn.Module | None = None
+        self.example_input: Any = None
         self.in_own_start = False  # inside this strategy's start() (see StopWhenUntrained)
         self._round: rounds.RoundState | None = None
         self._configured: int | None = None  # the last round configure_train was called for
@@ -240,7 +243,10 @@ class SpectralSharding(FedAvg):
         Remembers whether the model has a normalization layer (:attr:`unnormalized`): without
         one, the first round whose multipliers exceed 1 (Unbiased, PriSM + Wallenius,
         Collective with ≥ 2 nodes of a keep ratio < 1) logs a WARNING that ω can compound
-        from layer to layer (:class:`~fedshard.server.callbacks.CompoundingMultipliers`).
+        from layer to layer (:class:`~fedshard.server.callbacks.CompoundingMultipliers`). Keeps
+        ``model`` and ``example_input`` so that the first round with each keep ratio logs what
+        a node receives and computes against the dense model, and warns where sharding saves
+        less than it should (:class:`~fedshard.server.callbacks.ShardingBudgetReport`).
         """
         known = set(inspect.signature(cls).parameters) - {"sharded_layers"}
         kwargs = group_settings(options)
@@ -255,6 +261,7 @@ class SpectralSharding(FedAvg):
         method = getattr(kwargs.get("sharding"), "method", Sharding.method)
         strategy = cls(sharded_layers=layers, **kwargs)
         strategy.unnormalized = multipliers_can_compound(model, method, layers)
+        strategy.budget_model, strategy.example_input = model, example_input
         return strategy
 
     def resume(self, completed_rounds: int, capabilities: dict[int, tuple[float, str]],

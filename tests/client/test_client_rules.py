@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from flower_grid import InProcessGrid
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -224,3 +224,37 @@ def test_a_round_without_an_optimizer_step_says_the_rules_were_not_applied(
     omegas = [msg.content[P.ARRAYS][f"{layer}.omega"].numpy() for layer in ("2", "4")]
     assert reply.content[P.METRICS]["clip-lr-terms"] == sum(int((w > 1.0).sum()) for w in omegas)
     assert reply.content[P.METRICS]["clip-lr-terms"] > 0 and "not applied" not in caplog.text
+
+
+def test_a_users_mod_that_reads_the_round_config_sees_only_its_messages() -> None:
+    """A TensorBoard-style mod (as in Flower's examples) reads msg.content["config"]
+    ["server-round"]: fedshard's capability query is answered before it, so it never meets a
+    message without a config, and the run trains."""
+    seen: list[tuple[str, int]] = []
+
+    def round_logger(msg: Message, context: Context, call_next: Any) -> Message:
+        seen.append((msg.metadata.message_type, int(msg.content["config"]["server-round"])))
+        return call_next(msg, context)
+
+    app = ShardingClientApp(keep_ratios="0.5:1.0", mods=[round_logger])
+
+    @app.train()
+    def _train(msg: Message, context: Context) -> Message:
+        model = receive(msg, net().float()).model
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for x, y in batches():
+            opt.zero_grad()
+            F.cross_entropy(model(x.float()), y).backward()
+            opt.step()
+        return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()),
+                                   "metrics": MetricRecord({"num-examples": 32})}),
+                       reply_to=msg)
+
+    s = SpectralSharding(sharded_layers=["2", "4"], num_rounds=2, min_train_nodes=2,
+                         min_available_nodes=2, fraction_evaluate=0.0,
+                         nodes=NodePolicy(query_timeout=5, node_wait_timeout=5))
+    grid = InProcessGrid(app, [{"partition-id": i, "num-partitions": 2} for i in range(2)])
+    s.start(grid=grid, initial_arrays=ArrayRecord(net().float().state_dict()), num_rounds=2,
+            timeout=5)
+    assert s.rounds_trained == 2
+    assert sorted(seen) == [("train", 1), ("train", 1), ("train", 2), ("train", 2)]

@@ -4,13 +4,17 @@ callbacks a user may leave out; and every callback's on_end runs however the run
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from test_strategy import grid_with, initial, strategy
+from torch import nn
 
+from fedshard import SpectralSharding
 from fedshard.server import (
     RoundCallback,
     StopOnDivergence,
@@ -88,3 +92,54 @@ def test_the_strategys_own_checks_are_callbacks_a_user_may_leave_out() -> None:
 def test_callbacks_are_checked_when_the_strategy_is_built() -> None:
     with pytest.raises(ValueError, match=r"callbacks=.*expected RoundCallback objects"):
         strategy(callbacks=[lambda *a: None])
+
+
+class AutoEncoder(nn.Module):
+    """784→64→3→64→784: the two rank-3 bottleneck layers are the paper's default layers,
+    the two 784×64 layers hold ~99 % of the weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc1, self.enc2 = nn.Linear(784, 64), nn.Linear(64, 3)
+        self.dec1, self.dec2 = nn.Linear(3, 64), nn.Linear(64, 784)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dec2(torch.relu(self.dec1(self.enc2(torch.relu(self.enc1(x))))))
+
+
+def test_round_1_says_what_each_keep_ratio_saves_and_warns_when_it_saves_nothing(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The default layers of this autoencoder are its bottleneck: nodes at r = 0.25 receive
+    0.9995× the dense model and at r = 0.5 more than it; round 1 says so, names the 784×64
+    layers and the line that shards them, and says which factors cost more than their layer."""
+    ae = AutoEncoder()
+    s = SpectralSharding.from_model(ae, example_input=torch.zeros(1, 784), method="top-n",
+                                    min_train_nodes=1, min_available_nodes=1,
+                                    query_timeout=5, node_wait_timeout=5)
+    assert s.sharded_layers == ("enc2", "dec1")
+    caplog.set_level(logging.INFO, logger="fedshard")
+    list(s.configure_train(1, ArrayRecord(ae.state_dict()), ConfigRecord(),
+                           grid_with([0.25, 0.5])))
+    text = caplog.text
+    assert "r = 0.25: receives 0.9995x of the dense model's bytes" in text
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("enc1" in w and "dec2" in w and "policy='by-size'" in w for w in warnings)
+    assert any("cost more" in w and "dec1" in w for w in warnings)
+    caplog.clear()  # round 2, the same keep ratios: nothing new to say
+    list(s.configure_train(2, ArrayRecord(ae.state_dict()), ConfigRecord(),
+                           grid_with([0.25, 0.5])))
+    assert "receives" not in caplog.text
+    # ResNet-style models that shard what they hold: the report, and no warning
+    big = SpectralSharding.from_model(nn.Sequential(nn.Linear(8, 256), nn.ReLU(),
+                                                    nn.Linear(256, 256), nn.ReLU(),
+                                                    nn.Linear(256, 256), nn.ReLU(),
+                                                    nn.Linear(256, 4)),
+                                      method="top-n", min_train_nodes=1,
+                                      min_available_nodes=1, query_timeout=5,
+                                      node_wait_timeout=5)
+    caplog.clear()
+    list(big.configure_train(1, ArrayRecord(big.budget_model.state_dict()), ConfigRecord(),
+                             grid_with([0.25, 0.25])))
+    assert "r = 0.25: receives" in caplog.text
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING
+                and "dense model" in r.getMessage()]
