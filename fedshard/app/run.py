@@ -31,7 +31,7 @@ from fedshard.app.task import (
     grid_runtime,
     resolve_device,
 )
-from fedshard.server.callbacks import NoRoundTrainedError, RoundCallback
+from fedshard.server.callbacks import NoRoundTrainedError, RoundCallback, TrainingReceipts
 from fedshard.server.side_jobs import TensorBoardLog
 from fedshard.server.strategy import SpectralSharding
 from fedshard.spectral import sharded_layer_names
@@ -149,9 +149,11 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
         _fail(recorder, final, untrained)
         raise NoRoundTrainedError(f"{untrained} The run's results (the initial model among "
                                   f"them) were written to {directory}.", result) from None
+    receipts = [c.totals for c in strategy.callbacks if isinstance(c, TrainingReceipts)]
     summary = recorder.finish(final.to_torch_state_dict(),
                               {"status": "finished",
-                               "sharding": _savings(cfg, model, strategy, recorder.rows)})
+                               "sharding": _savings(cfg, model, strategy, recorder.rows),
+                               **({"receipts": receipts[0]} if receipts else {})})
     return summary
 
 

@@ -11,7 +11,7 @@ from flwr.clientapp import ClientApp
 from fedshard import protocol as P
 from fedshard.client.handlers import handle_query, keep_ratio_of
 from fedshard.client.keep_ratios import KeepRatioMixture, KeepRatios, node_keep_ratio
-from fedshard.client.shard import following, rules_metrics, shard_reply
+from fedshard.client.shard import following, receipt_of, rules_metrics, shard_reply
 
 __all__ = ["ShardingClientApp", "sharding_mod"]
 
@@ -37,11 +37,14 @@ def sharding_mod(msg: Message, context: Context, call_next: Any) -> Message:
     metrics = dict(reply.content.metric_records.get(P.METRICS, {}))
     num_examples = metrics.pop(P.NUM_EXAMPLES, None)
     rules = following(msg)  # the rules receive() made follow this shard
+    receipt = None
     if rules is not None:
-        metrics.update(rules_metrics(rules.report(), rules.active))
+        report = rules.report()
+        metrics.update(rules_metrics(report, rules.active))
+        receipt = receipt_of(report)
     lr = P.TrainSettings.from_record(msg.content.config_records[P.CONFIG]).base_lr
     return shard_reply(msg, {k: P.decode_array(a) for k, a in arrays.items()}, num_examples,
-                       metrics, lr)
+                       metrics, lr, receipt)
 
 
 class ShardingClientApp(ClientApp):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -34,8 +35,8 @@ from fedshard.client.train.optim import build_optimizer
 from fedshard.client.train.rules import ClientRules, RulesReport
 from fedshard.spectral import LayerFactors, build_submodel
 
-__all__ = ["CLIP_LR_TERMS", "Shard", "SubmodelCache", "following", "receive", "rules_metrics",
-           "shard_reply", "submodel_from_record"]
+__all__ = ["CLIP_LR_TERMS", "Shard", "SubmodelCache", "following", "receipt_of", "receive",
+           "rules_metrics", "shard_reply", "submodel_from_record"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +44,12 @@ logger = logging.getLogger(__name__)
 #: round; 0 when it scaled none, or when no optimizer step applied the rules.
 CLIP_LR_TERMS = "clip-lr-terms"
 
-#: The rules that follow a received shard, by the id of the message that carried it (so that
-#: :func:`fedshard.client.sharding_mod` can say what they did in a FedAvg-style reply).
-_FOLLOWING: weakref.WeakValueDictionary[str, ClientRules] = weakref.WeakValueDictionary()
+#: The rules that follow a received shard, by the id of the message that carried it, from
+#: receive() to the reply (so that :func:`fedshard.client.sharding_mod` can say what they did
+#: in a FedAvg-style reply, after the user's handler has dropped the sub-model). The reply
+#: takes its entry out; at most :data:`_KEPT` are kept.
+_FOLLOWING: OrderedDict[str, ClientRules] = OrderedDict()
+_KEPT = 8
 
 #: A sub-model's shape: ``(layer, u's shape, v's shape)`` of each sharded layer, sorted.
 SubmodelShape = tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]
@@ -195,6 +199,8 @@ class Shard:
             vars(sub)["_fedshard_rules"] = rules  # they follow the sub-model while it lives
             if msg.metadata.message_id:
                 _FOLLOWING[msg.metadata.message_id] = rules
+                while len(_FOLLOWING) > _KEPT:
+                    _FOLLOWING.popitem(last=False)
         return cls(sub, settings, tuple(layers), msg, dev, rules)
 
     def train_config(self, **overrides: Any) -> TrainConfig:
@@ -236,15 +242,26 @@ class Shard:
             For a non-numeric metric or ``num_examples`` ≤ 0.
         """
         state = {k: v.detach().cpu().numpy() for k, v in self.model.state_dict().items()}
+        following(self.message)  # this reply is the shard's: the registry lets go of it
         report = rules if rules is not None else self.rules.report()
         values = {**(metrics or {}), **rules_metrics(report, self.rules.active)}
-        return shard_reply(self.message, state, num_examples, values, self.settings.base_lr)
+        return shard_reply(self.message, state, num_examples, values, self.settings.base_lr,
+                           receipt_of(report))
 
 
 def following(msg: Message) -> ClientRules | None:
-    """The rules that :func:`receive` made follow the shard of ``msg`` (while its sub-model
-    lives), or ``None``."""
-    return _FOLLOWING.get(msg.metadata.message_id) if msg.metadata.message_id else None
+    """The rules that :func:`receive` made follow the shard of ``msg``, taken out of the
+    registry (the reply to ``msg`` is being built), or ``None``."""
+    return _FOLLOWING.pop(msg.metadata.message_id, None) if msg.metadata.message_id else None
+
+
+def receipt_of(report: RulesReport) -> P.Receipt:
+    """The reply's receipt (:class:`fedshard.protocol.Receipt`): what the node trained with, as
+    the client rules saw it."""
+    applied = report.steps > 0
+    return P.Receipt(report.optimizer, report.lr, report.steps,
+                     applied and report.clip_lr_tau is not None,
+                     applied and report.frobenius_decay > 0)
 
 
 def rules_metrics(report: RulesReport, active: bool) -> dict[str, float]:
@@ -267,8 +284,10 @@ def rules_metrics(report: RulesReport, active: bool) -> dict[str, float]:
 
 
 def shard_reply(msg: Message, state: Mapping[str, np.ndarray], num_examples: Any,
-                 metrics: Mapping[str, Any], lr: float) -> Message:
-    """The checked train reply: ``num_examples`` > 0, numeric metrics, finite arrays."""
+                 metrics: Mapping[str, Any], lr: float,
+                 receipt: P.Receipt | None = None) -> Message:
+    """The checked train reply: ``num_examples`` > 0, numeric metrics, finite arrays (and the
+    node's ``receipt``)."""
     if isinstance(num_examples, bool) or not isinstance(num_examples, (int, float, np.number)) \
             or not num_examples > 0:
         raise ValueError(f"{P.NUM_EXAMPLES}={num_examples!r}: expected a number > 0 (the "
@@ -290,7 +309,7 @@ def shard_reply(msg: Message, state: Mapping[str, np.ndarray], num_examples: Any
             "model at the same lr (the paper's factor step): give the strategy "
             "LocalTraining(factor_step='dense') (run config factor-step = \"dense\"), whose "
             "steps are the dense model's, or about 1/10 of the dense learning rate.")
-    return P.train_reply(msg, dict(state), int(num_examples), values)
+    return P.train_reply(msg, dict(state), int(num_examples), values, receipt)
 
 
 def receive(msg: Message, model: nn.Module, *, device: str | torch.device = "cpu",

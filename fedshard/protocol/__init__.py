@@ -69,6 +69,7 @@ from fedshard.protocol.keys import (
     is_factor_key,
     layer_of,
 )
+from fedshard.protocol.receipts import RECEIPT_KEYS, Receipt, read_receipt
 from fedshard.protocol.settings import NODE_KEYS, RECIPE_KEYS, TRAIN_CONFIG_KEYS, TrainSettings
 from fedshard.protocol.shards import (
     SentShard,
@@ -94,6 +95,7 @@ __all__ = [
     "NODE_KEYS",
     "NUM_EXAMPLES",
     "QUERY",
+    "RECEIPT_KEYS",
     "RECIPE_KEYS",
     "REFERENCE",
     "SERVER_ROUND",
@@ -102,6 +104,7 @@ __all__ = [
     "TRAIN_LOSS",
     "UPDATE_POLICIES",
     "Capabilities",
+    "Receipt",
     "SentShard",
     "TrainReply",
     "TrainSettings",
@@ -120,6 +123,7 @@ __all__ = [
     "query_message",
     "read_capabilities",
     "read_count",
+    "read_receipt",
     "scalar_metrics",
     "train_reply",
 ]

@@ -26,6 +26,7 @@ from fedshard.protocol.keys import (
     factor_key,
     layer_of,
 )
+from fedshard.protocol.receipts import Receipt, read_receipt
 from fedshard.settings import ReplyPolicy
 from fedshard.spectral.aggregate import TermUpdate
 from fedshard.spectral.decompose import LayerSpectrum
@@ -105,11 +106,11 @@ def decode_shard(
 
 
 def train_reply(msg: Message, state: dict[str, np.ndarray], num_examples: int,
-                metrics: dict[str, float]) -> Message:
+                metrics: dict[str, float], receipt: Receipt | None = None) -> Message:
     """The reply to a ``train`` message: the trained ``state`` (the sub-model's state dict;
     ω is left out, the indices are echoed from ``msg``), the metrics and, in a ``"config"``
     record, the round ``msg`` was sent in (``server-round``, echoed: the server drops a reply
-    whose content answers another round)."""
+    whose content answers another round) and the ``receipt`` (what the node trained with)."""
     record = msg.content.array_records[ARRAYS]
     indices = [k for k in record if k.endswith(".indices")]
     omega = {factor_key(layer_of(k), "omega") for k in indices}
@@ -119,8 +120,11 @@ def train_reply(msg: Message, state: dict[str, np.ndarray], num_examples: int,
     values.update({k: float(v) for k, v in metrics.items()})
     content = RecordDict({ARRAYS: array_record(out), METRICS: MetricRecord(values)})
     sent_config = msg.content.config_records.get(CONFIG)
+    echo: dict[str, Any] = receipt.entries() if receipt is not None else {}
     if sent_config is not None and SERVER_ROUND in sent_config:
-        content[CONFIG] = ConfigRecord({SERVER_ROUND: sent_config[SERVER_ROUND]})
+        echo[SERVER_ROUND] = sent_config[SERVER_ROUND]
+    if echo:
+        content[CONFIG] = ConfigRecord(echo)
     return Message(content, reply_to=msg)
 
 
@@ -140,6 +144,7 @@ class TrainReply:
     update_ratio: float = 0.0
     ignored_metrics: tuple[str, ...] = ()
     ignored_count: int = 0
+    receipt: Receipt | str | None = None  # what the node says it trained with (or why not)
 
     def terms(self) -> dict[str, TermUpdate]:
         """The trained terms, by layer."""
@@ -237,4 +242,4 @@ def check_train_reply(msg: Message, sent: SentShard | None, seen: set[int],
     # bytes on the wire, counted as for the sent records (serialized Array data)
     nbytes = sum(len(a.data) for a in record.values())
     return TrainReply(node, weight, values, kept, nbytes, tuple(sent.indices), clipped, ratio,
-                      tuple(ignored), ignored_count)
+                      tuple(ignored), ignored_count, read_receipt(echo))

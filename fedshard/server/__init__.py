@@ -27,6 +27,7 @@ from fedshard.server.callbacks import (
     StopRun,
     StopWhenEveryReplyFails,
     StopWhenUntrained,
+    TrainingReceipts,
     default_callbacks,
 )
 from fedshard.server.metrics import mean_client_metrics
@@ -59,6 +60,7 @@ __all__ = [
     "StopWhenUntrained",
     "TensorBoardLog",
     "TrainingDivergedError",
+    "TrainingReceipts",
     "cosine_lr",
     "default_callbacks",
     "load_keep_ratio_table",

@@ -19,6 +19,9 @@ callbacks in the same way, ``pfl/callback``):
 - :class:`SingleNodeGroups` - warns when Collective meets a keep-ratio group of one node;
 - :class:`CompoundingMultipliers` - warns once when multipliers above 1 meet a model without
   normalization layers;
+- :class:`TrainingReceipts` - compares what the nodes say they trained with (optimizer, lr,
+  whether the client rules were applied) with what they were sent, and warns once per kind of
+  difference;
 - :class:`StopOnDivergence` - stops the run when most replies report that training diverged;
 - :class:`StopWhenEveryReplyFails` - stops the run after a round whose every reply is the same
   error, with the error in full and the likely fix;
@@ -36,7 +39,7 @@ import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message
@@ -63,6 +66,7 @@ __all__ = [
     "StopWhenEveryReplyFails",
     "StopWhenUntrained",
     "TrainingDivergedError",
+    "TrainingReceipts",
     "default_callbacks",
     "likely_fix",
     "no_round_trained",
@@ -292,6 +296,74 @@ class StopOnDivergence(RoundCallback):
         raise TrainingDivergedError(message)
 
 
+class TrainingReceipts(RoundCallback):
+    """Compares what the nodes say they trained with (their replies' receipts,
+    :class:`fedshard.protocol.Receipt`) with what they were sent, and warns once per kind of
+    difference, with counts: nodes that trained at another lr than the one sent (their own
+    optimizer's, so the lr schedule the server logs is not what they used), nodes whose
+    factors no optimizer step moved with the client rules (Frobenius decay, ClipLR not
+    applied), receipts that cannot be read. :attr:`totals` sums them over the run (the app
+    puts them in ``summary.json``)."""
+
+    def __init__(self) -> None:
+        self.told: set[tuple[Any, ...]] = set()
+        self.totals: dict[str, Any] = {"nodes": 0, "lr-differs": 0, "rules-not-applied": 0,
+                                       "unreadable": 0, "optimizers": {}}
+
+    def on_aggregate(self, strategy: SpectralSharding, server_round: int,
+                     metrics: Mapping[str, float], state: RoundState | None) -> None:
+        if state is None or not state.accepted:
+            return
+        sent = {m.metadata.dst_node_id: m.content[P.CONFIG] for m in state.messages}
+        kinds: Counter[tuple[Any, ...]] = Counter()
+        nodes = 0
+        for reply in state.accepted:
+            receipt, config = reply.receipt, sent.get(reply.node)
+            if receipt is None or config is None:
+                continue
+            nodes += 1
+            if isinstance(receipt, str):
+                kinds[("unreadable", receipt[:80])] += 1
+                continue
+            optimizers = self.totals["optimizers"]
+            optimizers[receipt.optimizer] = optimizers.get(receipt.optimizer, 0) + 1
+            lr = config.get(P.LR)
+            if receipt.lr is not None and isinstance(lr, (int, float)) \
+                    and abs(receipt.lr - lr) > 1e-6 * max(abs(lr), 1e-12):
+                kinds[("lr", receipt.optimizer, receipt.lr, float(lr))] += 1
+            tau, gamma = config.get("clip-lr-tau", 0.0), config.get("frobenius-decay", 0.0)
+            wanted = (isinstance(tau, (int, float)) and tau > 0) or \
+                (isinstance(gamma, (int, float)) and gamma > 0)
+            if wanted and receipt.steps == 0:
+                kinds[("rules",)] += 1
+        self.totals["nodes"] += nodes
+        for kind, count in kinds.items():
+            total = {"lr": "lr-differs", "rules": "rules-not-applied",
+                     "unreadable": "unreadable"}[kind[0]]
+            self.totals[total] += count
+            key = kind[:2] if kind[0] != "lr" else kind[:3]
+            if key in self.told:
+                continue
+            self.told.add(key)
+            logger.warning("Round %d: %s", server_round, _receipt_text(kind, count, nodes))
+
+
+def _receipt_text(kind: tuple[Any, ...], count: int, nodes: int) -> str:
+    if kind[0] == "lr":
+        _, optimizer, used, sent = kind
+        return (f"{count} of {nodes} nodes trained with {optimizer or 'their optimizer'} at lr "
+                f"{used:g}, not the lr {sent:g} sent: the lr the server logs (and schedules) is "
+                "not what they used. Build the optimizer with the lr sent "
+                "(shard.settings.lr, or msg.content['config']['lr']) to follow the schedule.")
+    if kind[0] == "rules":
+        return (f"{count} of {nodes} nodes trained without the client rules (Frobenius decay, "
+                "ClipLR): no torch optimizer step moved their received factors. Train "
+                "receive(msg, model).model with a torch optimizer (any), or call "
+                "shard.rules.before_step()/after_step() around your own update.")
+    return (f"{count} of {nodes} nodes sent a receipt (what they trained with) that cannot be "
+            f"read ({kind[1]}); their arrays are used as usual.")
+
+
 class StopWhenEveryReplyFails(RoundCallback):
     """Stops the run after a round in which every node answered with an error and all the
     errors are one: the same error would come back every round, so the run stops at once
@@ -376,8 +448,8 @@ def default_callbacks() -> list[RoundCallback]:
     """The strategy's own callbacks, in order (see the module docstring); fresh objects (each
     keeps its own state: what it already said, untrained rounds in a row)."""
     return [ShardingBudgetReport(), ConfigPrecedence(), SingleNodeGroups(),
-            CompoundingMultipliers(), StopOnDivergence(), StopWhenEveryReplyFails(),
-            StopWhenUntrained()]
+            CompoundingMultipliers(), TrainingReceipts(), StopOnDivergence(),
+            StopWhenEveryReplyFails(), StopWhenUntrained()]
 
 
 # ---------------------------------------------------------------------------- dispatch

@@ -65,6 +65,7 @@ class RoundState:
     reference: bool = False  # fedavg-cosine: nodes were sent the dense model to train too
     references: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)  # node -> state
     dropped: list[tuple[int, str]] = field(default_factory=list)  # (node, full reason), in order
+    accepted: list[P.TrainReply] = field(default_factory=list)  # the replies used (finish)
 
     def collect(self, replies: Iterable[Message]) -> tuple[list[P.TrainReply], Counter[str], int]:
         """The valid replies, the dropped ones counted by reason (each logged), and the
@@ -155,6 +156,7 @@ class RoundState:
         accepted = spread_replies(self.server_round, align_replies(
             self.server_round, accepted, self.sent, self.replies, self.metrics), self.sent,
             self.spectra, self.replies, self.metrics)
+        self.accepted = accepted
         new_arrays = self.aggregate(accepted) if accepted else None
         metrics = reply_metrics(self.metrics, accepted, dropped, missing,
                                 {n: s.keep_ratio for n, s in self.sent.items()})

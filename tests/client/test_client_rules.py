@@ -258,3 +258,48 @@ def test_a_users_mod_that_reads_the_round_config_sees_only_its_messages() -> Non
             timeout=5)
     assert s.rounds_trained == 2
     assert sorted(seen) == [("train", 1), ("train", 1), ("train", 2), ("train", 2)]
+
+
+def test_receipts_tell_the_server_what_the_nodes_trained_with(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Nodes that train with their own Adam at lr 1e-3 while the server sends 0.05: the
+    replies say so, the server warns once (not every round) with the count, and the totals
+    sum the run; a node's forged receipt is counted unreadable, its arrays still used."""
+    from fedshard.server import TrainingReceipts
+
+    app = ShardingClientApp(keep_ratios="0.5:1.0")
+
+    @app.train()
+    def _train(msg: Message, context: Context) -> Message:
+        model = receive(msg, net().float()).model
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        for x, y in batches():
+            opt.zero_grad()
+            F.cross_entropy(model(x.float()), y).backward()
+            opt.step()
+        return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()),
+                                   "metrics": MetricRecord({"num-examples": 32})}),
+                       reply_to=msg)
+
+    s = SpectralSharding(sharded_layers=["2", "4"], num_rounds=2, min_train_nodes=3,
+                         min_available_nodes=3, fraction_evaluate=0.0,
+                         training=LocalTraining(lr=0.05),
+                         nodes=NodePolicy(query_timeout=5, node_wait_timeout=5))
+    grid = InProcessGrid(app, [{"partition-id": i, "num-partitions": 3} for i in range(3)])
+
+    def forge(reply: Message) -> Message:
+        reply.content["config"]["trained-optimizer"] = "Adam\nERROR forged line"
+        return reply
+
+    grid.tamper[1002] = forge
+    caplog.set_level(logging.WARNING, logger="fedshard")
+    s.start(grid=grid, initial_arrays=ArrayRecord(net().float().state_dict()), num_rounds=2,
+            timeout=5)
+    assert s.rounds_trained == 2
+    warned = [r.getMessage() for r in caplog.records
+              if "trained with Adam at lr 0.001, not the lr 0.05 sent" in r.getMessage()]
+    assert len(warned) == 1 and "2 of 3 nodes" in warned[0]
+    (receipts,) = [c for c in s.callbacks if isinstance(c, TrainingReceipts)]
+    assert receipts.totals["nodes"] == 6 and receipts.totals["unreadable"] == 2
+    assert receipts.totals["lr-differs"] == 4  # both rounds (round 2's cosine lr is 0.025)
+    assert receipts.totals["optimizers"] == {"Adam": 4}

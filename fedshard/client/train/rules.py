@@ -75,6 +75,11 @@ class RulesReport:
         moves ClipLR scales, those with ``ω_i > τ``; 0 when ClipLR is off.
     columns : int
         All factor columns.
+    optimizer : str
+        The class of the optimizer whose first step the rules applied to ("" before it).
+    lr : float or None
+        That optimizer's learning rate at its first step (of the first parameter group that
+        holds factors).
     """
 
     steps: int
@@ -83,6 +88,8 @@ class RulesReport:
     factor_step: str
     scaled_columns: int
     columns: int
+    optimizer: str = ""
+    lr: float | None = None
 
 
 #: Optimizers fedshard's rules were attached to directly: a followed model's rules leave them
@@ -148,6 +155,8 @@ class ClientRules:
         self.dense = factor_step == "dense"
         self.damping = damping
         self.steps = 0
+        self.optimizer = ""  # what the first step it applied to was, and its lr
+        self.lr: float | None = None
         self._saved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._held: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[Factors]] = \
             weakref.WeakKeyDictionary()
@@ -224,7 +233,11 @@ class ClientRules:
         if not self.active:
             return []
         _ATTACHED.add(optimizer)
-        pre = optimizer.register_step_pre_hook(before_step(self.before_step))
+        def rewrite() -> None:
+            self._note(optimizer, self.layers)
+            self.before_step()
+
+        pre = optimizer.register_step_pre_hook(before_step(rewrite))
         post = optimizer.register_step_post_hook(lambda *_: self.after_step())
         return [pre, post]
 
@@ -249,6 +262,7 @@ class ClientRules:
             held = rules._layers_of(optimizer)
             if not held:
                 return None
+            rules._note(optimizer, held)
             return before_step(lambda: rules.before_step(held))(optimizer, args, kwargs)
 
         def post(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
@@ -266,6 +280,18 @@ class ClientRules:
 
         weakref.finalize(self, remove)
         return remove
+
+    def _note(self, optimizer: torch.optim.Optimizer, layers: Sequence[Factors]) -> None:
+        """Keep the optimizer of the first step and its lr (for the reply's receipt)."""
+        if self.optimizer:
+            return
+        self.optimizer = type(optimizer).__name__
+        ids = {id(f) for layer in layers for f in (layer.u, layer.v)}
+        for group in optimizer.param_groups:
+            if any(id(p) in ids for p in group["params"]):
+                lr = group.get("lr")
+                self.lr = float(lr) if isinstance(lr, (int, float)) else None
+                return
 
     def _layers_of(self, optimizer: torch.optim.Optimizer) -> list[Factors]:
         """The layers whose factors ``optimizer`` steps (cached per optimizer)."""
@@ -286,7 +312,8 @@ class ClientRules:
             if self.tau is not None:
                 scaled += int((layer.omega > self.tau).sum())
         return RulesReport(self.steps, self.gamma, self.tau,
-                           "dense" if self.dense else "plain", scaled, columns)
+                           "dense" if self.dense else "plain", scaled, columns,
+                           self.optimizer, self.lr)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(layers={len(self.layers)}, frobenius_decay={self.gamma}, "

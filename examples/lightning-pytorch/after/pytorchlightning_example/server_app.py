@@ -3,7 +3,7 @@
 import torch
 from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
-from fedshard import LocalTraining, Sharding, SpectralSharding, sharded_layer_names
+from fedshard import LocalTraining, Sharding, SpectralSharding
 
 from pytorchlightning_example.task import LitAutoEncoder
 
@@ -26,7 +26,7 @@ def main(grid: Grid, context: Context) -> None:
 
     # Initialize the strategy
     strategy = SpectralSharding(
-        sharded_layers=sharded_layer_names(global_model, policy="by-size", keep_ratio=0.25),
+        sharded_layers=["encoder.0", "decoder.2"],  # the 784x64 and 64x784 layers
         sharding=Sharding(method="unbiased"), training=LocalTraining(clip_lr_tau=2.0),
         fraction_train=fraction_train, fraction_evaluate=fraction_evaluate)
 
