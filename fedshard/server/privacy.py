@@ -9,12 +9,14 @@ the ClientApp, which rejects fedshard's capability ``query``; ``LocalDpMod`` req
 to carry the keys that were sent (a shard reply leaves ω out) and errors. They fail only after
 some rounds or silently protect nothing, so they are refused before round 1.
 
-How: SpectralSharding runs under its own ``start()`` or by direct calls of its hooks (your own
-loop, a test). Every Flower strategy's ``start()`` calls the strategy's ``summary()`` before
-round 1, a wrapper's ``start()`` its wrapped strategy's too; SpectralSharding's ``summary()``
-outside its own ``start()`` marks it as driven by another strategy, and its training hooks then
-refuse (:func:`refuse_foreign_driver`). A client-side DP wrapper is also recognized by what it
-puts in the round config (``clipping_norm``), however its hooks are reached.
+How: SpectralSharding runs under its own ``start()`` (or a subclass's) or by direct calls of
+its hooks (your own loop, a test). Every Flower strategy's ``start()`` calls the strategy's
+``summary()`` before round 1, a wrapper's ``start()`` its wrapped strategy's too;
+SpectralSharding's ``summary()`` outside its own ``start()`` marks it as driven by another
+strategy, and its training hooks then refuse (:func:`refuse_foreign_driver`). A subclass with a
+``start()`` of its own is taken to drive itself (its ``summary()`` marks nothing). A client-side
+DP wrapper is also recognized by what it puts in the round config (``clipping_norm``), however
+its hooks are reached.
 """
 
 from __future__ import annotations

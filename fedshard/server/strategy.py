@@ -285,12 +285,13 @@ class SpectralSharding(FedAvg):
     def summary(self) -> None:
         """Log the configuration (Flower's ``start()`` calls it before round 1). Called outside
         this strategy's own :meth:`start` (by a DP wrapper's or a meta-strategy's ``start``,
-        or by you), it marks this strategy as driven by another one: its training hooks then
-        refuse to run until its own ``start()`` (:func:`fedshard.server.privacy.
-        refuse_foreign_driver`). To log the configuration and drive the hooks yourself, call
-        ``summary()`` after them."""
-        if not self.in_own_start:
-            self._foreign_start = True
+        or by you) while its class runs this :meth:`start`, it marks this strategy as driven by
+        another one: its training hooks then refuse to run until its own ``start()``
+        (:func:`fedshard.server.privacy.refuse_foreign_driver`). A subclass with a ``start()``
+        of its own drives itself and may call it freely. To log the configuration and drive
+        the hooks yourself, call ``summary()`` after them."""
+        if not self.in_own_start and type(self).start is SpectralSharding.start:
+            self._foreign_start = True  # a class with its own start() drives itself
         t, sh = self.training, self.sharding
         log(INFO, "\t├──> SpectralSharding: method=%s design=%s scaled=%s", sh.method,
             sh.design, sh.scaled)

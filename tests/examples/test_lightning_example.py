@@ -3,7 +3,7 @@ Lightning (a ``LightningModule`` autoencoder that owns its Adam, trained by ``Tr
 adopted in at most 10 changed lines of Python.
 
 ``after/`` runs 2 rounds on 4 simulated nodes (in-process grid, two nodes at r = 0.25 and two
-at r = 0.5, 500 local Fashion-MNIST examples per partition). The checks are independent of
+at r = 0.5, 1000 local Fashion-MNIST examples per partition). The checks are independent of
 fedshard's own accounting: the bytes are counted from the train messages the strategy sent,
 ClipLR's work from the replies the nodes sent, the training from the reconstruction error of
 the model the project saved, computed here with plain torch.
@@ -23,6 +23,7 @@ import tomllib
 import torch
 from flower_grid import InProcessGrid
 from flwr.app import ArrayRecord, Context, Message, RecordDict
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "lightning-pytorch"
@@ -72,7 +73,7 @@ def test_adoption_changes_at_most_ten_lines_through_the_public_api() -> None:
 
 @pytest.fixture
 def project(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):  # type: ignore[no-untyped-def]
-    """after/'s package, freshly imported, on the first 500 examples of each partition."""
+    """after/'s package, freshly imported, on the first 1000 examples of each partition."""
     if not (FMNIST / "t10k-labels-idx1-ubyte.gz").exists():
         pytest.skip(f"Fashion-MNIST idx files not in {FMNIST}")
     pytest.importorskip("lightning", reason="lightning (the test extra) not installed")
@@ -80,7 +81,7 @@ def project(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):  # type: ignore[no
     for name in [m for m in sys.modules if m.split(".")[0] == PACKAGE]:
         monkeypatch.delitem(sys.modules, name)
     task = importlib.import_module(f"{PACKAGE}.task")
-    monkeypatch.setattr(task, "MAX_EXAMPLES", 500)
+    monkeypatch.setattr(task, "MAX_EXAMPLES", 1000)
     monkeypatch.chdir(tmp_path)
     return task
 
@@ -120,12 +121,19 @@ def test_after_example_shards_lightnings_adam_run_and_trains(
         return reply
 
     grid.tamper = dict.fromkeys(grid.contexts, keep)
+    steps: list[tuple[str, int, float]] = []  # every optimizer step: class, tensors, lr
+    hook = register_optimizer_step_pre_hook(lambda opt, args, kwargs: steps.append(
+        (type(opt).__name__, sum(len(g["params"]) for g in opt.param_groups),
+         opt.param_groups[0]["lr"])))
     torch.manual_seed(0)
     initial = task.LitAutoEncoder()
     torch.manual_seed(0)  # the server's global model starts from the same weights
-    with caplog.at_level(logging.INFO):
-        server.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
-                                  run_config=run_config))
+    try:
+        with caplog.at_level(logging.INFO):
+            server.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                                      run_config=run_config))
+    finally:
+        hook.remove()
 
     # (1) what each keep ratio receives: the train messages' arrays against the dense model's
     dense = array_bytes(ArrayRecord(initial.state_dict()))
@@ -138,13 +146,24 @@ def test_after_example_shards_lightnings_adam_run_and_trains(
     for r, shares in received.items():  # two nodes a round, two rounds
         assert max(shares) <= (1 + r) / 2, (r, shares)
     assert max(received[0.25]) < 0.3 and max(received[0.5]) < 0.6, received
-    assert not [rec for rec in caplog.records if "Sharding buys little" in rec.getMessage()]
+    # a clean run: no warning (what sharding saves, the lr, the client rules, the replies)
+    warned = [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.WARNING]
+    assert not warned, warned
 
-    # (2) ClipLR acted under Lightning's Adam on every node, and no round went without it
+    # (2) the only optimizer was the module's own Adam, built by Lightning at the module's lr,
+    # the lr the server sent, and it stepped the sub-model (10 tensors: u, v, bias of the 2
+    # sharded layers, weight and bias of the 2 dense ones; the dense model has 8); ClipLR
+    # acted on every node under it, and no round went without the client rules
+    per_fit = -(-600 // 32)  # 600 training examples a node (60 % of 1000), batches of 32
+    assert steps == [("Adam", 10, 1e-3)] * (8 * per_fit), sorted(set(steps))
+    assert {m.content["config"]["lr"] for m in train_msgs} == {1e-3}
     assert len(replies) == 8 and not any(r.has_error() for r in replies)
     terms = [r.content["metrics"]["clip-lr-terms"] for r in replies]
     assert all(t > 0 for t in terms), terms
-    assert not [rec for rec in caplog.records if NOT_APPLIED in rec.getMessage()]
+    assert not [w for w in warned if NOT_APPLIED in w]
+    # the nodes' receipts say the same as the hook saw
+    assert {(r.content["config"]["trained-optimizer"], r.content["config"]["trained-steps"])
+            for r in replies} == {("Adam", per_fit)}
 
     # (3) the model trains: the reconstruction error of the saved model against round 0's
     final = task.LitAutoEncoder()

@@ -75,6 +75,7 @@ def test_a_subclass_with_its_own_start_is_not_refused() -> None:
 
     class OwnLoop(SpectralSharding):
         def start(self, grid: Any, initial_arrays: Any, *args: Any, **kwargs: Any) -> Result:
+            self.summary()  # as Flower's Strategy.start (and Flower's advanced example) do
             msgs = list(self.configure_train(1, initial_arrays, ConfigRecord(), grid))
             arrays, _ = self.aggregate_train(1, grid.send_and_receive(msgs))
             return Result(arrays=arrays or initial_arrays)

@@ -27,7 +27,8 @@ def main(grid: Grid, context: Context) -> None:
     # Initialize the strategy
     strategy = SpectralSharding(
         sharded_layers=["encoder.0", "decoder.2"],  # the 784x64 and 64x784 layers
-        sharding=Sharding(method="unbiased"), training=LocalTraining(clip_lr_tau=2.0),
+        sharding=Sharding(method="unbiased"),
+        training=LocalTraining(lr=1e-3, lr_schedule="constant", clip_lr_tau=2.0),  # Adam's lr
         fraction_train=fraction_train, fraction_evaluate=fraction_evaluate)
 
     # Start strategy, run for `num_rounds`
