@@ -354,7 +354,10 @@ def _receipt_text(kind: tuple[Any, ...], count: int, nodes: int) -> str:
         return (f"{count} of {nodes} nodes trained with {optimizer or 'their optimizer'} at lr "
                 f"{used:g}, not the lr {sent:g} sent: the lr the server logs (and schedules) is "
                 "not what they used. Build the optimizer with the lr sent "
-                "(shard.settings.lr, or msg.content['config']['lr']) to follow the schedule.")
+                "(shard.settings.lr, or msg.content['config']['lr']) to follow the schedule, or, "
+                "where a framework owns the optimizer, give the strategy their lr: "
+                f"LocalTraining(lr={used:g}, lr_schedule='constant') (from_model(..., "
+                f"lr={used:g}, lr_schedule='constant')).")
     if kind[0] == "rules":
         return (f"{count} of {nodes} nodes trained without the client rules (Frobenius decay, "
                 "ClipLR): no torch optimizer step moved their received factors. Train "

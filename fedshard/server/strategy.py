@@ -229,10 +229,12 @@ class SpectralSharding(FedAvg):
     @classmethod
     def from_model(
         cls, model: torch.nn.Module, *, example_input: torch.Tensor | None = None,
-        **options: Any,
+        sharded_layers: Sequence[str] | None = None, **options: Any,
     ) -> SpectralSharding:
         """The strategy for ``model``, sharding the paper's default layers (every Linear and
-        Conv2d but the first and the last; forward order from ``example_input`` if given).
+        Conv2d but the first and the last; forward order from ``example_input`` if given), or
+        ``sharded_layers`` when given (e.g. ``sharded_layer_names(model, policy="by-size",
+        keep_ratio=0.25)``, or the layers by name).
 
         ``options`` are the constructor's arguments and, as shortcuts, any field of
         :class:`~fedshard.settings.Sharding`, :class:`~fedshard.settings.LocalTraining`,
@@ -257,7 +259,8 @@ class SpectralSharding(FedAvg):
             raise TypeError(f"SpectralSharding.from_model: unknown argument(s) {unknown}; "
                             f"expected the strategy's {sorted(known)} or a setting of "
                             f"fedshard.settings: {settings}; no strategy was built")
-        layers = sharded_layer_names(model, example_input=example_input)
+        layers = sharded_layer_names(model, example_input=example_input,
+                                     include=sharded_layers)  # names checked against model
         method = getattr(kwargs.get("sharding"), "method", Sharding.method)
         strategy = cls(sharded_layers=layers, **kwargs)
         strategy.unnormalized = multipliers_can_compound(model, method, layers)

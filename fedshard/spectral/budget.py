@@ -339,12 +339,20 @@ def _dense_warning(budget: ShardingBudget, over: Sequence[RatioBudget]) -> str:
               if c.received_bytes < c.dense_bytes]
     if not saving:
         return text + f" Their factors at r = {smallest:g} would cost more than their weights."
-    after = {r.keep_ratio: (r.received_bytes + sum(c.received_bytes - c.dense_bytes for c in (
-        _cost(u, r.keep_ratio) for u in saving))) / budget.dense_bytes for r in over}
+    # sharded layers whose factors cost more than the layer at one of these ratios: left dense
+    dropped = sorted({c.name for r in over for c in r.layers if c.costs_more})
+    after = {r.keep_ratio: (r.received_bytes
+                            - sum(c.received_bytes - c.dense_bytes for c in r.layers
+                                  if c.name in dropped)
+                            + sum(c.received_bytes - c.dense_bytes for c in (
+                                _cost(u, r.keep_ratio) for u in saving))) / budget.dense_bytes
+             for r in over}
     names = [u.name for u in saving]
+    instead = (f" instead of {', '.join(map(repr, dropped))} (whose factors cost more than "
+               "their weights)" if dropped else " as well")
     text += (f" Sharding {'it' if len(saving) == 1 else 'them'} ({', '.join(map(repr, names))})"
-             " as well would make it " + ", ".join(f"{_times(x, 3)} at r = {r:g}"
-                                                 for r, x in after.items()) + ".")
+             f"{instead} would make it " + ", ".join(f"{_times(x, 3)} at r = {r:g}"
+                                                     for r, x in after.items()) + ".")
     still = [r for r, x in after.items() if x > _bound(r)]
     if still:
         text += (f" At r = {', '.join(f'{r:g}' for r in still)} that is still more than "
@@ -353,11 +361,12 @@ def _dense_warning(budget: ShardingBudget, over: Sequence[RatioBudget]) -> str:
                  "breaks even at r = 0.5).")
     if len(still) == len(after):
         return text
-    wanted = {*budget.sharded_layers, *names}
+    kept = [n for n in budget.sharded_layers if n not in dropped]
+    wanted = {*kept, *names}
     layers = [n for n in budget.order if n in wanted]
-    layers += [n for n in budget.sharded_layers if n not in layers]
+    layers += [n for n in kept if n not in layers]
     listed = (repr(layers) if len(layers) <= _LISTED else  # long: "sharded now, plus ..."
-              f"[<the {len(budget.sharded_layers)} layers sharded now>, "
+              f"[<the {len(kept)} layers sharded now that save bytes>, "
               f"{', '.join(map(repr, names))}]")
     by_size = min(r.keep_ratio for r in budget.ratios)
     return text + (f" Name the layers, SpectralSharding(sharded_layers={listed}, ...), or let "

@@ -147,7 +147,9 @@ def test_after_example_shards_lightnings_adam_run_and_trains(
         assert max(shares) <= (1 + r) / 2, (r, shares)
     assert max(received[0.25]) < 0.3 and max(received[0.5]) < 0.6, received
     # a clean run: no warning (what sharding saves, the lr, the client rules, the replies)
-    warned = [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.WARNING]
+    # but the one the README explains: Unbiased's ω > 1 in a model without normalization
+    warned = [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.WARNING
+              and "has no normalization layer" not in rec.getMessage()]
     assert not warned, warned
 
     # (2) the only optimizer was the module's own Adam, built by Lightning at the module's lr,

@@ -165,12 +165,18 @@ def test_the_autoencoders_default_layers_buy_nothing_and_both_warnings_say_so() 
         assert f"(1 + r)/2 = {bound:g}x" in dense_warning
     assert "'dec2' (Linear, weight 784×64, 50,960 parameters, 50.1% of" in dense_warning
     assert "'enc1' (Linear, weight 64×784, 50,240 parameters, 49.4% of" in dense_warning
-    assert "sharded_layers=['enc1', 'enc2', 'dec1', 'dec2']" in dense_warning
+    # the bottleneck's factors cost more than its weights at r = 0.5: the fix shards the two
+    # big layers instead of it
+    assert "sharded_layers=['enc1', 'dec2']" in dense_warning
+    assert "instead of 'dec1', 'enc2'" in dense_warning
     assert "policy='by-size', keep_ratio=0.25" in dense_warning
-    # sharding the two big layers too: n = 16 of 64 at r = 0.25
+    # the two big layers: n = 16 of 64 at r = 0.25; the bottleneck back to dense
     big = [layer_cost(n, s, np.float32, 0.25) for n, s in (("enc1", (64, 784)),
                                                             ("dec2", (784, 64)))]
-    after = (at_quarter + sum(c.received_bytes - c.dense_bytes for c in big)) / dense
+    small = [layer_cost(n, s, np.float32, 0.25) for n, s in (("enc2", (3, 64)),
+                                                              ("dec1", (64, 3)))]
+    after = (at_quarter + sum(c.received_bytes - c.dense_bytes for c in big)
+             - sum(c.received_bytes - c.dense_bytes for c in small)) / dense
     assert f"{after:.3f}x at r = 0.25" in dense_warning
     for name, shape in (("enc2", "3×64"), ("dec1", "64×3")):
         assert (f"'{name}' at r = 0.5 (n = 2 of N = 3 terms: 134 factor entries, 1,072 bytes "

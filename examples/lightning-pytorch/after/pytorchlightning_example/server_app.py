@@ -3,7 +3,7 @@
 import torch
 from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
-from fedshard import LocalTraining, Sharding, SpectralSharding
+from fedshard import SpectralSharding
 
 from pytorchlightning_example.task import LitAutoEncoder
 
@@ -25,10 +25,9 @@ def main(grid: Grid, context: Context) -> None:
     arrays = ArrayRecord(global_model.state_dict())
 
     # Initialize the strategy
-    strategy = SpectralSharding(
-        sharded_layers=["encoder.0", "decoder.2"],  # the 784x64 and 64x784 layers
-        sharding=Sharding(method="unbiased"),
-        training=LocalTraining(lr=1e-3, lr_schedule="constant", clip_lr_tau=2.0),  # Adam's lr
+    strategy = SpectralSharding.from_model(
+        global_model, sharded_layers=["encoder.0", "decoder.2"],  # the 784x64 and 64x784 layers
+        method="unbiased", lr=1e-3, lr_schedule="constant", clip_lr_tau=2.0,  # Adam's lr
         fraction_train=fraction_train, fraction_evaluate=fraction_evaluate)
 
     # Start strategy, run for `num_rounds`
