@@ -8,8 +8,10 @@ The ServerApp is thin: it reads ``context.run_config`` once into a ``RunConfig``
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from logging import ERROR
 from typing import Any
 
@@ -102,8 +104,14 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
     done = 0
     checkpoint = Checkpoint.load(directory, fallback=True) if cfg.resume else None
     if cfg.resume and checkpoint is None:
-        logger.warning("resume=true but %s holds no checkpoint: starting from round 1",
-                       directory)
+        if _started_before(directory, cfg):  # stopped before its round 1 completed
+            (directory / "metrics.jsonl").unlink()  # its round-0 row is written again
+            logger.warning("resume=true: %s holds this run's first rows but no checkpoint (it "
+                           "stopped before round 1 completed): the run starts again from "
+                           "round 1", directory)
+        else:
+            logger.warning("resume=true but %s holds no checkpoint: starting from round 1",
+                           directory)
     if checkpoint is not None:
         checkpoint.check_config(cfg.as_dict(), ignore=RESUME_MAY_CHANGE)
         done = checkpoint.server_round
@@ -155,6 +163,24 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
                                "sharding": _savings(cfg, model, strategy, recorder.rows),
                                **({"receipts": receipts[0]} if receipts else {})})
     return summary
+
+
+def _started_before(directory: Path, cfg: RunConfig) -> bool:
+    """Whether ``directory`` holds this run's ``config.json`` (the same settings, apart from
+    :data:`~fedshard.app.checkpoint.RESUME_MAY_CHANGE`) and no round after 0 in
+    ``metrics.jsonl``: the run stopped before its first checkpoint, so a resume starts again
+    from round 1."""
+    try:
+        used = json.loads((directory / "config.json").read_text())["config"]
+        rows = (directory / "metrics.jsonl").read_text().splitlines()
+        rounds = {json.loads(x)["round"] for x in rows if x.strip()}
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    if not isinstance(used, dict) or rounds - {0}:
+        return False
+    mine = cfg.as_dict()
+    return all(used.get(k) == v for k, v in mine.items()
+               if k not in RESUME_MAY_CHANGE and k not in ("resume", "overwrite"))
 
 
 def _fail(recorder: RunRecorder, arrays: ArrayRecord, err: BaseException) -> None:

@@ -92,3 +92,30 @@ def test_resume_refuses_another_config(data: Path, tmp_path: Path) -> None:
     err = p.stderr.read() if p.stderr else ""
     assert "Cannot resume: the run config differs from the checkpoint's" in err
     assert "lr: 0.05 -> 0.01" in err
+
+
+def test_resume_of_a_run_stopped_before_round_1_completed_starts_again_from_round_1(
+        data: Path, tmp_path: Path) -> None:
+    """A SuperLink stopped during round 1 leaves config.json and the round-0 row but no
+    checkpoint: resume=true starts the run again from round 1 (it refused before, as if the
+    folder held another run); a folder of other settings is still refused."""
+    from flower_grid import InProcessGrid
+
+    import client_app
+    from fedshard.app.config import RunConfig
+    from fedshard.app.results import ExistingResultsError, RunRecorder
+    from fedshard.app.run import run_server
+
+    cfg = _config(data, tmp_path, **{"num-server-rounds": 2})
+    stopped = RunConfig.from_mapping(cfg)
+    with RunRecorder(stopped.results_path, stopped.as_dict(), 2) as recorder:
+        recorder.record_round(0, {"test-accuracy": 0.1})  # then the SuperLink stopped
+    resumed = {**cfg, "resume": True}
+    grid = InProcessGrid(client_app.app, [{"partition-id": i, "num-partitions": 3}
+                                          for i in range(3)], resumed)
+    other = {**resumed, "seed": 9}  # not this folder's run: still refused, nothing changed
+    with pytest.raises(ExistingResultsError, match="already holds a run's results"):
+        run_server(grid, RunConfig.from_mapping(other))
+    summary = run_server(grid, RunConfig.from_mapping(resumed))
+    assert summary["status"] == "finished" and summary["rounds-completed"] == 2
+    assert [r["round"] for r in _rows(tmp_path)] == [0, 1, 2]
