@@ -16,6 +16,7 @@ from fedshard.app.task import (
     template_model,
     warn_if_looks_simulated,
 )
+from fedshard.client import node_key_of
 
 app = ClientApp()
 
@@ -31,10 +32,8 @@ def _node(context: Context) -> tuple[RunConfig, int, int]:
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     cfg, _, _ = _node(context)
-    key = context.node_config.get("partition-id")  # stable across launches (node ids are not)
-    if isinstance(key, float):
-        key = str(key)  # what the reply carries anyway (capabilities_reply: str(node_key))
-    return handle_query(msg, declared_keep_ratio(cfg, dict(context.node_config)), key)
+    return handle_query(msg, declared_keep_ratio(cfg, dict(context.node_config)),
+                        node_key_of(context))
 
 
 @app.train()

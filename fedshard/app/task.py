@@ -198,8 +198,12 @@ def node_partition(cfg: RunConfig, node_config: dict[str, Any]) -> tuple[int, in
     A simulated node's ``num-partitions`` is the federation's ``num-supernodes``; a run config
     whose ``num-partitions`` differs would be recorded in the results as if it had been used,
     so it is an error (the node replies with it, and a run in which no node trains fails).
-    A deployed node's own ``num-partitions`` is its business (e.g. ``1``: all of its data).
+    A deployed node's own ``num-partitions`` is its business; a deployed node without
+    ``partition-id`` trains all of its data (``(0, 1)``: a device with its own ``data-dir``
+    needs no partition arguments).
     """
+    if "partition-id" not in node_config and not is_simulated_node(node_config):
+        return 0, 1
     pid = int(node_config.get("partition-id", 0))
     num = int(node_config.get("num-partitions", cfg.num_partitions))
     if is_simulated_node(node_config) and num != cfg.num_partitions:

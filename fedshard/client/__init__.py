@@ -19,6 +19,7 @@ from fedshard.client.handlers import (
     handle_query,
     handle_train,
     keep_ratio_of,
+    node_key_of,
 )
 from fedshard.client.keep_ratios import KeepRatioMixture, node_keep_ratio
 from fedshard.client.shard import (
@@ -53,6 +54,7 @@ __all__ = [
     "handle_train",
     "keep_ratio_of",
     "node_keep_ratio",
+    "node_key_of",
     "receive",
     "shard_reply",
     "sharding_mod",

@@ -9,7 +9,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from fedshard import protocol as P
-from fedshard.client.handlers import handle_query, keep_ratio_of
+from fedshard.client.handlers import handle_query, keep_ratio_of, node_key_of
 from fedshard.client.keep_ratios import KeepRatioMixture, KeepRatios, node_keep_ratio
 from fedshard.client.shard import following, receipt_of, rules_metrics, shard_reply
 
@@ -102,8 +102,7 @@ class ShardingClientApp(ClientApp):
         return self._answer(msg, context)
 
     def _answer(self, msg: Message, context: Context) -> Message:
-        """This node's keep ratio (the node's ``partition-id`` as its stable key)."""
-        key = context.node_config.get("partition-id")  # stable across launches
+        """This node's keep ratio and stable key (:func:`node_key_of`)."""
         ratio = (keep_ratio_of(context, self.default_keep_ratio) if self.keep_ratios is None
                  else node_keep_ratio(context.node_config, self.keep_ratios))
-        return handle_query(msg, ratio, None if key is None else str(key))
+        return handle_query(msg, ratio, node_key_of(context))

@@ -36,7 +36,12 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from fedshard import protocol as P
-from fedshard.client.keep_ratios import KEEP_RATIOS, KeepRatioMixture, node_keep_ratio
+from fedshard.client.keep_ratios import (
+    KEEP_RATIOS,
+    KeepRatioMixture,
+    is_simulated_node,
+    node_keep_ratio,
+)
 from fedshard.client.shard import (  # re-exported
     Shard,
     SubmodelCache,
@@ -58,6 +63,7 @@ __all__ = [
     "handle_query",
     "handle_train",
     "keep_ratio_of",
+    "node_key_of",
     "receive",
     "submodel_from_record",
 ]
@@ -113,6 +119,24 @@ def keep_ratio_of(context: Context, default: float | None = None) -> float:
         f"({P.KEEP_RATIO} = 0.5, or {KEEP_RATIOS} = \"0.25:0.5,0.5:0.5\" for simulated nodes, "
         "in [tool.flwr.app.config]), or keep_ratio_of(context, default=...); found none, so "
         "this node does not take part.")
+
+
+def node_key_of(context: Context) -> str | None:
+    """This node's stable key (its identity in the server's sampling and random streams, the
+    same at every launch), or ``None`` to let the server take the key Flower authenticated the
+    node with (or, without authentication, its node id, stable within one launch).
+
+    The node config's ``node-key`` (``--node-config "node-key='device-7'"``) when given; for a
+    node of Flower's simulation (:func:`~fedshard.client.keep_ratios.is_simulated_node`), its
+    ``partition-id``. Never a deployed device's ``partition-id``: devices that each hold their
+    own data would all be ``"0"``.
+    """
+    config = context.node_config
+    if P.NODE_KEY in config:
+        return str(config[P.NODE_KEY])
+    if is_simulated_node(config):
+        return str(config["partition-id"])
+    return None
 
 
 def handle_query(msg: Message, keep_ratio: float, node_key: str | int | None = None) -> Message:
