@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from pathlib import Path
 from logging import ERROR
+from pathlib import Path
 from typing import Any
 
 import torch
