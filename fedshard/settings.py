@@ -450,9 +450,10 @@ class ReplyPolicy(Settings):
         (:mod:`fedshard.server.robust`). 0: off.
     max_diverged_fraction : float
         In ``[0, 1]``: the run stops (``TrainingDivergedError``, logged as an ERROR) after a
-        round in which more than this share of the replies are nodes reporting that their
-        training diverged (NaN or inf): a learning rate too large for the sub-models is a
-        setting to change, not a fault to average around. 1: never stop.
+        round in which more than this share of the nodes that replied, and at least two of
+        them, report that their training diverged (NaN or inf): a learning rate too large for
+        the sub-models is a setting to change, not a fault to average around. One node alone
+        never stops a run (``StopOnDivergence``). 1: never stop.
     """
 
     max_update_ratio: float = setting(10.0, rule(lambda v: finite_real(v) and v >= 0,

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedshard.app.rundir import CHECKPOINT_NAME, PREVIOUS_CHECKPOINT_NAME
+from fedshard.app.rundir import CHECKPOINT_NAME, PREVIOUS_CHECKPOINT_NAME, open_private
 
 __all__ = [
     "CHECKPOINT_NAME",
@@ -143,6 +143,7 @@ def _read(path: Path) -> Checkpoint:
         capabilities={int(k): (float(v[0]), str(v[1]))
                       for k, v in payload["capabilities"].items()},
         history={int(k): dict(v) for k, v in payload["history"].items()},
+        path=path,
     )
 
 
@@ -164,6 +165,7 @@ class Checkpoint:
     config: dict[str, Any]
     capabilities: dict[int, tuple[float, str]] = field(default_factory=dict)
     history: dict[int, dict[str, float]] = field(default_factory=dict)
+    path: Path | None = None  # the file it was loaded from (None: not loaded)
 
     def save(self, directory: Path) -> Path:
         """Write ``directory/checkpoint.pt`` atomically, keeping the one before it.
@@ -190,6 +192,8 @@ class Checkpoint:
             ``ENOSPC`` when the write fails for lack of space (an ``OSError``, or torch's
             "unexpected pos" from its zip writer); the partial file is removed and the
             message names the previous checkpoint, which is kept.
+        fedshard.app.rundir.RunDirectoryError
+            If ``checkpoint.pt.tmp`` is a symbolic link: nothing is written through it.
         """
         path = directory / CHECKPOINT_NAME
         bad = _non_finite(self.arrays)
@@ -211,7 +215,7 @@ class Checkpoint:
             "history": self.history,
         }
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)  # not via a link
             with os.fdopen(fd, "wb") as fh:
                 os.fchmod(fd, 0o600)
                 torch.save(payload, fh)
@@ -292,6 +296,36 @@ class Checkpoint:
                 raise CheckpointError(
                     f"Neither checkpoint in {directory} can be read, so the run cannot resume: "
                     f"{err} -- and {prev_err}") from prev_err
+
+    def check_arrays(self, expected: Mapping[str, tuple[int, ...]]) -> None:
+        """Refuse to resume a model whose arrays (name -> shape, ``expected``) differ from the
+        checkpoint's: a checkpoint written for another model (another ``model-width``) under
+        the same run config.
+
+        Raises
+        ------
+        CheckpointError
+            Naming the file and every differing array: the shape expected and the one found,
+            the arrays missing and those unexpected.
+        """
+        found = {k: tuple(np.shape(v)) for k, v in self.arrays.items()}
+        problems = [f"{k}: expected {tuple(shape)}, found {found[k]}"
+                    for k, shape in expected.items() if k in found and found[k] != tuple(shape)]
+        missing = [k for k in expected if k not in found]
+        unexpected = [k for k in found if k not in expected]
+        if missing:
+            problems.append(f"missing {missing[:5]}{' …' if len(missing) > 5 else ''}")
+        if unexpected:
+            problems.append(f"unexpected {unexpected[:5]}{' …' if len(unexpected) > 5 else ''}")
+        if not problems:
+            return
+        more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
+        raise CheckpointError(
+            f"{self.path or 'The checkpoint'} holds arrays that do not fit this run's model: "
+            f"{'; '.join(problems[:8])}{more}. The run cannot resume from it: it was written "
+            "for another model (another model or model-width) under this run config. Resume "
+            "with the model it was written for, or start a new run (another run-name, or "
+            "overwrite=true).")
 
     def check_config(self, config: Mapping[str, Any], *, ignore: tuple[str, ...] = ()) -> None:
         """Refuse to resume a run under a different configuration."""

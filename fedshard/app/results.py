@@ -12,7 +12,9 @@ Layout of ``<results-dir>/<run-name>/``::
 
 A new run refuses a directory that already holds results unless it resumes or overwrites;
 a second run on the same directory at the same time fails at once (see :class:`RunRecorder`).
-The directory is owner-only (``0700``) and so are the files (``0600``).
+The directory is owner-only (``0700``) and so are the files (``0600``). Every file is strict
+JSON: a value that is not finite (NaN, ±inf) is never written (logged; a round's is left out
+of its row and counted in ``non-finite-metrics``, elsewhere it is written as ``null``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from fedshard.app.rundir import (
     open_private_append,
     write_private,
 )
+from fedshard.server.metrics import NON_FINITE, non_finite
 
 __all__ = ["ExistingResultsError", "RunLockedError", "RunRecorder", "git_commit"]
 
@@ -63,6 +66,44 @@ def git_commit(path: Path | None = None) -> str:
         return out + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def _nulled(value: Any, where: str, bad: list[str]) -> Any:
+    """``value`` with every non-finite float (at any depth) replaced by ``None``, each one's
+    place appended to ``bad``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        bad.append(f"{where}={value!r}")
+        return None
+    if isinstance(value, Mapping):
+        return {k: _nulled(v, f"{where}.{k}" if where else str(k), bad) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_nulled(v, f"{where}[{i}]", bad) for i, v in enumerate(value)]
+    return value
+
+
+def _strict_json(data: Any, what: Path | str, **options: Any) -> str:
+    """``json.dumps(data, allow_nan=False, **options)`` with every NaN or ±inf written as
+    ``null`` (logged, naming ``what`` and the values): ``NaN`` and ``Infinity`` are not JSON,
+    and strict readers refuse the whole file."""
+    bad: list[str] = []
+    clean = _nulled(data, "", bad)
+    if bad:
+        logger.warning("%s: %s not finite; written as null (strict JSON).", what,
+                       ", ".join(bad[:10]))
+    return json.dumps(clean, allow_nan=False, **options)
+
+
+def _finite_row(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A round's row without its non-finite values (logged; counted in ``non-finite-metrics``)."""
+    bad = non_finite(row)
+    if not bad:
+        return dict(row)
+    logger.warning("Round %s: %s %s not finite; left out of metrics.jsonl (counted in %s).",
+                   row.get("round"), ", ".join(bad[:10]), "is" if len(bad) == 1 else "are",
+                   NON_FINITE)
+    out = {k: v for k, v in row.items() if not (isinstance(v, float) and not math.isfinite(v))}
+    out[NON_FINITE] = float(out.get(NON_FINITE, 0.0)) + len(bad)
+    return out
 
 
 def _read_rows(path: Path) -> list[dict[str, Any]]:
@@ -219,8 +260,9 @@ class RunRecorder:
                 earlier = []
             resumed = [*earlier, {"after-round": resume_round,
                                   "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}]
-        write_private(self.metrics_path,
-                      "".join(json.dumps(r, sort_keys=True) + "\n" for r in self.rows))
+        self.rows = [_finite_row(r) for r in self.rows]  # an older file may hold NaN
+        write_private(self.metrics_path, "".join(json.dumps(r, sort_keys=True, allow_nan=False)
+                                                 + "\n" for r in self.rows))
         # wall-s continues across a resume (time lost in the crash is not counted)
         self._start = time.time() - (float(self.rows[-1].get("wall-s", 0.0)) if self.rows
                                      else 0.0)
@@ -241,7 +283,8 @@ class RunRecorder:
             info["flwr"] = flwr.__version__
         except ImportError:  # pragma: no cover - flwr is a dependency
             pass
-        write_private(directory / "config.json", json.dumps(info, indent=2, sort_keys=True))
+        write_private(directory / "config.json",
+                      _strict_json(info, directory / "config.json", indent=2, sort_keys=True))
         logger.info("fedshard results -> %s", directory)
 
     def close(self) -> None:
@@ -257,16 +300,19 @@ class RunRecorder:
 
     def record_round(self, server_round: int, metrics: Mapping[str, float]) -> dict[str, Any]:
         """Append one round's metrics and log a one-line summary (``round``, ``wall-s`` and
-        ``round-s`` are the recorder's: a metric of that name does not replace them)."""
+        ``round-s`` are the recorder's: a metric of that name does not replace them). A value
+        that is not finite is left out of the row, logged and counted in
+        ``non-finite-metrics``: the file stays strict JSON."""
         now = time.time()
         row: dict[str, Any] = {k: float(v) for k, v in metrics.items()}
         # the recorder's own columns: no metric of that name may overwrite them
         row.update({"round": server_round, "wall-s": now - self._start,
                     "round-s": now - self._last})
+        row = _finite_row(row)
         self._last = now
         self.rows.append(row)
         with open_private_append(self.metrics_path) as fh:
-            fh.write(json.dumps(row, sort_keys=True) + "\n")
+            fh.write(json.dumps(row, sort_keys=True, allow_nan=False) + "\n")
         # Flower's logger: the line shows in `flwr run --stream` and the SuperLink's run log.
         flwr_log(INFO, "%s", self.summary_line(row))
         return row
@@ -303,6 +349,7 @@ class RunRecorder:
             "wall-s": time.time() - self._start,
         }
         summary.update(extra or {})
-        write_private(self.directory / "summary.json", json.dumps(summary, indent=2))
+        write_private(self.directory / "summary.json",
+                      _strict_json(summary, self.directory / "summary.json", indent=2))
         self.close()
         return summary

@@ -87,8 +87,10 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
     With ``resume`` and a checkpoint in the run's results folder, the run continues after the
     checkpoint's round with the checkpoint's model, capability cache and history; the config
     must be the one the checkpoint was written with (apart from ``RESUME_MAY_CHANGE``: where
-    it is stored, where and how fast it runs). ``device`` overrides ``server-device`` (SVD,
-    rebuild, central evaluation).
+    it is stored, where and how fast it runs), and its arrays those of the run's model
+    (:class:`~fedshard.app.checkpoint.CheckpointError` before round 1 otherwise; an unusable
+    results folder is a :class:`~fedshard.app.rundir.RunDirectoryError`). ``device``
+    overrides ``server-device`` (SVD, rebuild, central evaluation).
     """
     log_with_flower()
     device = device or resolve_device(cfg.server_device)
@@ -118,6 +120,7 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
         if done >= cfg.num_server_rounds:
             logger.info("Run %s already finished (%d rounds); nothing to do.", directory, done)
             return {"rounds-completed": done}
+        checkpoint.check_arrays({k: tuple(v.shape) for k, v in model.state_dict().items()})
         model.load_state_dict({k: torch.from_numpy(v) for k, v in checkpoint.arrays.items()})
         initial = ArrayRecord(model.state_dict())
         strategy.resume(done, checkpoint.capabilities, checkpoint.history)

@@ -9,11 +9,15 @@ and start time written into the file only say *who* holds it.
 
 The directory is created ``0700`` and every result file is written ``0600``
 (:func:`write_private`, :func:`open_private_append`): run configs and models are the user's.
+No file in it is opened through a symbolic link (:func:`open_private`): a link planted under
+the name of a file fedshard writes (``checkpoint.pt.tmp``, ``run.lock``) would otherwise have
+fedshard truncate or overwrite the link's target; it is refused with an error naming it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -33,6 +37,7 @@ __all__ = [
     "RunLock",
     "RunLockedError",
     "make_run_directory",
+    "open_private",
     "open_private_append",
     "write_private",
 ]
@@ -61,8 +66,26 @@ class ExistingResultsError(RunDirectoryError):
 
 
 def make_run_directory(directory: Path) -> None:
-    """Create ``directory`` (and its parents) if needed and make it owner-only (``0700``)."""
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    """Create ``directory`` (and its parents) if needed and make it owner-only (``0700``).
+
+    Raises
+    ------
+    RunDirectoryError
+        If it cannot be created or written into (a read-only or virtual file system such as
+        ``/proc``, a path through a file, no permission), naming it and what to do.
+    """
+    try:
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        usable = os.access(directory, os.W_OK | os.X_OK)
+        problem = "" if usable else "it is not writable by this user"
+    except OSError as err:
+        problem = f"{type(err).__name__}: {err.strerror or err}"
+    if problem:
+        raise RunDirectoryError(
+            f"Cannot create the run folder {directory} (results-dir {directory.parent}, "
+            f"run-name {directory.name}): {problem}; expected a folder this user can create and "
+            "write into. Nothing was started: set results-dir to such a folder (an absolute "
+            "path, e.g. ~/fedshard-results), or create it with write permission first.")
     if directory.stat().st_mode & 0o077:
         try:
             os.chmod(directory, 0o700)
@@ -71,11 +94,39 @@ def make_run_directory(directory: Path) -> None:
                            "may be readable by others", directory)
 
 
+def open_private(path: Path, flags: int) -> int:
+    """``os.open(path, flags, 0o600)`` that does not follow a symbolic link at ``path``.
+
+    Raises
+    ------
+    RunDirectoryError
+        If ``path`` is a symbolic link, naming it and its target: nothing was opened, so
+        nothing was written or truncated through it.
+    """
+    try:
+        if path.is_symlink():  # O_NOFOLLOW, where the platform has it, also closes the race
+            raise OSError(errno.ELOOP, "a symbolic link", str(path))
+        return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    except OSError as err:
+        if err.errno != errno.ELOOP and not path.is_symlink():
+            raise
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = "?"
+        raise RunDirectoryError(
+            f"{path} is a symbolic link (to {target}); expected a plain file that fedshard "
+            "creates, so nothing was written through it. Remove the link (and find out who "
+            "put it there: it would have had fedshard overwrite its target), then start the "
+            "run again.") from None
+
+
 def write_private(path: Path, data: str | bytes) -> None:
-    """Write ``path`` atomically (temporary file, then rename) with mode ``0600``."""
+    """Write ``path`` atomically (temporary file, then rename) with mode ``0600``; neither
+    file is opened through a symbolic link (:func:`open_private`)."""
     tmp = path.with_name(path.name + ".tmp")
     raw = data.encode() if isinstance(data, str) else data
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     with os.fdopen(fd, "wb") as fh:
         os.fchmod(fd, 0o600)  # a leftover .tmp keeps its old mode through O_CREAT
         fh.write(raw)
@@ -83,8 +134,9 @@ def write_private(path: Path, data: str | bytes) -> None:
 
 
 def open_private_append(path: Path) -> IO[str]:
-    """Open ``path`` for appending text, creating it with mode ``0600``."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    """Open ``path`` for appending text, creating it with mode ``0600`` (not through a
+    symbolic link: :func:`open_private`)."""
+    fd = open_private(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     return os.fdopen(fd, "a", encoding="utf-8")
 
 
@@ -152,7 +204,7 @@ class RunLock:
 
         if self._fh is not None:
             return
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = open_private(self.path, os.O_RDWR | os.O_CREAT)  # it truncates: no link
         fh = os.fdopen(fd, "r+", encoding="utf-8")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -14,11 +14,12 @@ from typing import Any
 
 import numpy as np
 
+from fedshard.protocol.keys import EVAL_ACCURACY, EVAL_LOSS
 from fedshard.settings import MAX_EXACT_COUNT, UPDATE_POLICIES  # the operator's bounds: ReplyPolicy
 
 __all__ = [
     "MAX_EXACT_COUNT", "MAX_METRIC_NAME", "MAX_REPLY_METRICS", "UPDATE_POLICIES", "bound_dense",
-    "bound_terms", "read_count", "scalar_metrics",
+    "bound_terms", "bounded_metrics", "printable", "read_count", "scalar_metrics",
 ]
 
 #: Most metric values one reply may bring (the weight key aside); the rest are left out,
@@ -30,6 +31,18 @@ MAX_METRIC_NAME = 64
 # RMS per entry below which a dense array counts as "near zero" for the update bound (a
 # zero-initialised bias or norm shift must still be allowed to move).
 DENSE_RMS_FLOOR = 0.1
+
+
+def printable(text: str, limit: int | None = None) -> str:
+    """``text`` as it may appear in a log line: every character that is not printable (line
+    breaks, carriage returns, terminal escapes, tabs) written as its Python escape (``\\n``,
+    ``\\x1b``), so that a string a node sent cannot start a line of its own in the server's
+    log; at most ``limit`` characters (``None``: all), an ellipsis marking the cut."""
+    out = text if text.isprintable() else "".join(
+        c if c.isprintable() else repr(c)[1:-1] for c in text)
+    if limit is not None and len(out) > limit:
+        out = out[: limit - 1] + "…"
+    return out
 
 
 def read_count(value: Any, cap: int | None = None) -> float | str:
@@ -52,8 +65,10 @@ def scalar_metrics(metrics: Mapping[str, Any],
     and how many were.
 
     Only the first :data:`MAX_REPLY_METRICS` values of the reply are looked at, and a name
-    longer than :data:`MAX_METRIC_NAME` characters is left out; the values beyond the cap
-    share one reason (a reply may send thousands) but each one is counted."""
+    longer than :data:`MAX_METRIC_NAME` characters or holding a character that is not
+    printable (a line break, a terminal escape: it could forge lines in the server's log) is
+    left out; the values beyond the cap share one reason (a reply may send thousands) but
+    each one is counted. Names in the reasons are escaped (:func:`printable`)."""
     out, ignored = {}, []
     examined = beyond = 0
     for key, value in metrics.items():
@@ -65,16 +80,40 @@ def scalar_metrics(metrics: Mapping[str, Any],
         elif len(key) > MAX_METRIC_NAME:
             ignored.append(f"a metric name of {len(key)} characters ({key[:20]!r}…; at most "
                            f"{MAX_METRIC_NAME})")
+        elif not key.isprintable():
+            ignored.append(f"a metric name with control characters ({key!r})")
         elif isinstance(value, bool) or not isinstance(value, (int, float)):
-            ignored.append(f"{key}={value!r:.40} is not a scalar")
+            ignored.append(f"{printable(key)}={value!r:.40} is not a scalar")
         elif not math.isfinite(value):
-            ignored.append(f"{key}={value!r} is not finite")
+            ignored.append(f"{printable(key)}={value!r} is not finite")
         else:
             out[key] = float(value)
     count = len(ignored) + beyond
     if beyond:
         ignored.insert(0, f"{beyond} metric(s) beyond the first {MAX_REPLY_METRICS}")
     return out, ignored, count
+
+
+#: The values an evaluation reply's documented metrics can take: an accuracy is a share, a
+#: loss is not negative (and, being a checked scalar, finite).
+EVAL_RANGES: dict[str, tuple[float, float]] = {EVAL_ACCURACY: (0.0, 1.0),
+                                               EVAL_LOSS: (0.0, math.inf)}
+
+
+def bounded_metrics(values: Mapping[str, float], ranges: Mapping[str, tuple[float, float]],
+                    ) -> tuple[dict[str, float], list[str]]:
+    """``values`` without those of ``ranges``'s names that lie outside their range, and why
+    each was left out."""
+    kept, reasons = {}, []
+    for key, value in values.items():
+        low, high = ranges.get(key, (-math.inf, math.inf))
+        if low <= value <= high:
+            kept[key] = value
+        elif high == math.inf and low == 0.0:
+            reasons.append(f"{key}={value!r} is negative (expected a loss ≥ 0)")
+        else:
+            reasons.append(f"{key}={value!r} is outside [{low:g}, {high:g}]")
+    return kept, reasons
 
 
 def _scale(norm: np.ndarray, ref: np.ndarray, ratio: float) -> tuple[np.ndarray, float]:
@@ -95,13 +134,17 @@ def bound_terms(sent: np.ndarray, got: np.ndarray,
 
     The check runs in the arrays' own precision (a threshold at ρ = 10 against honest ratios
     below 1 needs no float64; this runs on every reply of every round); a column that is
-    clipped is recomputed in float64."""
+    clipped is recomputed in float64. A change whose squares overflow that precision is
+    removed whole; the observed ratio is then taken in float64 (finite, for the metrics)."""
     delta = got - sent  # (rows, n), the arrays' dtype
     col_sq = np.einsum("ij,ij->j", sent, sent).astype(np.float64)  # (n,) ‖sent_i‖²
     floor = math.sqrt(float(col_sq.sum()) / max(col_sq.size, 1))
     ref = np.maximum(np.sqrt(col_sq), floor)
     norm = np.sqrt(np.einsum("ij,ij->j", delta, delta).astype(np.float64))
     scale, observed = _scale(norm, ref, ratio)
+    if not math.isfinite(observed):  # squares beyond float32 (scale 0): the ratio in float64
+        d64 = got.astype(np.float64) - sent.astype(np.float64)
+        observed = _scale(np.sqrt(np.einsum("ij,ij->j", d64, d64)), ref, ratio)[1]
     hit = int(np.count_nonzero(scale < 1.0))
     if not hit:
         return got, 0, observed
@@ -118,6 +161,9 @@ def bound_dense(sent: np.ndarray, got: np.ndarray,
     ref = max(math.sqrt(float(np.dot(flat_s, flat_s))), DENSE_RMS_FLOOR * math.sqrt(flat_s.size))
     scales, observed = _scale(np.array([math.sqrt(float(np.dot(flat_d, flat_d)))]),
                               np.array([ref]), ratio)
+    if not math.isfinite(observed):  # squares beyond float32 (scale 0): the ratio in float64
+        d64 = got.astype(np.float64).ravel() - flat_s.astype(np.float64)
+        observed = math.sqrt(float(np.dot(d64, d64))) / ref
     scale = float(scales[0])
     if scale >= 1.0:
         return got, 0, observed

@@ -11,8 +11,13 @@ from flwr.common import MessageType
 from fedshard.protocol.keys import CAPABILITIES, KEEP_RATIO, NODE_KEY, QUERY
 from fedshard.sampling import as_keep_ratio
 
-__all__ = ["Capabilities", "capabilities_reply", "is_capability_query", "query_message",
-           "read_capabilities"]
+__all__ = ["MAX_NODE_KEY", "Capabilities", "capabilities_reply", "is_capability_query",
+           "query_message", "read_capabilities"]
+
+#: Longest ``node-key`` a node may declare (characters): room for a name or the hex of a
+#: public key's PEM block. A longer key is refused (the node is skipped, logged, and asked
+#: again next round): it would be kept in every checkpoint and named in log lines.
+MAX_NODE_KEY = 1024
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,9 @@ def read_capabilities(reply: Message) -> tuple[Capabilities | None, str]:
         return None, str(err)
     key = caps.get(NODE_KEY, "")
     if not isinstance(key, str):
-        return None, f"{NODE_KEY}={key!r} is not a string"
+        return None, f"{NODE_KEY}={key!r:.60} is not a string"
+    if len(key) > MAX_NODE_KEY:
+        return None, (f"{NODE_KEY} of {len(key)} characters: expected at most {MAX_NODE_KEY} "
+                      f"(a name, or the hex of a public key), found {key[:20]!r}…")
     # Without a declared key the node id is the key (stable within one launch only).
     return Capabilities(ratio, key or str(reply.metadata.src_node_id)), ""

@@ -11,8 +11,10 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 
 from fedshard.protocol.arrays import array_record, decode_array, encode_array
 from fedshard.protocol.bounds import (
+    EVAL_RANGES,
     bound_dense,
     bound_terms,
+    bounded_metrics,
     read_count,
     scalar_metrics,
 )
@@ -153,18 +155,31 @@ class TrainReply:
                 for layer in self.layers}
 
 
-def check_eval_reply(msg: Message) -> tuple[float, dict[str, float], list[str], int] | str:
+def check_eval_reply(msg: Message, limits: ReplyPolicy | None = None,
+                     ) -> tuple[float, dict[str, float], list[str], int] | str:
     """``(num-examples, finite scalar metrics, why values were left out, how many)`` of an
-    ``evaluate`` reply, or the reason to drop it. Non-scalar or non-finite metric values and
-    those beyond the cap are left out (:func:`fedshard.protocol.bounds.scalar_metrics`; the
-    caller logs the reasons and counts them: none reach the averages)."""
+    ``evaluate`` reply, or the reason (``"category: details"``) to drop it.
+
+    ``num-examples`` must be a whole number in ``[1, limits.max_num_examples]``
+    (:class:`~fedshard.settings.ReplyPolicy`; default: its defaults). Non-scalar or
+    non-finite metric values and those beyond the cap are left out
+    (:func:`fedshard.protocol.bounds.scalar_metrics`), and so are an ``eval-accuracy``
+    outside ``[0, 1]`` and a negative ``eval-loss``
+    (:data:`~fedshard.protocol.bounds.EVAL_RANGES`); the caller logs the reasons and counts
+    them: none reach the averages. The weight is capped against the round's median by the
+    caller (``max_weight_ratio``), as for training replies."""
+    limits = limits if limits is not None else ReplyPolicy()
     if msg.has_error():
-        return f"error reply: {msg.error.reason}"
+        return f"error-reply: {msg.error.reason}"
     metrics = msg.content.metric_records.get(METRICS)
-    weight = read_count(metrics.get(NUM_EXAMPLES)) if metrics is not None else "no metrics"
-    if metrics is None or isinstance(weight, str):
-        return f"bad {NUM_EXAMPLES}: {weight}"
-    return (weight, *scalar_metrics(metrics, NUM_EXAMPLES))
+    if metrics is None:
+        return f"missing-record: expected a MetricRecord {METRICS!r}"
+    weight = read_count(metrics.get(NUM_EXAMPLES), limits.max_num_examples)
+    if isinstance(weight, str):
+        return f"bad-num-examples: {NUM_EXAMPLES} {weight}"
+    values, ignored, count = scalar_metrics(metrics, NUM_EXAMPLES)
+    values, outside = bounded_metrics(values, EVAL_RANGES)
+    return weight, values, ignored + outside, count + len(outside)
 
 
 def check_train_reply(msg: Message, sent: SentShard | None, seen: set[int],

@@ -28,6 +28,7 @@ from fedshard.server.callbacks import (
     StopWhenEveryReplyFails,
     StopWhenUntrained,
     TrainingReceipts,
+    UnchangingModel,
     default_callbacks,
 )
 from fedshard.server.metrics import mean_client_metrics
@@ -61,6 +62,7 @@ __all__ = [
     "TensorBoardLog",
     "TrainingDivergedError",
     "TrainingReceipts",
+    "UnchangingModel",
     "cosine_lr",
     "default_callbacks",
     "load_keep_ratio_table",

@@ -22,10 +22,13 @@ callbacks in the same way, ``pfl/callback``):
 - :class:`TrainingReceipts` - compares what the nodes say they trained with (optimizer, lr,
   whether the client rules were applied) with what they were sent, and warns once per kind of
   difference;
-- :class:`StopOnDivergence` - stops the run when most replies report that training diverged;
+- :class:`StopOnDivergence` - stops the run when at least two nodes, and most of those that
+  replied, report that training diverged;
 - :class:`StopWhenEveryReplyFails` - stops the run after a round whose every reply is the same
   error, with the error in full and the likely fix;
-- :class:`StopWhenUntrained` - stops the run that trained nothing, with what to check.
+- :class:`StopWhenUntrained` - stops the run that trained nothing, with what to check;
+- :class:`UnchangingModel` - warns when rounds whose replies were aggregated leave the global
+  model unchanged (an lr that vanishes in float32, nodes that return what they were sent).
 
 Metrics flow one way through :meth:`~RoundCallback.on_round`: each callback sees the round's
 row (the strategy's statistics and the client aggregates) and what the callbacks before it
@@ -67,6 +70,7 @@ __all__ = [
     "StopWhenUntrained",
     "TrainingDivergedError",
     "TrainingReceipts",
+    "UnchangingModel",
     "default_callbacks",
     "likely_fix",
     "no_round_trained",
@@ -95,9 +99,10 @@ class NoRoundTrainedError(StopRun):
 
 
 class TrainingDivergedError(StopRun):
-    """More than :attr:`~fedshard.settings.ReplyPolicy.max_diverged_fraction` of a round's
-    replies reported that training diverged: the run stops after that round (the global model
-    is the previous round's)."""
+    """At least two nodes, and more than
+    :attr:`~fedshard.settings.ReplyPolicy.max_diverged_fraction` of the nodes that replied in
+    a round, reported that training diverged (:class:`StopOnDivergence`): the run stops after
+    that round (the global model is the previous round's)."""
 
 
 def no_round_trained(rounds: int) -> str:
@@ -266,17 +271,50 @@ class CompoundingMultipliers(RoundCallback):
 
 
 class StopOnDivergence(RoundCallback):
-    """Stops the run after a round in which more than ``max_diverged_fraction`` of the
-    replies are nodes reporting that their training diverged (NaN or inf): the nodes were sent
-    an lr their sub-models cannot take, and averaging the few that survived hides it. Raises
-    :class:`TrainingDivergedError` (logged as an ERROR) with the lr sent and what to change."""
+    """Stops the run after a round in which at least :attr:`min_nodes` (2) nodes, and more
+    than ``max_diverged_fraction`` of the nodes that replied, report that their training
+    diverged (NaN or inf): the nodes were sent an lr their sub-models cannot take, and
+    averaging the few that survived hides it. Raises :class:`TrainingDivergedError` (logged
+    as an ERROR) with the lr sent and what to change.
+
+    Nodes are counted, not replies: a node's second reply is a duplicate and counts nowhere.
+    A single node never stops the run (it may be lying, and with one node sampled per round
+    one liar would end every run): a round in which fewer than :attr:`min_nodes` nodes
+    diverged but the share is exceeded logs a WARNING and the run goes on (the diverged
+    replies are dropped like any other; a run that trains nothing is stopped at its end by
+    :class:`StopWhenUntrained`).
+
+    Parameters
+    ----------
+    min_nodes : int
+        The fewest diverged nodes that stop the run (≥ 2; default 2).
+    """
+
+    #: The fewest diverged nodes in a round that stop the run.
+    min_nodes = 2
+
+    def __init__(self, min_nodes: int = 2) -> None:
+        if isinstance(min_nodes, bool) or not isinstance(min_nodes, int) or min_nodes < 2:
+            raise ValueError(f"StopOnDivergence(min_nodes={min_nodes!r}): expected an integer "
+                             "≥ 2 (one node alone must not stop a run); no callback was built")
+        self.min_nodes = min_nodes
 
     def on_aggregate(self, strategy: SpectralSharding, server_round: int,
                      metrics: Mapping[str, float], state: RoundState | None) -> None:
-        diverged = metrics.get("dropped-diverged", 0.0)
-        replied = metrics.get("replies-used", 0.0) + metrics.get("replies-dropped", 0.0)
+        if state is None:
+            return
+        nodes = {r.node for r in state.accepted} | {n for n, _ in state.dropped}
+        diverged = len({n for n, reason in state.dropped if reason.startswith("diverged")})
+        replied = len(nodes)
         limit = strategy.replies.max_diverged_fraction
-        if state is None or not diverged or diverged <= limit * replied:
+        if not diverged or diverged <= limit * replied:
+            return
+        if diverged < self.min_nodes:
+            logger.warning("Round %d: %d of the %d nodes that replied report that training "
+                           "diverged; the run goes on: StopOnDivergence stops it only when at "
+                           "least %d nodes (and more than max_diverged_fraction=%g of them) "
+                           "do, so that one node cannot end a run. Their replies are dropped.",
+                           server_round, diverged, replied, self.min_nodes, limit)
             return
         sent = [m.content[P.CONFIG] for m in state.messages]
         lrs = sorted({float(lr) for c in sent if isinstance(lr := c.get(P.LR), (int, float))})
@@ -447,12 +485,98 @@ class StopWhenUntrained(RoundCallback):
         raise NoRoundTrainedError(message, result)
 
 
+class UnchangingModel(RoundCallback):
+    """Warns when the global model stops changing: :attr:`patience` (3) rounds in a row whose
+    aggregate replaced the global model but left it equal to the model before it, to float
+    rounding (every array's change at most :attr:`tolerance` times its norm; the rebuild of
+    ``W`` from its factors is not bitwise). Such a run trains nothing without any reply being
+    dropped; the WARNING (once per such stretch) names the likely causes: an lr so small that
+    every step vanishes in float32 (lr 5e-324, or a schedule at 0), or nodes that return what
+    they were sent. Rounds that trained nothing (no usable reply) do not count: they are
+    reported by the reply warnings and :class:`StopWhenUntrained`.
+
+    Parameters
+    ----------
+    patience : int
+        Unchanged rounds in a row before the WARNING (≥ 1; default 3).
+    tolerance : float
+        Largest change of an array, relative to its norm, that counts as no change (default
+        1e-6, a few float32 roundings).
+    """
+
+    #: Unchanged rounds in a row before the WARNING.
+    patience = 3
+    #: Largest relative change of an array that counts as none.
+    tolerance = 1e-6
+
+    def __init__(self, patience: int = 3, tolerance: float = 1e-6) -> None:
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1 \
+                or not (isinstance(tolerance, (int, float)) and 0 <= tolerance < 1):
+            raise ValueError(f"UnchangingModel(patience={patience!r}, tolerance={tolerance!r}): "
+                             "expected an integer patience ≥ 1 and a tolerance in [0, 1); no "
+                             "callback was built")
+        self.patience, self.tolerance = patience, float(tolerance)
+        self.before: dict[str, np.ndarray] | None = None  # the model a trained round started from
+        self.streak = 0  # unchanged trained rounds in a row
+        self.lrs: list[float] = []  # the lr sent in each of them
+
+    def on_aggregate(self, strategy: SpectralSharding, server_round: int,
+                     metrics: Mapping[str, float], state: RoundState | None) -> None:
+        self.before = None
+        if state is not None and state.accepted and not metrics.get("aggregate-non-finite"):
+            self.before = state.current or {k: P.decode_array(a) for k, a in state.arrays.items()}
+
+    def on_round(self, strategy: SpectralSharding, server_round: int, arrays: ArrayRecord,
+                 metrics: Mapping[str, float]) -> Mapping[str, float] | None:
+        before, self.before = self.before, None
+        if before is None:
+            return None
+        if not self._unchanged(before, arrays):
+            self.streak, self.lrs = 0, []
+            return None
+        self.streak += 1
+        if isinstance(lr := metrics.get(P.LR), float):
+            self.lrs.append(lr)
+        if self.streak == self.patience:
+            ratio = metrics.get("update-ratio-max")
+            nodes = ("the nodes returned the arrays they were sent (update-ratio-max=0)"
+                     if ratio == 0 else "nodes that return what they were sent, or changes "
+                     f"that vanish in the average (update-ratio-max={ratio:.3g})"
+                     if ratio is not None else "nodes that return what they were sent")
+            logger.warning(
+                "Round %d: the global model has not changed for %d rounds in a row (rounds "
+                "%d-%d): each round's aggregate equals the model before it, to float rounding, "
+                "so the run trains nothing. Likely causes: an lr so small that every step "
+                "vanishes in float32 (the lr sent in these rounds: at most %s; the strategy's "
+                "lr: %g), or %s. Raise the lr (check its schedule), or check what the nodes "
+                "train.", server_round, self.streak, server_round - self.streak + 1,
+                server_round, f"{max(self.lrs):g}" if self.lrs else "?", strategy.base_lr,
+                nodes)
+        return None
+
+    def _unchanged(self, before: Mapping[str, np.ndarray], arrays: ArrayRecord) -> bool:
+        if set(before) != set(arrays.keys()):
+            return False
+        for key, record in arrays.items():
+            new, old = P.decode_array(record), before[key]
+            if new.shape != old.shape:
+                return False
+            if not np.issubdtype(new.dtype, np.floating):
+                if not np.array_equal(new, old):
+                    return False
+                continue
+            change = np.linalg.norm(new.astype(np.float64) - old.astype(np.float64))
+            if change > self.tolerance * np.linalg.norm(old.astype(np.float64)):
+                return False
+        return True
+
+
 def default_callbacks() -> list[RoundCallback]:
     """The strategy's own callbacks, in order (see the module docstring); fresh objects (each
     keeps its own state: what it already said, untrained rounds in a row)."""
     return [ShardingBudgetReport(), ConfigPrecedence(), SingleNodeGroups(),
             CompoundingMultipliers(), TrainingReceipts(), StopOnDivergence(),
-            StopWhenEveryReplyFails(), StopWhenUntrained()]
+            StopWhenEveryReplyFails(), StopWhenUntrained(), UnchangingModel()]
 
 
 # ---------------------------------------------------------------------------- dispatch

@@ -13,17 +13,21 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from logging import DEBUG, WARNING
 from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
+from flwr.common.logger import log
 
 from fedshard import protocol as P
+from fedshard.protocol.bounds import printable
 
 __all__ = [
-    "CLIENT_PREFIX", "client_namespace", "mean_client_metrics", "metric_record", "one_line",
-    "reply_metrics", "send_metrics", "weighted_means",
+    "CLIENT_PREFIX", "NON_FINITE", "DropLog", "client_namespace", "mean_client_metrics",
+    "metric_record", "non_finite", "one_line", "reply_metrics", "send_metrics",
+    "weighted_means",
 ]
 
 
@@ -90,13 +94,90 @@ def reply_metrics(sent_metrics: dict[str, float], accepted: Sequence[P.TrainRepl
 
 
 def weighted_means(rows: Sequence[tuple[float, Any]], keys: Sequence[str]) -> dict[str, float]:
-    """Per key, the mean over the rows that have it, weighted by the row's weight."""
+    """Per key, the mean over the rows that have it, weighted by the row's weight.
+
+    Finite values near the float64 limit (a loss of 1.7e308 reported by a node) give a finite
+    mean: where the weighted sum overflows, the mean is taken as a convex combination of the
+    values scaled by the largest of them (the plain sum, bit for bit, everywhere else)."""
     out = {}
     for key in keys:
         vals = [(w, float(m[key])) for w, m in rows if key in m]
         if vals:
-            out[key] = sum(w * x for w, x in vals) / sum(w for w, _ in vals)
+            total = sum(w for w, _ in vals)
+            mean = sum(w * x for w, x in vals) / total
+            if not math.isfinite(mean) and all(math.isfinite(x) for _, x in vals):
+                scale = max(abs(x) for _, x in vals)  # > 0: the sum overflowed
+                share = sum((w / total) * (x / scale) for w, x in vals)  # in [-1, 1]
+                mean = scale * min(1.0, max(-1.0, share))
+            out[key] = mean
     return out
+
+
+#: The round metric counting the values that were not finite and left out of the row.
+NON_FINITE = "non-finite-metrics"
+
+
+def non_finite(metrics: Mapping[str, Any]) -> list[str]:
+    """``"name=value"`` (name escaped, :func:`~fedshard.protocol.bounds.printable`) of every
+    float value in ``metrics`` that is NaN or ±inf, sorted by name: none may be written to a
+    strict JSON file or averaged on."""
+    return [f"{printable(k, 80)}={v!r}" for k, v in sorted(metrics.items())
+            if isinstance(v, float) and not math.isfinite(v)]
+
+
+class DropLog:
+    """The replies a round drops, logged as one WARNING per reason (its category, the
+    ``"category"`` of ``"category: details"``) with the count, the first
+    :attr:`NODES_SHOWN` node ids and the first reply's reason in one line; every reply's full
+    reason at DEBUG. A node sending 10,000 duplicate replies gives one WARNING line, not
+    10,000. Node-sent text is escaped (:func:`~fedshard.protocol.bounds.printable`).
+
+    Parameters
+    ----------
+    server_round : int
+        The round, named in every line.
+    noun, plural : str
+        What is dropped (``"reply"``, ``"replies"``).
+    consequence : tuple of str
+        What dropping one, and several, means, appended to the WARNING (e.g. ``("it does not
+        touch the global model", "they do not ...")``; empty for none).
+    """
+
+    #: Node ids a WARNING names before "…".
+    NODES_SHOWN = 5
+
+    def __init__(self, server_round: int, noun: str = "reply", plural: str = "replies",
+                 consequence: tuple[str, str] = ("", "")) -> None:
+        self.server_round, self.noun, self.plural = server_round, noun, plural
+        self.consequence = consequence
+        self.reasons: dict[str, tuple[int, list[int], str]] = {}  # category -> count, nodes, first
+
+    def add(self, node: int, reason: str) -> None:
+        """One dropped reply of ``node`` and why (logged at DEBUG in full)."""
+        log(DEBUG, "Round %d, node %d, the full reason: %s", self.server_round, node,
+            printable(reason))
+        category = printable(reason.split(":", 1)[0], 40)
+        count, nodes, first = self.reasons.get(category, (0, [], reason))
+        if node not in nodes and len(nodes) <= self.NODES_SHOWN:
+            nodes.append(node)
+        self.reasons[category] = (count + 1, nodes, first)
+
+    def flush(self) -> None:
+        """Log one WARNING per reason, in the order the reasons first came; then forget them."""
+        for category, (count, nodes, first) in self.reasons.items():
+            if count == 1:
+                log(WARNING, "Round %d: dropping the %s of node %d (%s)%s.", self.server_round,
+                    self.noun, nodes[0], one_line(first), self._tail(0))
+                continue
+            shown = ", ".join(str(n) for n in nodes[: self.NODES_SHOWN])
+            more = ", …" if len(nodes) > self.NODES_SHOWN else ""
+            log(WARNING, "Round %d: dropping %d %s (%s) of node(s) %s%s: %s%s.",
+                self.server_round, count, self.plural, category, shown, more,
+                one_line(first), self._tail(1))
+        self.reasons.clear()
+
+    def _tail(self, many: int) -> str:
+        return f"; {self.consequence[many]}" if self.consequence[many] else ""
 
 
 def metric_record(values: dict[str, float]) -> MetricRecord:
@@ -132,7 +213,8 @@ def mean_client_metrics(records: list[RecordDict], weight_key: str) -> MetricRec
 
 def one_line(reason: str, limit: int = 300) -> str:
     """One line of an error reason for a log: the exception's message where ``reason`` holds a
-    (Ray) traceback, else its first non-empty line; at most ``limit`` characters."""
+    (Ray) traceback, else its first non-empty line; at most ``limit`` characters, escaped
+    (:func:`~fedshard.protocol.bounds.printable`: a node's text cannot start a log line)."""
     lines = [line.strip() for line in reason.splitlines() if line.strip()]
     if not lines:
         return ""
@@ -143,4 +225,4 @@ def one_line(reason: str, limit: int = 300) -> str:
         line = lines[-1]
     else:
         line = lines[0]
-    return line if len(line) <= limit else line[: limit - 1] + "…"
+    return printable(line, limit)

@@ -29,6 +29,7 @@ from flwr.serverapp import Grid
 
 from fedshard import protocol as P
 from fedshard.sampling import Stream, stream_rng
+from fedshard.server.metrics import one_line
 from fedshard.settings import NodePolicy
 
 if sys.version_info >= (3, 11):
@@ -204,12 +205,12 @@ class NodeDirectory:
             caps, reason = P.read_capabilities(reply)
             if caps is not None:
                 caps, reason = admit(self.policy, caps, self._public_key(grid, node))
-            if caps is None:
+            if caps is None:  # the reason may quote the node's own text: one escaped line
                 log(WARNING, "Node %d gave no usable keep ratio (%s); it is skipped this "
-                    "round and asked again next round.", node, reason)
+                    "round and asked again next round.", node, one_line(reason, 600))
                 continue
             if reason:
-                log(WARNING, "Node %d: %s.", node, reason)
+                log(WARNING, "Node %d: %s.", node, one_line(reason, 600))
             twin = next((n for n, c in self.capabilities.items()
                          if c.key == caps.key and n != node), None)
             self.capabilities[node] = caps

@@ -7,12 +7,13 @@ arrays it started from, the decompositions, what each node was sent) between the
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from logging import DEBUG, ERROR, INFO, WARNING
+from logging import ERROR, INFO, WARNING
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -20,10 +21,14 @@ from flwr.common import MessageType
 from flwr.common.logger import log
 
 from fedshard import protocol as P
+from fedshard.protocol.bounds import printable
 from fedshard.sampling import ANNEALED_METHODS, Stream, anneal_exponent, plan_round, stream_rng
 from fedshard.server.fedavg_cosine import check_reference, fedavg_cosines
 from fedshard.server.metrics import (
+    NON_FINITE,
+    DropLog,
     client_namespace,
+    non_finite,
     one_line,
     reply_metrics,
     send_metrics,
@@ -74,27 +79,30 @@ class RoundState:
         A reply belongs to the node its message was sent to (``reply_to_message_id``; an
         error reply from the SuperLink for a dead node names no useful sender), else to its
         sender. A reply that answers no message of this round (another ``reply_to`` id, group
-        or ``server-round`` echo) is ``stale-reply``."""
+        or ``server-round`` echo) is ``stale-reply``. A node's second reply (an error reply
+        too) is a ``duplicate``: each node's answer counts once. The dropped replies are
+        logged as one WARNING per reason (:class:`~fedshard.server.metrics.DropLog`)."""
         to_node = {m.metadata.message_id: m.metadata.dst_node_id for m in self.messages
                    if m.metadata.message_id}
         accepted: list[P.TrainReply] = []
         dropped, seen, stale = Counter[str](), set[int](), set[int]()
+        drops = DropLog(self.server_round, consequence=(
+            "it does not touch the global model", "they do not touch the global model"))
         for msg in replies:
             node = to_node.get(msg.metadata.reply_to_message_id, msg.metadata.src_node_id)
             reply: P.TrainReply | str = self._stale(msg, to_node)
             if reply:
                 stale.add(node)
+            elif node in seen:
+                reply = "duplicate: a second reply from this node in the same round"
             else:
                 reply = P.check_train_reply(msg, self.sent.get(node), seen, self.replies, node,
                                             self.server_round)
                 seen.add(node)
             if isinstance(reply, str):
                 dropped[reply.split(":", 1)[0]] += 1
-                self.dropped.append((node, reply))
-                log(WARNING, "Round %d: dropping the reply of node %d (%s); it does not touch "
-                    "the global model.", self.server_round, node, one_line(reply))
-                log(DEBUG, "Round %d, node %d, the full reason: %s", self.server_round, node,
-                    reply)
+                self.dropped.append((node, printable(reply)))
+                drops.add(node, reply)
                 continue
             if reply.clipped:
                 log(WARNING, "Round %d: node %d changed %d factor column(s)/array(s) by more "
@@ -108,6 +116,7 @@ class RoundState:
                     "arrays are still used.", self.server_round, node,
                     one_line("; ".join(reply.ignored_metrics[:5]), 600))
             accepted.append(reply)
+        drops.flush()
         return accepted, dropped, len(set(self.sent) - seen - stale)
 
     def _stale(self, msg: Message, to_node: dict[str, int]) -> str:
@@ -170,8 +179,9 @@ class RoundState:
         client = aggr_fn([_record(r.metrics, r.weight, weight_key) for r in accepted],
                          weight_key) if accepted else None
         metrics.update(client_namespace(_floats(client, weight_key)))
+        metrics = _finite(self.server_round, metrics)
         log(INFO, "Round %d server metrics: %s", self.server_round,
-            ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+            ", ".join(f"{printable(k, 80)}={v:.4g}" for k, v in metrics.items()))
         return new_arrays, client, metrics
 
     def _keep_reference(self, msg: Message, node: int) -> None:
@@ -309,36 +319,75 @@ def evaluate_messages(server_round: int, nodes: Sequence[int], arrays: ArrayReco
 
 
 def evaluate_round(server_round: int, replies: Iterable[Message], aggr_fn: MetricsAggrFn,
-                   weight_key: str) -> tuple[MetricRecord | None, dict[str, float]]:
-    """``aggr_fn`` over the valid evaluation replies (each invalid one logged in one line and
-    dropped; values left out of a valid one logged and counted in ``ignored-eval-metrics``)
-    and the round's evaluation metrics for the history: ``eval-nodes``, the server's weighted
-    ``eval-loss``/``eval-accuracy``, and ``aggr_fn``'s result under ``client/``."""
-    records: list[RecordDict] = []
-    rows: list[tuple[float, dict[str, float]]] = []
+                   weight_key: str, limits: ReplyPolicy | None = None,
+                   ) -> tuple[MetricRecord | None, dict[str, float]]:
+    """``aggr_fn`` over the valid evaluation replies and the round's evaluation metrics for
+    the history: ``eval-nodes``, the server's weighted ``eval-loss``/``eval-accuracy``, and
+    ``aggr_fn``'s result under ``client/``.
+
+    Each reply is checked as training replies are (:func:`fedshard.protocol.check_eval_reply`
+    under ``limits``, default: :class:`~fedshard.settings.ReplyPolicy`'s defaults): an invalid
+    one, and a node's reply after its first that is not an error reply, is dropped (one
+    WARNING per reason, counted in ``eval-dropped-<reason>``); values left out of a valid one
+    (an accuracy outside [0, 1], a negative loss, ...) are logged and counted in
+    ``ignored-eval-metrics``; a ``num-examples`` above ``max_weight_ratio`` times the round's
+    (lower) median is weighted as that, logged and counted in ``clipped-eval-num-examples``."""
+    limits = limits if limits is not None else ReplyPolicy()
+    checked: list[tuple[int, float, dict[str, float]]] = []
+    dropped, seen = Counter[str](), set[int]()
+    drops = DropLog(server_round, "evaluation reply", "evaluation replies")
     ignored = 0
     for msg in replies:
         node = msg.metadata.src_node_id
-        checked = P.check_eval_reply(msg)
-        if isinstance(checked, str):
-            log(WARNING, "Round %d: dropping the evaluation reply of node %d (%s).",
-                server_round, node, one_line(checked))
-            log(DEBUG, "Round %d, the full reason: %s", server_round, checked)
+        reply = ("duplicate: a second evaluation reply from this node in the same round"
+                 if node in seen else P.check_eval_reply(msg, limits))
+        if not msg.has_error():  # the SuperLink's error replies for dead nodes share a sender
+            seen.add(node)
+        if isinstance(reply, str):
+            dropped[reply.split(":", 1)[0]] += 1
+            drops.add(node, reply)
             continue
-        weight, values, reasons, count = checked
+        weight, values, reasons, count = reply
         if count:
             log(WARNING, "Round %d: node %d sent evaluation metrics that are not averaged "
                 "(%s).", server_round, node, one_line("; ".join(reasons[:5]), 600))
             ignored += count
-        records.append(_record(values, weight, weight_key))
-        rows.append((weight, values))
+        checked.append((node, weight, values))
+    drops.flush()
     row = {"ignored-eval-metrics": float(ignored)} if ignored else {}
-    if not records:
+    row.update({f"eval-dropped-{c}": float(k) for c, k in dropped.items()})
+    if not checked:
         return None, row
+    ratio = limits.max_weight_ratio
+    median = statistics.median_low(w for _, w, _ in checked)
+    if ratio and any(w > ratio * median for _, w, _ in checked):
+        for i, (node, weight, values) in enumerate(checked):
+            if weight > ratio * median:
+                log(WARNING, "Round %d: node %d reports num-examples=%.0f, more than "
+                    "max-weight-ratio=%g times the round's median %g; it is weighted as %g.",
+                    server_round, node, weight, ratio, median, ratio * median)
+                checked[i] = (node, ratio * median, values)
+                row["clipped-eval-num-examples"] = row.get("clipped-eval-num-examples", 0) + 1.0
+    records = [_record(values, weight, weight_key) for _, weight, values in checked]
     out = aggr_fn(records, weight_key)
-    return out, {**row, **client_namespace(_floats(out, weight_key)),
-                 **weighted_means(rows, (P.EVAL_LOSS, P.EVAL_ACCURACY)),
-                 "eval-nodes": float(len(records))}
+    return out, _finite(server_round, {
+        **row, **client_namespace(_floats(out, weight_key)),
+        **weighted_means([(w, v) for _, w, v in checked], (P.EVAL_LOSS, P.EVAL_ACCURACY)),
+        "eval-nodes": float(len(records))})
+
+
+def _finite(server_round: int, metrics: dict[str, float]) -> dict[str, float]:
+    """``metrics`` without its NaN and ±inf values (a weighted mean of huge values, a custom
+    aggregation's result), logged in one WARNING and counted in ``non-finite-metrics``: they
+    would not be strict JSON in ``metrics.jsonl``."""
+    bad = non_finite(metrics)
+    if not bad:
+        return metrics
+    log(WARNING, "Round %d: %s %s not finite; left out of the round's metrics (counted in %s).",
+        server_round, ", ".join(bad[:10]), "is" if len(bad) == 1 else "are", NON_FINITE)
+    out = {k: v for k, v in metrics.items() if not (isinstance(v, float) and not math.isfinite(v))}
+    out[NON_FINITE] = out.get(NON_FINITE, 0.0) + len(bad)
+    return out
 
 
 def _record(metrics: dict[str, float], weight: float, weight_key: str) -> RecordDict:

@@ -432,10 +432,12 @@ class SpectralSharding(FedAvg):
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
-        """``evaluate_metrics_aggr_fn`` over the valid evaluation replies (invalid ones are
-        logged in one line and dropped); the aggregate and ``eval-nodes`` go to :attr:`history`."""
+        """``evaluate_metrics_aggr_fn`` over the valid evaluation replies, bounded as training
+        replies are (``replies``' ``max_num_examples`` and ``max_weight_ratio``; invalid ones
+        are logged, one line per reason, and dropped); the aggregate and ``eval-nodes`` go to
+        :attr:`history`."""
         server_round += self.round_offset
         out, row = rounds.evaluate_round(server_round, replies, self.evaluate_metrics_aggr_fn,
-                                  self.weighted_by_key)
+                                         self.weighted_by_key, self.replies)
         self.history.setdefault(server_round, {}).update(row)
         return out

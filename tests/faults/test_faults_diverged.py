@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import logging
 
+import fault_setup
 import pytest
 from fault_setup import grid, one_round, strategy
-from flwr.app import Error, Message
+from flwr.app import ConfigRecord, Error, Message
 
 from fedshard import protocol as P
 from fedshard.server import TrainingDivergedError
+from fedshard.server.callbacks import StopOnDivergence
 from fedshard.settings import ReplyPolicy, SettingsError
 
 
@@ -54,13 +56,13 @@ def test_one_diverged_node_of_three_is_dropped_and_the_round_trains() -> None:
     assert metrics["dropped-diverged"] == 1.0 and metrics["replies-used"] == 2.0
 
 
-def test_max_diverged_fraction_one_never_stops_and_zero_stops_at_the_first() -> None:
+def test_max_diverged_fraction_one_never_stops_and_zero_stops_at_two_nodes() -> None:
     s, g = strategy(max_diverged_fraction=1.0, lr=1e36, local_epochs=3), grid()
     new, metrics = one_round(s, g, 1)  # nothing to aggregate, but no stop
     assert new is None and metrics["dropped-diverged"] == 3.0
     s, g = strategy(max_diverged_fraction=0.0), grid()
-    g.tamper[1000] = _diverged_reply(g)
-    with pytest.raises(TrainingDivergedError, match=r"on 1 of the 3 nodes"):
+    g.tamper[1000] = g.tamper[1001] = _diverged_reply(g)
+    with pytest.raises(TrainingDivergedError, match=r"on 2 of the 3 nodes"):
         one_round(s, g, 1)
 
 
@@ -77,3 +79,42 @@ def test_max_diverged_fraction_is_validated(bad: float) -> None:
     with pytest.raises(SettingsError, match=r"max_diverged_fraction=.*expected a share in "
                                             r"\[0, 1\]"):
         ReplyPolicy(max_diverged_fraction=bad)
+
+
+def _diverged(to: Message) -> Message:
+    reply = Message(Error(code=0, reason=f"FloatingPointError('{P.DIVERGED} at lr=0.05')"),
+                    reply_to=to)
+    reply.metadata.__dict__["_src_node_id"] = to.metadata.dst_node_id
+    return reply
+
+
+def test_ten_diverged_replies_of_one_node_to_one_message_count_once() -> None:
+    s, g = strategy(), grid()
+    msgs = list(s.configure_train(1, fault_setup.initial(), ConfigRecord(), g))
+    replies = [r for r in g.send_and_receive(msgs) if r.metadata.src_node_id != 1000]
+    to_1000 = next(m for m in msgs if m.metadata.dst_node_id == 1000)
+    new, _ = s.aggregate_train(1, replies + [_diverged(to_1000) for _ in range(10)])
+    row = s.history[1]
+    assert new is not None and row["replies-used"] == 2.0
+    assert row["dropped-diverged"] == 1.0 and row["dropped-duplicate"] == 9.0
+
+
+def test_a_lone_node_claiming_divergence_cannot_stop_the_run(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    s, g = strategy(), grid(1)
+    g.tamper[1000] = _diverged_reply(g)
+    logging.getLogger("flwr").addHandler(caplog.handler)
+    try:
+        new, row = one_round(s, g, 1)  # one node sampled, and it says it diverged
+    finally:
+        logging.getLogger("flwr").removeHandler(caplog.handler)
+    assert new is None and row["dropped-diverged"] == 1.0
+    assert ("Round 1: 1 of the 1 nodes that replied report that training diverged; the run "
+            "goes on: StopOnDivergence stops it only when at least 2 nodes") in caplog.text
+
+
+def test_the_stop_never_needs_fewer_than_two_nodes() -> None:
+    with pytest.raises(ValueError, match=r"StopOnDivergence\(min_nodes=1\): expected an integer "
+                                         r"≥ 2 \(one node alone must not stop a run\)"):
+        StopOnDivergence(min_nodes=1)
