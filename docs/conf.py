@@ -106,5 +106,40 @@ def _fill_constant_doc(app, what, name, obj, options, lines):
             lines[:] = list(doc)
 
 
+# A page links a committed file outside docs/ with a plain relative link, which GitHub follows
+# (`[table](../results/beyond/table.md)`). MyST takes a `.md` target for a page of this site and
+# fails to find it; this transform turns such a link into a download of the file instead. Links
+# to other files (`.json`, `.png`) are downloads already.
+def _repo_file_links():
+    from sphinx import addnodes
+    from sphinx.transforms import SphinxTransform
+
+    class RepoFileLinks(SphinxTransform):
+        default_priority = 5  # before Sphinx collects the page's downloads
+
+        def apply(self, **kwargs):
+            env = self.env
+            srcdir = Path(env.srcdir)
+            page_dir = Path(env.doc2path(env.docname)).parent
+            for node in list(self.document.findall(addnodes.pending_xref)):
+                target = node.get("reftarget", "")
+                if node.get("refdomain") != "doc" or target in env.found_docs:
+                    continue
+                base = Path(target) if Path(target).is_absolute() else srcdir / target
+                for suffix in env.config.source_suffix:
+                    path = base.with_name(base.name + suffix)
+                    if path.is_file() and not path.resolve().is_relative_to(srcdir.resolve()):
+                        link = addnodes.download_reference(
+                            refdomain=None, reftype="myst", refdoc=env.docname,
+                            refexplicit=True, reftarget=os.path.relpath(path, page_dir),
+                            classes=["xref", "download", "myst"])
+                        link += node.children
+                        node.replace_self(link)
+                        break
+
+    return RepoFileLinks
+
+
 def setup(app):
     app.connect("autodoc-process-docstring", _fill_constant_doc)
+    app.add_transform(_repo_file_links())

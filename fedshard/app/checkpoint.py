@@ -44,8 +44,8 @@ _FORMAT = 1
 #: Run-config keys a resumed run may change: where it is stored (a moved results folder) and
 #: where and how fast it runs, not what it computes.
 RESUME_MAY_CHANGE = ("resume", "overwrite", "results-dir", "run-name", "round-timeout",
-                     "client-device", "server-device", "compile", "cuda-graph", "merge-terms",
-                     "tensorboard", "reference-run")
+                     "download", "client-device", "server-device", "compile", "cuda-graph",
+                     "merge-terms", "tensorboard", "reference-run")
 _KEYS = ("format", "server-round", "arrays", "config", "capabilities", "history")
 _WHAT_TO_DO = (
     "Delete it to fall back on {prev} (Checkpoint.load(directory, fallback=True) does that "

@@ -107,7 +107,7 @@ class RunConfig:
     model_width: int = _app(256)
     dataset: str = _app("fashion-mnist")
     data_dir: str = _app("")
-    download: bool = _app(False)
+    download: bool = _app(True)
     test_max_examples: int = _app(0)
     eval_every: int = _app(1)
     seed: int = _app(0)

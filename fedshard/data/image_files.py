@@ -1,4 +1,4 @@
-"""Readers for the on-disk formats of the image data sets, and the optional download.
+"""Readers for the on-disk formats of the image data sets, and their download.
 
 Accepted layouts below a root directory ``R`` (the root itself may also be the data set's own
 folder, e.g. ``R = .../cifar-10-batches-py``):
@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from fedshard.data.fetch import fetch_fashion_mnist, locked
 from fedshard.data.images import ImageArrays
 from fedshard.data.registry import DataFormatError, DataNotFoundError, dataset_info
 
@@ -350,41 +351,47 @@ def _socket_timeout(seconds: float) -> Iterator[None]:
 
 
 def download(name: str, root: Path) -> None:
-    """Download ``name`` with torchvision into ``root`` (CIFAR-10/100 and Fashion-MNIST).
+    """Download ``name`` into ``root`` (Fashion-MNIST, CIFAR-10/100).
+
+    Fashion-MNIST's four official files go to ``root/fashion-mnist/`` (``root`` itself when it
+    is named ``fashion-mnist``), checksummed and renamed into place
+    (:func:`fedshard.data.fetch.fetch_fashion_mnist`); CIFAR is downloaded with torchvision,
+    which checks its MD5. Processes downloading into one ``root`` take turns (a file lock).
 
     Parameters
     ----------
     name : str
         ``"fashion-mnist"``, ``"cifar10"`` or ``"cifar100"``.
     root : Path
-        Target directory; torchvision creates ``FashionMNIST/raw/``, ``cifar-10-batches-py/``
-        or ``cifar-100-python/`` inside it.
+        Target directory; torchvision creates ``cifar-10-batches-py/`` or ``cifar-100-python/``
+        inside it.
 
     Raises
     ------
     DataNotFoundError
-        If the data set cannot be downloaded (no network, no torchvision class for it); every
-        blocking socket operation is bounded by 60 s, so this does not hang offline.
+        If the data set cannot be downloaded (no network, a file cut short or with another
+        checksum, no download for it); every blocking socket operation is bounded by 60 s,
+        so this does not hang offline.
     """
+    if name == "fashion-mnist":
+        fetch_fashion_mnist(root if root.name == "fashion-mnist" else root / "fashion-mnist")
+        return
     import torchvision.datasets as tvd
 
-    classes: dict[str, Any] = {
-        "fashion-mnist": tvd.FashionMNIST,
-        "cifar10": tvd.CIFAR10,
-        "cifar100": tvd.CIFAR100,
-    }
+    classes: dict[str, Any] = {"cifar10": tvd.CIFAR10, "cifar100": tvd.CIFAR100}
     if name not in classes:
         raise DataNotFoundError(
             f"{name} cannot be downloaded automatically; place it by hand under a data "
             f"directory ({IMAGE_LAYOUTS.get(name, '')})."
         )
-    root.mkdir(parents=True, exist_ok=True)
-    logger.info("Downloading %s with torchvision into %s", name, root)
-    try:
-        with _socket_timeout(_DOWNLOAD_TIMEOUT_S):
-            for train in (True, False):
-                classes[name](root=str(root), train=train, download=True)
-    except Exception as exc:  # urllib, socket and checksum errors all mean "not available"
-        raise DataNotFoundError(
-            f"Downloading {name} into {root} failed ({type(exc).__name__}: {exc})."
-        ) from exc
+    with locked(root):
+        logger.info("Downloading %s with torchvision into %s", name, root)
+        try:
+            with _socket_timeout(_DOWNLOAD_TIMEOUT_S):
+                for train in (True, False):
+                    classes[name](root=str(root), train=train, download=True)
+        except Exception as exc:  # urllib, socket and checksum errors all mean "not available"
+            raise DataNotFoundError(
+                f"Downloading {name} into {root} failed ({type(exc).__name__}: "
+                f"{' '.join(str(exc).split())})."
+            ) from exc

@@ -17,10 +17,10 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from fedshard.data import image_files, shakespeare
+from fedshard.data.fetch import run_config_hint
 from fedshard.data.images import ImageArrays, ImageDataset
 from fedshard.data.partition import dirichlet_partition, pachinko_partition
 from fedshard.data.registry import (
-    DEBIAN_FASHION_MNIST_DIR,
     DataNotFoundError,
     candidate_roots,
     dataset_info,
@@ -41,28 +41,33 @@ _PARTITION_STREAM = zlib.crc32(b"fedshard.data.partition")
 _DOWNLOADABLE = ("fashion-mnist", "cifar10", "cifar100")
 
 
-def _how_to_get(name: str) -> str:
+def _how_to_get(name: str, target: Path) -> str:
+    """What to do about a missing data set, each command pasteable as written (a ``;`` after
+    one is harmless in a shell); ``target`` is where ``download=true`` would put it."""
+    copy = run_config_hint(data_dir="/path/to/folder")
     if name == "fashion-mnist":
         return (
-            "Install it with `apt-get install dataset-fashion-mnist` (files in "
-            f"{DEBIAN_FASHION_MNIST_DIR}), pass data-dir=DIR holding the idx files, or pass "
-            f"download=True to let torchvision fetch it into {default_cache_dir()}."
+            "To get it: on Debian (found without settings), run apt-get install "
+            "dataset-fashion-mnist; or let the run download it (30 MB, once) into "
+            f"{target}: {run_config_hint(download=True)}; or copy the four idx .gz files into a "
+            f"folder and run: {copy}"
         )
     if name in _DOWNLOADABLE:
         return (
-            "Pass data-dir=DIR holding that layout (e.g. the folder torchvision's "
-            f"{'CIFAR10' if name == 'cifar10' else 'CIFAR100'}(root=DIR, download=True) "
-            f"fills), or pass download=True to fetch it into {default_cache_dir()}."
+            f"To get it: let the run download it with torchvision into {target}: "
+            f"{run_config_hint(download=True)}; or put that layout in a folder and run: {copy}"
         )
     if name == "tinyimagenet":
         return (
             "It is not downloaded automatically: unzip "
-            "http://cs231n.stanford.edu/tiny-imagenet-200.zip into DIR and pass data-dir=DIR."
+            "http://cs231n.stanford.edu/tiny-imagenet-200.zip into a folder and run: "
+            f"{copy}"
         )
     return (
         "It is not downloaded automatically: run LEAF's data/shakespeare/preprocess.sh "
-        "(github.com/TalwalkarLab/leaf) and pass data-dir=DIR where DIR/shakespeare/data/"
-        "{train,test}/ holds the JSON files."
+        "(github.com/TalwalkarLab/leaf), which fills /path/to/leaf/data/shakespeare/data/"
+        "{train,test}/ with the JSON files, and run: "
+        f"{run_config_hint(data_dir='/path/to/leaf/data')}"
     )
 
 
@@ -87,8 +92,8 @@ def _resolve(name: str, split: str, data_dir: PathLike | None, download: bool) -
         shakespeare.SHAKESPEARE_LAYOUT if name == "shakespeare" else image_files.IMAGE_LAYOUTS[name]
     )
     searched = ", ".join(str(r) for r in roots)
+    target = roots[0] if explicit else default_cache_dir()
     if download and name in _DOWNLOADABLE:
-        target = roots[0] if explicit else default_cache_dir()
         image_files.download(name, target)
         folder = image_files.locate(name, target, split)
         if folder is not None:
@@ -99,11 +104,11 @@ def _resolve(name: str, split: str, data_dir: PathLike | None, download: bool) -
             f"{name} {split} data not found in data-dir={roots[0]} (searched: {searched}); "
             f"expected there: {layout}. An explicit data-dir is the only place searched, so "
             "that a run never trains on another copy than the one it names: fix data-dir, or "
-            f"leave it empty to search the default locations. {_how_to_get(name)}"
+            f"leave it empty to search the default locations. {_how_to_get(name, target)}"
         )
     raise DataNotFoundError(
         f"{name} {split} data not found. Searched: {searched}; expected in one of them: "
-        f"{layout}. {_how_to_get(name)}"
+        f"{layout}. {_how_to_get(name, target)}"
     )
 
 
@@ -193,9 +198,10 @@ def load_partition(
         fixed stream tag, so it is independent of other streams derived from ``seed``.
         Shakespeare's natural split ignores it.
     download : bool
-        If the files are not found, let torchvision download them into ``data_dir`` (or the
-        cache directory) first; CIFAR-10/100 and Fashion-MNIST only. Off by default, so that
-        a missing data set fails at once instead of touching the network.
+        If the files are not found, download them into ``data_dir`` (or the cache directory)
+        first (:func:`fedshard.data.image_files.download`); Fashion-MNIST and CIFAR-10/100
+        only. Off by default here, so that a library call never touches the network unasked;
+        fedshard's app turns it on (run config ``download``).
 
     Returns
     -------

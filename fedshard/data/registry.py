@@ -6,8 +6,8 @@ than the one it names. Without one, the default search is, in order:
 
 1. for Fashion-MNIST only, the Debian package location :data:`DEBIAN_FASHION_MNIST_DIR`
    (``apt-get install dataset-fashion-mnist``);
-2. the user cache directory :func:`default_cache_dir`, where ``download=True`` puts what
-   torchvision downloads (CIFAR-10/100 and Fashion-MNIST only).
+2. the user cache directory :func:`default_cache_dir`, where ``download=True`` puts what it
+   downloads (Fashion-MNIST with :mod:`fedshard.data.fetch`, CIFAR-10/100 with torchvision).
 
 Nothing is ever synthesized: if no candidate holds the expected files, a
 :class:`DataNotFoundError` lists every place that was searched and how to get the data.

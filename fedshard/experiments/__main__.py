@@ -103,7 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = {
         "run": "run every unfinished run of the suite (finished ones are skipped)",
         "status": "list each run as finished, resumable, partial, stale or pending",
-        "report": "write table.md, results.json, accuracy.png and anme.png",
+        "report": "write table.md, results.json, milestones.md, accuracy.png, anme.png, "
+                  "accuracy-per-seed.png and (with diagnostics) diagnostics.png",
     }
     for name, text in commands.items():
         p = sub.add_parser(name, help=text, description=text)

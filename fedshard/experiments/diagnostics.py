@@ -134,9 +134,11 @@ def plot_diagnostics(cells: Sequence[Any], path: Path) -> Path | None:
     present = [m for m in DIAGNOSTICS if any(m in c for c in curves.values())]
     if not present:
         return None
-    from fedshard.experiments.plots import _colors, _matplotlib
+    from fedshard.experiments.plots import _colors, _figure_legend, _fit_legends, _matplotlib
 
     _, Figure, FigureCanvasAgg = _matplotlib()
+    from matplotlib.ticker import MaxNLocator
+
     fig = Figure(figsize=(5.2 * len(present), 5.2), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(present), squeeze=False)[0]
@@ -157,9 +159,13 @@ def plot_diagnostics(cells: Sequence[Any], path: Path) -> Path | None:
                         color=colors[name], lw=0.6, alpha=0.6)
         ax.set_title(DIAGNOSTICS[metric], fontsize="small")
         ax.set_xlabel("round")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="xx-small", loc="upper center", bbox_to_anchor=(0.5, -0.12), ncols=1)
+    # One legend for all panels, below them (the same runs in every panel; under each panel
+    # the legends covered the x-axis labels)
+    _figure_legend(fig, axes, fontsize="x-small", ncols=min(4, len(present) + 1))
     fig.suptitle("Diagnostics per round (thin lines in the first panel: the global model itself)")
+    _fit_legends(fig)
     fig.savefig(path, dpi=120)
     return path
 
@@ -169,9 +175,11 @@ def plot_per_seed(cells: Sequence[Any], path: Path) -> Path | None:
     runs = [(cell, run) for cell in cells for run in cell.runs if run.curve]
     if not runs:
         return None
-    from fedshard.experiments.plots import _colors, _matplotlib
+    from fedshard.experiments.plots import _colors, _figure_legend, _fit_legends, _matplotlib
 
     _, Figure, FigureCanvasAgg = _matplotlib()
+    from matplotlib.ticker import MaxNLocator
+
     seeds = sorted({run.spec.seed for _, run in runs})
     several_columns = len({cell.column for cell, _ in runs}) > 1
     names = [cell.label + (f" / {cell.column or 'ref'}" if several_columns else "")
@@ -187,10 +195,14 @@ def plot_per_seed(cells: Sequence[Any], path: Path) -> Path | None:
                         lw=1.3, label=name)
         ax.set_title(f"seed {seed}")
         ax.set_xlabel("round")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.12), ncols=2)
     axes[0].set_ylabel("test accuracy (%)")
+    # One legend below the panels (a colour is one cell in every panel; one legend per panel
+    # ran into the next one)
+    _figure_legend(fig, axes, fontsize="x-small", ncols=max(2, min(3, len(seeds) + 1)))
     fig.suptitle("Test accuracy per seed (each seed is its own data split and initial model)")
+    _fit_legends(fig)
     fig.savefig(path, dpi=120)
     return path
 
@@ -240,9 +252,11 @@ def plot_cosines(cells: Sequence[Any], path: Path) -> Path | None:
     found = _cosine_runs(cells)
     if not found:
         return None
-    from fedshard.experiments.plots import _colors, _matplotlib
+    from fedshard.experiments.plots import _colors, _figure_legend, _fit_legends, _matplotlib
 
     _, Figure, FigureCanvasAgg = _matplotlib()
+    from matplotlib.ticker import MaxNLocator
+
     fig = Figure(figsize=(11, 5.2), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(COSINES), squeeze=False, sharey=True)[0]
@@ -256,8 +270,11 @@ def plot_cosines(cells: Sequence[Any], path: Path) -> Path | None:
                         lw=1.3, label=name)
         ax.set_title(f"cos(strategy update, FedAvg update): {what}", fontsize="small")
         ax.set_xlabel("round")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="x-small")
+    # below the panels: inside them the legend covered the first rounds' curves
+    _figure_legend(fig, axes, fontsize="small", ncols=min(4, len(names)))
     fig.suptitle("Agreement of each round's server update with FedAvg's (same clients)")
+    _fit_legends(fig)
     fig.savefig(path, dpi=120)
     return path

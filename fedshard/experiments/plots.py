@@ -46,6 +46,66 @@ def _colors(labels: Sequence[str]) -> dict[str, Any]:
     return {label: cmap(order[i % len(order)]) for i, label in enumerate(labels)}
 
 
+#: Gap between a panel's bottom edge and the legend below it, in inches: room for the tick
+#: labels and the x-axis label whatever the panel's height (a gap in axes units shrank with
+#: the panel, and the legend covered the label).
+LEGEND_GAP_IN = 0.55
+#: The smallest panel height (inches) :func:`_fit_legends` leaves next to the legends.
+MIN_PANEL_IN = 3.0
+
+
+def _legend_below(ax: Any, **kwargs: Any) -> Any:
+    """A legend centred below ``ax``, :data:`LEGEND_GAP_IN` under its bottom edge."""
+    from matplotlib.transforms import ScaledTranslation
+
+    below = ax.transAxes + ScaledTranslation(0.0, -LEGEND_GAP_IN, ax.figure.dpi_scale_trans)
+    return ax.legend(loc="upper center", bbox_to_anchor=(0.5, 0.0), bbox_transform=below,
+                     **kwargs)
+
+
+def _figure_legend(fig: Any, axes: Sequence[Any], **kwargs: Any) -> Any:
+    """One legend below every panel, for the labels of all of them (each label once)."""
+    entries: dict[str, Any] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            entries.setdefault(label, handle)
+    if not entries:
+        return None
+    return fig.legend(list(entries.values()), list(entries), loc="outside lower center",
+                      **kwargs)
+
+
+def _fit_legends(fig: Any, *, panels_across: int = 1) -> None:
+    """Enlarge ``fig`` (never shrink it) until its legends fit.
+
+    A legend wider than the room it has was cut off at the figure's edge or ran into the next
+    panel's legend; a tall one squeezed the panels. Each legend needs its own width times
+    ``panels_across`` (one legend under each of that many panels; 1 for a figure legend) and,
+    with :data:`MIN_PANEL_IN` of panel, its own height plus the titles and labels.
+    """
+    fig.draw_without_rendering()
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+    legends += list(fig.legends)
+    if not legends:
+        return
+    boxes = [legend.get_window_extent() for legend in legends]
+    width_in = max(box.width for box in boxes) / fig.dpi
+    height_in = max(box.height for box in boxes) / fig.dpi
+    width, height = fig.get_size_inches()
+    need_width = panels_across * (width_in + 0.3) + 0.4
+    need_height = height_in + MIN_PANEL_IN + LEGEND_GAP_IN + 1.0  # titles, ticks
+    if need_width > width or need_height > height:
+        fig.set_size_inches(max(width, need_width), max(height, need_height))
+
+
+def _wrapped(fig: Any, title: str) -> str:
+    """``title`` broken into lines that fit ``fig``'s width (a long title was cut off at
+    both edges of a one-panel figure)."""
+    import textwrap
+
+    return textwrap.fill(title, width=max(30, int(fig.get_size_inches()[0] * 11)))
+
+
 def _mean_curve(cell: Cell) -> tuple[list[int], list[float], list[float] | None]:
     """Rounds evaluated in every seed, mean accuracy, and std (``None`` with one seed)."""
     per_seed = [dict(r.curve) for r in cell.runs]
@@ -100,12 +160,13 @@ def _accuracy_figure(suite: Suite, cells: Sequence[Cell]) -> Any:
         ax.grid(alpha=0.3)
         if drawn:
             # Below the panel: inside it, the legend hid the curves of the later rounds.
-            ax.legend(fontsize="x-small", ncols=2, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+            _legend_below(ax, fontsize="x-small", ncols=2)
         else:
             ax.text(0.5, 0.5, "no finished runs", ha="center", va="center",
                     transform=ax.transAxes)
     axes[0].set_ylabel("test accuracy (%)")
-    fig.suptitle(f"{suite.name}: test accuracy (mean over seeds, ±1 std)")
+    _fit_legends(fig, panels_across=len(columns))
+    fig.suptitle(_wrapped(fig, f"{suite.name}: test accuracy (mean over seeds, ±1 std)"))
     return fig
 
 

@@ -27,7 +27,11 @@ __all__ = ["RunState", "RunStatus", "StaleRunsError", "run_status", "suite_statu
 
 #: Config keys that say where a run is stored or how it was launched, not how it trains (moving
 #: a results folder does not make its runs stale, nor does finishing a run by resuming it).
-_NOT_SETTINGS = ("results-dir", "run-name", "resume", "overwrite")
+_NOT_SETTINGS = ("results-dir", "run-name", "resume", "overwrite", "download")
+#: What a run written before a key existed did, where that differs from the key's default now:
+#: before factor alignment and the spread bound, replies were averaged plainly. A run without
+#: any other key ran with that key's default.
+BEFORE_THE_KEY: dict[str, Any] = {"align-factors": False, "max-update-spread": 0.0}
 
 
 class RunState(enum.Enum):
@@ -94,8 +98,8 @@ def run_status(spec: RunSpec) -> RunStatus:
     if done != used.get("num-server-rounds"):
         return _unfinished(spec, f"{done} of {used.get('num-server-rounds')} rounds completed")
     expected = spec.config.as_dict()
-    # A key that a newer fedshard added is absent from older runs: they ran with its default.
-    defaults = RunConfig().as_dict()
+    # A key that a newer fedshard added is absent from older runs: they ran without it.
+    defaults = {**RunConfig().as_dict(), **BEFORE_THE_KEY}
     diffs = [f"{k}={used.get(k, defaults.get(k))!r} (suite: {v!r})" for k, v in expected.items()
              if k not in _NOT_SETTINGS and used.get(k, defaults.get(k)) != v]
     if diffs:

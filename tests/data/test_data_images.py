@@ -253,16 +253,18 @@ def test_missing_data_says_where_it_looked_and_what_to_do(tmp_path):
         load_partition("fashion-mnist", 0, 2)
     message = str(info.value)
     assert str(tmp_path / "no-debian") in message and str(tmp_path / "cache") in message
-    assert "apt-get install dataset-fashion-mnist" in message and "download=True" in message
+    assert "apt-get install dataset-fashion-mnist" in message
+    assert "--run-config 'download=true'" in message
     assert isinstance(info.value, FileNotFoundError)
     # an explicit data-dir is the only place searched (no fallback: see tests/faults)
     with pytest.raises(DataNotFoundError) as info:
         load_partition("fashion-mnist", 0, 2, data_dir=tmp_path / "empty")
     message = str(info.value)
     assert f"data-dir={tmp_path / 'empty'} (searched: {tmp_path / 'empty'});" in message
-    with pytest.raises(DataNotFoundError, match=r"tiny-imagenet-200/ with wnids.txt.*data-dir=DIR"):
+    with pytest.raises(DataNotFoundError,
+                       match=r"tiny-imagenet-200/ with wnids.txt.*--run-config 'data-dir=\"/path"):
         load_test_set("tinyimagenet", data_dir=tmp_path)
-    with pytest.raises(DataNotFoundError, match=r"cifar-100-python/.*download=True"):
+    with pytest.raises(DataNotFoundError, match=r"cifar-100-python/.*--run-config 'download=true'"):
         load_test_set("cifar100", data_dir=tmp_path)
 
 

@@ -271,15 +271,46 @@ def test_a_key_added_later_with_its_default_does_not_make_a_run_stale(tmp_path: 
     spec = suite.runs[0]
     spec.directory.mkdir(parents=True)
     used = spec.config.as_dict()
-    del used["download"]  # as written by a fedshard without the key
+    del used["fedavg-cosine"]  # as written by a fedshard without the key
     (spec.directory / "config.json").write_text(json.dumps({"config": used}))
     (spec.directory / "summary.json").write_text(json.dumps(
         {"rounds-completed": 2, "final-test-accuracy": 0.5}))
     assert run_status(spec).state is RunState.FINISHED
-    used["download"] = True  # but another value is another run
+    used["fedavg-cosine"] = True  # but another value is another run
     (spec.directory / "config.json").write_text(json.dumps({"config": used}))
     assert run_status(spec).state is RunState.STALE
-    assert RunConfig().download is False
+    assert RunConfig().as_dict()["fedavg-cosine"] is False
+
+
+def test_a_run_from_before_the_robust_aggregation_averaged_plainly(tmp_path: Path) -> None:
+    """A run written before ``align-factors`` and ``max-update-spread`` existed averaged the
+    replies plainly: it is stale for a suite on today's defaults, and finished for a suite that
+    asks for the plain averages (as the committed suites do)."""
+    from fedshard.experiments.runner import RunState, run_status
+    from fedshard.experiments.suite import parse_suite
+
+    def spec_for(defaults: dict[str, Any]) -> Any:
+        suite = parse_suite(
+            {"suite": {"name": "s", "num-supernodes": 3, "seeds": [0], "results-dir": "r"},
+             "defaults": {"num-server-rounds": 2, **defaults},
+             "runs": [{"label": "Top-n", "column": "r = 0.1", "method": "top-n",
+                       "keep-ratios": "0.1"}]},
+            app_dir=Path(__file__).resolve().parents[2], results_dir=tmp_path)
+        return suite.runs[0]
+
+    plain = spec_for({"align-factors": False, "max-update-spread": 0.0})
+    used = plain.config.as_dict()
+    del used["align-factors"], used["max-update-spread"]  # an older fedshard's config.json
+    plain.directory.mkdir(parents=True)
+    (plain.directory / "config.json").write_text(json.dumps({"config": used}))
+    (plain.directory / "summary.json").write_text(json.dumps(
+        {"rounds-completed": 2, "final-test-accuracy": 0.5}))
+    assert run_status(plain).state is RunState.FINISHED
+    today = run_status(spec_for({}))
+    assert today.state is RunState.STALE
+    assert "align-factors=False (suite: True)" in today.detail
+    kappa = RunConfig().as_dict()["max-update-spread"]
+    assert f"max-update-spread=0.0 (suite: {kappa!r})" in today.detail
 
 
 def test_seed_filter_runs_one_seed_of_every_cell_and_leaves_the_rest(tmp_path: Path) -> None:

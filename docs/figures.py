@@ -1,0 +1,378 @@
+"""Draw the documentation's figures from committed results and committed tables.
+
+    python docs/figures.py                    # every figure, into docs/_static/
+    python docs/figures.py accuracy paper     # some of them: accuracy, paper, performance, sharding
+
+Needs matplotlib (``pip install -e ".[plots]"``). No number is typed in here: each figure reads
+its numbers from a committed file, and says which in its caption on the pages.
+
+- ``accuracy-r0.1.png`` (README, Results, How sharding works): test accuracy against round at
+  r = 0.1 for No sharding, Collective, Top-n and Top-n with a low-rank start, mean ± 1 std
+  over the two seeds, drawn by the experiment report's own :func:`plot_accuracy` from the run
+  folders of ``results/fmnist-table/`` and ``results/beyond/``.
+- ``paper-vs-fedshard.png`` (Results): the paper's Table 1 at r = 0.1 next to fedshard's
+  Fashion-MNIST table, from the table "The paper's Table 1 next to this one" in
+  ``docs/results.md`` (its fedshard column is checked against
+  ``results/fmnist-table/results.json``).
+- ``performance.png`` (Performance): the client-step and GPU step-time tables of
+  ``docs/performance.md``, read from the page.
+- ``sharding.png`` (How sharding works): π and ω of each strategy for one illustrative
+  spectrum, and one round's draw for ten clients, computed with :mod:`fedshard.sampling`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+STATIC = ROOT / "docs" / "_static"
+sys.path.insert(0, str(ROOT))  # the checkout's fedshard, installed or not
+
+# Colours of the strategies, the same in every figure (tab10 order).
+COLOURS = {
+    "Top-n": "tab:blue",
+    "Top-n + Scaled": "tab:cyan",
+    "PriSM": "tab:green",
+    "PriSM + Scaled": "tab:olive",
+    "PriSM + Wallenius": "tab:purple",
+    "PriSM + Wallenius + ClipLR": "tab:brown",
+    "Unbiased": "tab:pink",
+    "Collective": "tab:red",
+}
+
+
+# ---------------------------------------------------------------------------------- tables
+def markdown_table(page: Path, first_header: str) -> list[list[str]]:
+    """The rows (header row first) of the Markdown table in ``page`` whose first header cell
+    is ``first_header``."""
+    lines = page.read_text(encoding="utf-8").splitlines()
+    for i, line in enumerate(lines):
+        if _cells(line)[:1] == [first_header]:
+            rows = [_cells(line)]
+            for row in lines[i + 2:]:  # skip the |---| line
+                if not row.startswith("|"):
+                    break
+                rows.append(_cells(row))
+            return rows
+    raise SystemExit(f"{page}: no Markdown table whose first header cell is {first_header!r}")
+
+
+def _cells(line: str) -> list[str]:
+    if not line.startswith("|"):
+        return []
+    return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+
+def _row(rows: Sequence[Sequence[str]], prefix: str) -> Sequence[str]:
+    """The first row whose first cell starts with ``prefix``."""
+    for row in rows[1:]:
+        if row[0].startswith(prefix):
+            return row
+    raise SystemExit(f"no table row starting with {prefix!r}; rows: {[r[0] for r in rows[1:]]}")
+
+
+_NUMBER = re.compile(r"(\d+(?:\.\d+)?)(?:\s*[–-]\s*(\d+(?:\.\d+)?))?(?:\s*±\s*(\d+(?:\.\d+)?))?")
+
+
+def number(cell: str) -> tuple[float, float, float | None] | None:
+    """``(low, high, std)`` of a table cell: ``"4.83–4.84"``, ``"**0.277** (265 ms ...)"``,
+    ``"82.59 ± 0.27"``, ``"73.1 †"``; ``None`` for an empty cell or one without a number."""
+    found = _NUMBER.search(cell.replace("*", ""))
+    if found is None:
+        return None
+    low = float(found.group(1))
+    high = float(found.group(2)) if found.group(2) else low
+    std = float(found.group(3)) if found.group(3) else None
+    return low, high, std
+
+
+# ---------------------------------------------------------------------------------- figures
+def figure_accuracy(out: Path) -> Path:
+    """README's figure, drawn by the experiment report's plot_accuracy."""
+    from fedshard.experiments import collect, load_suite
+    from fedshard.experiments.report import plot_accuracy
+    from fedshard.experiments.suite import TableSpec
+
+    table = load_suite(ROOT / "experiments" / "fmnist-table.toml", app_dir=ROOT)
+    beyond = load_suite(ROOT / "experiments" / "beyond.toml", app_dir=ROOT)
+    from_table = {(c.label, c.column): c for c in collect(table)}
+    from_beyond = {(c.label, c.column): c for c in collect(beyond)}
+    chosen = {
+        "Collective": from_table.get(("Collective", "r = 0.1")),
+        "Top-n": from_table.get(("Top-n", "r = 0.1")),
+        "Top-n, low-rank start (ρ = 0.1)": from_beyond.get(("Top-n, low-rank start", "r = 0.1")),
+        "No sharding": from_table.get(("No sharding", None)),
+    }
+    for label, cell in chosen.items():
+        if cell is None or len(cell.runs) != 2:
+            found = "no finished run" if cell is None else f"{len(cell.runs)} finished run(s)"
+            raise SystemExit(f"{label}: {found} in results/ where 2 seeds were committed; "
+                             "`python -m fedshard.experiments status fmnist-table` (and "
+                             "beyond) says why")
+    renamed = [dataclasses.replace(cell, label=label) for label, cell in chosen.items()
+               if cell is not None]
+    suite = dataclasses.replace(
+        table, name="Fashion-MNIST, ResNet-18 (GroupNorm, width 16), 100 clients",
+        tables=(TableSpec("r = 0.1", ("Collective", "Top-n", "Top-n, low-rank start (ρ = 0.1)"),
+                          ("r = 0.1",)),),
+        reference_rows=("No sharding",), comparisons=())
+    return plot_accuracy(suite, renamed, out / "accuracy-r0.1.png")
+
+
+PAPER_COLUMNS = ("CIFAR-10, ResNet-18", "TinyImageNet, CCT", "CIFAR-100, ResNet-18",
+                 "CIFAR-100, CCT", "Shakespeare, GPT")
+
+
+def figure_paper(out: Path) -> Path:
+    """The paper's Table 1 at r = 0.1 next to fedshard's Fashion-MNIST table."""
+    from fedshard.experiments.plots import _matplotlib
+
+    rows = markdown_table(ROOT / "docs" / "results.md", "r = 0.1 (final test accuracy, %)")
+    header = rows[0]
+    fed_col = len(header) - 1  # the last column is fedshard's
+    _check_fedshard_column(rows, fed_col)
+    _, Figure, FigureCanvasAgg = _matplotlib()
+    panels = list(range(1, len(header)))
+    fig = Figure(figsize=(13.5, 7.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, math.ceil(len(panels) / 2), squeeze=False).ravel()
+    strategies = [r for r in rows[1:] if r[0] in COLOURS]
+    references = [r for r in rows[1:] if r[0] not in COLOURS]
+    for ax, col in zip(axes, panels, strict=False):
+        ys = list(range(len(strategies)))[::-1]
+        values = [number(r[col]) for r in strategies]
+        for y, row, value in zip(ys, strategies, values, strict=True):
+            if value is None:
+                continue
+            mean, std = value[0], value[2] or 0.0
+            # points, not bars: the axis does not start at 0
+            ax.errorbar(mean, y, xerr=std, fmt="o", color=COLOURS[row[0]], capsize=3, ms=6)
+            one_seed = " †" if "†" in row[col] else ""
+            ax.text(mean + std, y + 0.22, f" {mean:.1f}{one_seed}", va="bottom",
+                    fontsize="x-small")
+        for row, style in zip(references, ("--", ":"), strict=False):
+            value = number(row[col])
+            if value is not None:
+                ax.axvline(value[0], color="0.3", ls=style, lw=1.2, label=row[0])
+        drawn = [v[0] + (v[2] or 0.0) for v in values if v is not None]
+        lows = [v[0] - (v[2] or 0.0) for v in values if v is not None]
+        refs = [v[0] for v in (number(r[col]) for r in references) if v is not None]
+        ax.set_xlim(max(0.0, min(lows) - 4), max(drawn + refs) + 5)
+        ax.set_ylim(-0.7, len(strategies) - 0.2)
+        ax.set_yticks(ys, [r[0] for r in strategies] if col in (1, 4) else [])
+        ref_text = ", ".join(f"{r[0]} {number(r[col])[0]:.1f}"  # type: ignore[index]
+                             for r in references if number(r[col]) is not None)
+        ax.set_title(f"{header[col]}\n{ref_text}", fontsize="small")
+        ax.set_xlabel("test accuracy (%)", fontsize="small")
+        ax.grid(axis="x", alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=2, fontsize="small")
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    fig.suptitle("Keep ratio r = 0.1: the paper's Table 1 (3 seeds, mean ± std) and fedshard's "
+                 "Fashion-MNIST table (2 seeds; † 1 seed)")
+    path = out / "paper-vs-fedshard.png"
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _check_fedshard_column(rows: Sequence[Sequence[str]], col: int) -> None:
+    """The page's fedshard column must be the committed report's numbers."""
+    data = json.loads((ROOT / "results" / "fmnist-table" / "results.json").read_text())
+    means = {(c["label"], c["column"]): c["mean"] for c in data["cells"]}
+    for row in rows[1:]:
+        key = (row[0], "r = 0.1") if row[0] in COLOURS else (row[0], None)
+        value = number(row[col])
+        if value is None or key not in means:
+            continue
+        if abs(value[0] - means[key]) > 0.051:
+            raise SystemExit(f"docs/results.md says {row[0]} = {value[0]} but "
+                             f"results/fmnist-table/results.json has {means[key]:.2f}")
+
+
+def figure_performance(out: Path) -> Path:
+    """The client step on a CPU (cost against the keep ratio) and the GPU step times."""
+    from fedshard.experiments.plots import _matplotlib
+
+    page = ROOT / "docs" / "performance.md"
+    cpu = markdown_table(page, "keep ratio r")
+    gpu = {"H100": markdown_table(page, "step time (ms)"),
+           "H200": markdown_table(page, "step time (ms), H200")}
+    _, Figure, FigureCanvasAgg = _matplotlib()
+    fig = Figure(figsize=(14, 4.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_cpu, *ax_gpu = fig.subplots(1, 3, width_ratios=[1.0, 1.25, 1.25])
+
+    ratios = [float(r[0].split()[0]) for r in cpu[1:]]
+    series = {  # column header prefix -> legend label, style, colour
+        "step time vs dense": ("step time", "o-", "black"),
+        "FLOPs vs dense": ("FLOPs", "s--", "tab:orange"),
+        "bytes received vs dense": ("bytes received", "^:", "tab:green"),
+        "peak RSS": ("peak memory (RSS)", "d-", "tab:purple"),
+    }
+    for prefix, (label, style, colour) in series.items():
+        col = next(i for i, h in enumerate(cpu[0]) if h.startswith(prefix))
+        values = [number(r[col]) for r in cpu[1:]]
+        ax_cpu.plot(ratios, [v[0] for v in values if v], style, color=colour, label=label)
+    ax_cpu.axhline(1.0, color="0.3", ls="--", lw=1)
+    ax_cpu.set_xlabel("keep ratio r")
+    ax_cpu.set_ylabel("× the dense model")
+    ax_cpu.set_xticks(ratios)
+    ax_cpu.set_title("CPU (2-core AMD EPYC): one client step against the dense one,\n"
+                     "ResNet-18 width 64, batch 32", fontsize="small")
+    ax_cpu.grid(alpha=0.3)
+    ax_cpu.legend(fontsize="x-small")
+
+    options = {  # label -> row prefix (the first row starting with it)
+        "eager": "eager, fused",
+        "CUDA graph, unpadded": "`cuda_graph=True`, unpadded",
+        "CUDA graph, padded (default)": "`cuda_graph=True`, padded",
+        "compile alone": "`compile=True` alone",
+        "compile + CUDA graph": "`compile=True` + `cuda_graph=True`",
+    }
+    for ax, (card, rows) in zip(ax_gpu, gpu.items(), strict=True):
+        dense_col = rows[0].index("dense")
+        sub_col = rows[0].index("r = 0.1")
+        ys = list(range(len(options)))[::-1]
+        for y, prefix in zip(ys, options.values(), strict=True):
+            row = _row(rows, prefix)
+            for offset, col, colour, name in ((0.18, dense_col, "0.55", "dense"),
+                                              (-0.18, sub_col, "tab:red", "r = 0.1")):
+                value = number(row[col])
+                if value is None:
+                    continue
+                low, high, _ = value
+                ax.barh(y + offset, low, height=0.34, color=colour,
+                        label=name if y == ys[0] else None)
+                if high > low:  # two runs: the bar to the lower, the line to the higher
+                    ax.plot([low, high], [y + offset] * 2, color="black", lw=2.5)
+                text = row[col].replace("*", "")
+                ax.text(high, y + offset, f" {text}", va="center", fontsize="x-small")
+        ax.set_yticks(ys, list(options) if card == "H100" else [])
+        ax.set_xlabel("ms per step")
+        ax.set_xlim(0, 31)
+        ax.set_title(f"{card}: one client step, ResNet-18 width 64, batch 32", fontsize="small")
+        ax.grid(axis="x", alpha=0.3)
+        ax.legend(fontsize="x-small", loc="lower right")
+    fig.suptitle("Performance (the tables of this page; a bar with a line: two runs, from the "
+                 "lower to the higher)", fontsize="medium")
+    path = out / "performance.png"
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def figure_sharding(out: Path) -> Path:
+    """π and ω of each strategy for one spectrum; one round's draw for ten clients."""
+    import numpy as np
+
+    from fedshard.experiments.plots import _matplotlib
+    from fedshard.sampling import draw_subsets, inclusion_probabilities
+
+    num_terms, clients, keep = 40, 10, 0.2
+    n = math.ceil(keep * num_terms)
+    lam = np.arange(1, num_terms + 1, dtype=float) ** -0.7  # illustrative, decaying
+    methods = {
+        "Top-n": ("top-n", {}),
+        "PriSM": ("prism", {}),
+        "PriSM + Wallenius": ("prism-wallenius", {}),
+        "Unbiased": ("unbiased", {}),
+        "Collective": ("collective", {"num_clients": clients}),
+    }
+    found = {name: inclusion_probabilities(lam, n, method, **kw)
+             for name, (method, kw) in methods.items()}
+    _, Figure, FigureCanvasAgg = _matplotlib()
+    fig = Figure(figsize=(13.5, 6.4), layout="constrained")
+    FigureCanvasAgg(fig)
+    grid = fig.add_gridspec(2, 4)
+    ax_lam = fig.add_subplot(grid[0, 0])
+    ax_pi = fig.add_subplot(grid[0, 1])
+    ax_omega = fig.add_subplot(grid[0, 2:])
+    terms = np.arange(1, num_terms + 1)
+    ax_lam.bar(terms, lam, color="0.5")
+    ax_lam.set_title(f"a layer's spectrum λ (N = {num_terms})", fontsize="small")
+    ax_lam.set_xlabel("term i (largest λ first)")
+    styles: dict[str, Any] = {"Top-n": "-", "PriSM": "-", "PriSM + Wallenius": ":",
+                              "Unbiased": "-", "Collective": "-"}
+    for name, (pi, omega) in found.items():
+        ax_pi.plot(terms, pi, styles[name], color=COLOURS[name], lw=1.6, label=name)
+        kept = pi > 0
+        ax_omega.plot(terms[kept], omega[kept], styles[name], color=COLOURS[name], lw=1.6,
+                      label=name)
+    ax_pi.set_title(f"inclusion probability πᵢ (Σ πᵢ = n = {n})", fontsize="small")
+    ax_pi.set_xlabel("term i")
+    ax_pi.legend(fontsize="x-small", loc="upper right")
+    ax_omega.set_yscale("log")
+    ax_omega.axhline(clients, color="0.3", ls="--", lw=1)
+    ax_omega.text(1, clients, f"C = {clients}", va="bottom", ha="left", fontsize="x-small")
+    ax_omega.set_title("multiplier ωᵢ of a drawn term (Top-n, PriSM: 1; Unbiased, "
+                       "PriSM + Wallenius: 1/πᵢ; Collective: C/(1 + πᵢ(C − 1)))",
+                       fontsize="small")
+    ax_omega.set_xlabel("term i")
+    for ax in (ax_lam, ax_pi, ax_omega):
+        ax.grid(alpha=0.3)
+    draws: dict[str, str | None] = {"Top-n": "top-n", "PriSM": None, "Unbiased": "cps",
+                                    "Collective": "cps"}
+    rng = np.random.default_rng(0)
+    for k, (name, design) in enumerate(draws.items()):
+        ax = fig.add_subplot(grid[1, k])
+        pi = found[name][0]
+        if design is None:  # PriSM draws successively, ∝ λ^k
+            from fedshard.sampling import default_prism_exponent, successive_sample
+
+            weights = (lam / lam.max()) ** default_prism_exponent(n, num_terms)
+            subsets = successive_sample(weights, n, clients, rng=rng)
+        else:
+            subsets = draw_subsets(pi, clients, design=design, rng=rng)
+        held = np.zeros((clients, num_terms))
+        for c, subset in enumerate(subsets):
+            held[c, subset] = 1.0
+        ax.imshow(held, aspect="auto", cmap="Greys", vmin=0, vmax=1.4,
+                  extent=(0.5, num_terms + 0.5, clients + 0.5, 0.5), interpolation="nearest")
+        ax.set_title(f"{name}: the terms of {clients} clients, one round", fontsize="small")
+        ax.set_xlabel("term i")
+        if k == 0:
+            ax.set_ylabel("client")
+    fig.suptitle(f"Which terms a client trains, and with what weight: one layer, keep ratio "
+                 f"r = {keep} (n = ⌈rN⌉ = {n} of N = {num_terms} terms)\n"
+                 f"an illustrative spectrum λᵢ = i^−0.7; Collective with C = {clients} clients "
+                 "sharing r")
+    path = out / "sharding.png"
+    fig.savefig(path, dpi=110)
+    return path
+
+
+FIGURES: dict[str, Callable[[Path], Path]] = {
+    "accuracy": figure_accuracy,
+    "paper": figure_paper,
+    "performance": figure_performance,
+    "sharding": figure_sharding,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("figures", nargs="*", metavar="FIGURE",
+                        help=f"which figures ({', '.join(FIGURES)}); default: all")
+    parser.add_argument("--out", type=Path, default=STATIC,
+                        help="where to write them (default: docs/_static)")
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.figures if name not in FIGURES]
+    if unknown:
+        parser.error(f"no figure {', '.join(map(repr, unknown))}; expected some of "
+                     f"{', '.join(FIGURES)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in args.figures or FIGURES:
+        print(f"wrote {FIGURES[name](args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
