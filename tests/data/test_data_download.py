@@ -365,8 +365,7 @@ def test_every_missing_data_hint_is_a_command_flower_and_fedshard_accept(
     for command in commands:
         argv = shlex.split(command)
         overrides = parse_config_args([argv[4]])
-        assert overrides in ({"download": True}, {"data-dir": "/path/to/folder"},
-                             {"data-dir": "/path/to/leaf/data"})
+        assert overrides in ({"download": True}, {"data-dir": "/path/to/folder"})
         RunConfig.from_mapping({**overrides, "dataset": name,
                                 "model": "chargpt" if name == "shakespeare" else "mlp"})
     if name == "fashion-mnist":
