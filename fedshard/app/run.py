@@ -25,6 +25,7 @@ from fedshard.app.callbacks import Checkpointing, MetricsLog, central_evaluation
 from fedshard.app.checkpoint import RESUME_MAY_CHANGE, Checkpoint
 from fedshard.app.config import RunConfig
 from fedshard.app.results import RunRecorder
+from fedshard.app.rundir import wait_for_run_lock
 from fedshard.app.savings import reference_summary, savings_line, sharding_savings
 from fedshard.app.task import (
     RUNTIME_KEY,
@@ -89,8 +90,11 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
     must be the one the checkpoint was written with (apart from ``RESUME_MAY_CHANGE``: where
     it is stored, where and how fast it runs), and its arrays those of the run's model
     (:class:`~fedshard.app.checkpoint.CheckpointError` before round 1 otherwise; an unusable
-    results folder is a :class:`~fedshard.app.rundir.RunDirectoryError`). ``device``
-    overrides ``server-device`` (SVD, rebuild, central evaluation).
+    results folder is a :class:`~fedshard.app.rundir.RunDirectoryError`). A resume first
+    waits for another process's lock on the folder, up to
+    :data:`~fedshard.app.rundir.RESUME_LOCK_WAIT_S`
+    (:func:`~fedshard.app.rundir.wait_for_run_lock`). ``device`` overrides ``server-device``
+    (SVD, rebuild, central evaluation).
     """
     log_with_flower()
     device = device or resolve_device(cfg.server_device)
@@ -104,6 +108,8 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
     directory = cfg.results_path
     initial = ArrayRecord(model.state_dict())
     done = 0
+    if cfg.resume:  # the last launch's ServerApp may still be stopping: it holds run.lock
+        wait_for_run_lock(directory)
     checkpoint = Checkpoint.load(directory, fallback=True) if cfg.resume else None
     if cfg.resume and checkpoint is None:
         if _started_before(directory, cfg):  # stopped before its round 1 completed

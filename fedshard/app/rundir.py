@@ -7,6 +7,10 @@ exclusive :func:`fcntl.flock` on ``run.lock`` inside it for the run's lifetime
 the process exits or is killed, so a crashed run never leaves a stale lock behind; the PID, host
 and start time written into the file only say *who* holds it.
 
+A resumed run waits a while for the lock (:func:`wait_for_run_lock`): the ServerApp of the
+launch before it may still be stopping (Flower's ``flwr-serverapp`` outlives a stopped
+SuperLink by seconds), and a resume submitted at once would otherwise be refused.
+
 The directory is created ``0700`` and every result file is written ``0600``
 (:func:`write_private`, :func:`open_private_append`): run configs and models are the user's.
 No file in it is opened through a symbolic link (:func:`open_private`): a link planted under
@@ -32,6 +36,7 @@ __all__ = [
     "LOCK_NAME",
     "PREVIOUS_CHECKPOINT_NAME",
     "RESULT_FILES",
+    "RESUME_LOCK_WAIT_S",
     "ExistingResultsError",
     "RunDirectoryError",
     "RunLock",
@@ -39,6 +44,7 @@ __all__ = [
     "make_run_directory",
     "open_private",
     "open_private_append",
+    "wait_for_run_lock",
     "write_private",
 ]
 
@@ -51,6 +57,10 @@ LOCK_NAME = "run.lock"
 #: it resumes or overwrites). ``config.json`` alone is not a result: it is written first.
 RESULT_FILES = ("metrics.jsonl", CHECKPOINT_NAME, PREVIOUS_CHECKPOINT_NAME, "model.pt",
                 "summary.json")
+#: Seconds a resumed run waits for another process to release ``run.lock`` before it gives up
+#: with :class:`RunLockedError`: longer than a stopping ServerApp takes to exit (see the
+#: deployment docs' measurements), short enough that a run really in progress is reported.
+RESUME_LOCK_WAIT_S = 90.0
 
 
 class RunDirectoryError(RuntimeError):
@@ -192,29 +202,57 @@ class RunLock:
         """Whether this object holds the lock now."""
         return self._fh is not None
 
-    def acquire(self) -> None:
-        """Take the lock at once or fail.
+    #: Seconds between two tries while :meth:`acquire` waits, and between two log lines.
+    POLL_S = 0.25
+    LOG_EVERY_S = 15.0
+
+    def acquire(self, wait_s: float = 0.0) -> None:
+        """Take the lock, at once or within ``wait_s`` seconds, or fail.
+
+        While it waits it logs a WARNING at once and then every :attr:`LOG_EVERY_S` seconds:
+        the folder, the holder (PID, host, start time) and how long it will still wait.
 
         Raises
         ------
         RunLockedError
-            If another run (process or object) holds it; the message names the holder.
+            If another run (process or object) still holds it after ``wait_s`` seconds; the
+            message names the holder (and how long this run waited).
         """
         import fcntl
 
         if self._fh is not None:
             return
-        fd = open_private(self.path, os.O_RDWR | os.O_CREAT)  # it truncates: no link
-        fh = os.fdopen(fd, "r+", encoding="utf-8")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _describe_holder(fh.read())
-            fh.close()
-            raise self._refusal(holder) from None
-        except BaseException:
-            fh.close()
-            raise
+        start = time.monotonic()
+        logged: float | None = None
+        while True:
+            fd = open_private(self.path, os.O_RDWR | os.O_CREAT)  # it truncates: no link
+            fh = os.fdopen(fd, "r+", encoding="utf-8")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = _describe_holder(fh.read())
+                fh.close()
+            except BaseException:
+                fh.close()
+                raise
+            waited = time.monotonic() - start
+            if waited >= wait_s:
+                err = self._refusal(holder)
+                if wait_s > 0:
+                    err.args = (f"{err} This run waited {waited:.0f} s for it.",)
+                raise err from None
+            if logged is None or waited - logged >= self.LOG_EVERY_S:
+                logger.warning(
+                    "%s is held by %s (lock file %s): waiting up to %.0f s more for it to be "
+                    "released (a ServerApp of an earlier launch still stopping releases it "
+                    "when its process ends).", self.directory, holder, self.path,
+                    wait_s - waited)
+                logged = waited
+            time.sleep(min(self.POLL_S, max(0.0, wait_s - waited)))
+        if logged is not None:
+            logger.info("%s: the lock was released after %.1f s; this run goes on.",
+                        self.directory, time.monotonic() - start)
         fh.seek(0)
         fh.truncate()
         fh.write(json.dumps({"pid": os.getpid(), "host": platform.node(),
@@ -240,3 +278,21 @@ class RunLock:
                  tb: TracebackType | None) -> None:
         self.release()
 
+
+
+def wait_for_run_lock(directory: Path, wait_s: float | None = None) -> None:
+    """Return once no other process holds ``directory``'s ``run.lock`` (at once where the
+    folder or its lock file does not exist), waiting up to ``wait_s`` seconds (default
+    :data:`RESUME_LOCK_WAIT_S`) and logging who holds it (:meth:`RunLock.acquire`). The lock
+    is not kept: the run's :class:`~fedshard.app.results.RunRecorder` takes it.
+
+    Raises
+    ------
+    RunLockedError
+        If the lock is still held after ``wait_s`` seconds, naming the holder.
+    """
+    if not (directory / LOCK_NAME).is_file():
+        return
+    lock = RunLock(directory)
+    lock.acquire(wait_s=RESUME_LOCK_WAIT_S if wait_s is None else wait_s)
+    lock.release()

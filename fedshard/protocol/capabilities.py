@@ -58,8 +58,13 @@ def capabilities_reply(msg: Message, keep_ratio: float, node_key: str | int | No
     return Message(RecordDict({CAPABILITIES: caps}), reply_to=msg)
 
 
-def read_capabilities(reply: Message) -> tuple[Capabilities | None, str]:
-    """The node's declared capabilities, or ``None`` and the reason there are none."""
+def read_capabilities(reply: Message, default_key: str = "") -> tuple[Capabilities | None, str]:
+    """The node's declared capabilities, or ``None`` and the reason there are none.
+
+    A node that declares no ``node-key`` is known by ``default_key``: what authenticates it,
+    e.g. the hex of the public key Flower's SuperNode authentication checked
+    (:class:`~fedshard.server.nodes.NodeDirectory` passes it); without one, by its Flower node
+    id (stable within one launch only)."""
     if reply.has_error():
         return None, f"error reply: {reply.error.reason}"
     caps = reply.content.config_records.get(CAPABILITIES)
@@ -75,5 +80,4 @@ def read_capabilities(reply: Message) -> tuple[Capabilities | None, str]:
     if len(key) > MAX_NODE_KEY:
         return None, (f"{NODE_KEY} of {len(key)} characters: expected at most {MAX_NODE_KEY} "
                       f"(a name, or the hex of a public key), found {key[:20]!r}…")
-    # Without a declared key the node id is the key (stable within one launch only).
-    return Capabilities(ratio, key or str(reply.metadata.src_node_id)), ""
+    return Capabilities(ratio, key or default_key or str(reply.metadata.src_node_id)), ""

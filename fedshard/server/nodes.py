@@ -6,6 +6,12 @@ is pruned to the connected nodes every round, so a node that restarts (new node 
 again. Sampling is seeded and ordered by the stable keys, so a run is reproducible although
 Flower draws new node ids at every launch.
 
+A node's key is the ``node-key`` it declares; a node that declares none is known by what
+authenticates it: the public key Flower reports for it (``NodeInfo.public_key`` from
+``Grid.get_nodes``, as hex; with SuperNode authentication the registered key, the same at every
+launch), else its node id. So devices that declare nothing never share a key, and with it a
+training seed.
+
 The operator's rules on declared keep ratios (:class:`~fedshard.settings.NodePolicy`) are
 applied to every answer (:func:`admit`): a ratio above ``max_keep_ratio`` is clipped to it (with
 a warning), and a node bound by the keep-ratio table that declares another ratio is refused
@@ -197,14 +203,16 @@ class NodeDirectory:
         if not unknown:
             return
         messages = [P.query_message(node) for node in unknown]
+        public_keys = self._public_keys(grid)
         answered: set[int] = set()
         to_node = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
         for reply in grid.send_and_receive(messages, timeout=self.policy.query_timeout):
             node = to_node.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
             answered.add(node)
-            caps, reason = P.read_capabilities(reply)
+            public_key = public_keys.get(node, "")
+            caps, reason = P.read_capabilities(reply, default_key=public_key)
             if caps is not None:
-                caps, reason = admit(self.policy, caps, self._public_key(grid, node))
+                caps, reason = admit(self.policy, caps, public_key)
             if caps is None:  # the reason may quote the node's own text: one escaped line
                 log(WARNING, "Node %d gave no usable keep ratio (%s); it is skipped this "
                     "round and asked again next round.", node, one_line(reason, 600))
@@ -218,7 +226,7 @@ class NodeDirectory:
                 log(WARNING, "Nodes %d and %d declare the same node-key %r: they get the same "
                     "training seed and the same random streams, and one may be posing as the "
                     "other; give every node its own key.", *sorted((twin, node)),
-                    caps.key)
+                    _short(caps.key, 80))
             if not self.sharded:
                 continue
             if (self.policy.keep_ratio_table is None and not reason
@@ -236,12 +244,20 @@ class NodeDirectory:
                 "skipped this round and asked again next round.", node,
                 self.policy.query_timeout)
 
-    def _public_key(self, grid: Grid, node: int) -> str:
-        """``node``'s public key as hex (only looked up when a keep-ratio table is set)."""
-        if not self.policy.keep_ratio_table:
-            return ""
+    @staticmethod
+    def _public_keys(grid: Grid) -> dict[int, str]:
+        """Each connected node's public key as hex (``bytes(NodeInfo.public_key).hex()``);
+        nodes without one are left out."""
         try:
-            keys = {n.node_id: bytes(n.public_key).hex() for n in grid.get_nodes()}
-        except Exception:  # a grid without node details (simulation, tests) has no keys
-            return ""
-        return keys.get(node, "")
+            nodes = list(grid.get_nodes())
+        except Exception:  # a grid without node details (some test grids) has no keys
+            return {}
+        keys = {}
+        for info in nodes:
+            try:
+                key = bytes(info.public_key).hex()
+            except (AttributeError, TypeError, ValueError):
+                continue
+            if key:
+                keys[int(info.node_id)] = key
+        return keys

@@ -11,6 +11,10 @@ The TLS material and SuperNode keys are generated here with ``cryptography`` (in
 Flower): a CA, a server certificate for ``127.0.0.1``/``localhost`` signed by it, and ECDSA
 P-384 key pairs in OpenSSH format, the format ``flower-supernode
 --auth-supernode-private-key`` and ``flwr supernode register`` read.
+
+The commands of ``docs/deployment.md`` can be run as written (:func:`docs_blocks`,
+:meth:`LocalDeployment.shell`, :meth:`LocalDeployment.start_shell`): with ``$HOME`` a folder of
+the deployment and the docs' fixed ports (9092, 9094-9097) replaced by free ones.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import datetime as dt
 import ipaddress
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -39,6 +44,28 @@ from fedshard.experiments.launch import free_port, kill_tree, processes_with_env
 
 MARKER = "FEDSHARD_DEPLOY_ROOT"
 BIN = Path(sys.executable).parent
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "deployment.md"
+#: The ports docs/deployment.md names: the SuperLink's, then the SuperNodes'.
+DOCS_PORTS = (9092, 9094, 9095, 9096, 9097)
+
+
+# --------------------------------------------------------------------------- the docs' commands
+def docs_blocks(heading: str, lang: str = "bash") -> list[str]:
+    """The ``lang`` code blocks of docs/deployment.md's section ``heading`` (its whole
+    heading line, e.g. ``"## 4. SuperNodes (one per device)"``), in order."""
+    text = DOCS.read_text()
+    start = text.find(f"\n{heading}\n")
+    if start < 0:
+        raise KeyError(f"docs/deployment.md has no section {heading!r}")
+    end = text.find("\n## ", start + 1)
+    section = text[start:] if end < 0 else text[start:end]
+    return re.findall(rf"```{lang}\n(.*?)```", section, flags=re.S)
+
+
+def docs_commands(block: str) -> list[str]:
+    """The command lines of a code block, continuation lines (``\\``) joined."""
+    joined = re.sub(r"\\\n\s*", " ", block)
+    return [line for line in joined.splitlines() if line.strip()]
 
 
 # --------------------------------------------------------------------------- key material
@@ -169,8 +196,14 @@ class LocalDeployment:
     link: Started | None = None
     nodes: list[Started] = field(default_factory=list)
     _all: list[Started] = field(default_factory=list)
+    _docs_ports: dict[int, int] = field(default_factory=dict)
 
     # -- environment -------------------------------------------------------------------------
+    @property
+    def home(self) -> Path:
+        """``$HOME`` of the docs' commands (:meth:`shell`, :meth:`start_shell`)."""
+        return self.root / "home"
+
     def env(self, home: Path) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("FLWR_")}
         env.update({
@@ -188,17 +221,96 @@ class LocalDeployment:
         assert self.link is not None, "start_superlink() first"
         return f"127.0.0.1:{self.link.port}"
 
-    def _start(self, name: str, cmd: list[str], port: int) -> Started:
+    def _start(self, name: str, cmd: list[str], port: int,
+               env: dict[str, str] | None = None) -> Started:
         home = self.root / name
         home.mkdir(parents=True, exist_ok=True)
         log = self.root / f"{name}.log"
         with log.open("wb") as fh:
-            popen = subprocess.Popen(cmd, env=self.env(home), stdout=fh, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, cwd=home, start_new_session=True)
+            popen = subprocess.Popen(cmd, env=env or self.env(home), stdout=fh,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     cwd=home, start_new_session=True)
         started = Started(name, popen, log, home, port)
         self._all.append(started)
         (self.root / f"{name}.cmd").write_text(" ".join(cmd) + "\n")
         return started
+
+    # -- the docs' commands ------------------------------------------------------------------
+    def docs_port(self, port: int) -> int:
+        """The free port that stands for the docs' ``port``."""
+        if port not in self._docs_ports:
+            self._docs_ports[port] = free_port()
+        return self._docs_ports[port]
+
+    def localize(self, script: str) -> str:
+        """``script`` with the docs' fixed ports replaced by this deployment's free ones."""
+        for port in DOCS_PORTS:
+            script = re.sub(rf"(?<![\d.]){port}(?!\d)", str(self.docs_port(port)), script)
+        return script
+
+    def _shell_env(self, flwr_home: Path) -> dict[str, str]:
+        env = self.env(flwr_home)
+        env["HOME"] = str(self.home)
+        self.home.mkdir(parents=True, exist_ok=True)
+        return env
+
+    def shell(self, script: str, *, timeout_s: float = 120.0,
+              cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+        """Run a docs' code block with bash (``set -e``; ``$HOME`` = :attr:`home`, the CLI's
+        ``FLWR_HOME`` = :attr:`cli_home`); stopped with its descendants on timeout."""
+        env = self._shell_env(self.cli_home)
+        proc = subprocess.Popen(["bash", "-e", "-c", self.localize(script)], env=env,
+                                cwd=cwd or self.home, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+                                start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+            out, _ = proc.communicate()
+            raise TimeoutError(f"docs block exceeded {timeout_s:.0f} s:\n{script}\n"
+                               f"{out[-4000:]}\n{self.tails()}") from None
+        finally:
+            if proc.poll() is None:
+                kill_tree(proc.pid)
+        with (self.root / "cli.log").open("a") as fh:
+            fh.write(f"$ {script}\n{out}\n[exit {proc.returncode}]\n")
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+
+    def start_shell(self, name: str, script: str, *, superlink: bool = False) -> Started:
+        """A long-running docs' command (a SuperLink's or a SuperNode's), run by bash in the
+        background with its own ``FLWR_HOME`` (the docs' SuperLink command sets its own); the
+        last command replaces the shell (``exec``), so the process is the SuperLink's or
+        SuperNode's own. With ``superlink`` it becomes :attr:`link` (and returns once its port
+        accepts)."""
+        *before, last = docs_commands(self.localize(script))
+        # exec after the command's leading VAR=value assignments (they stay its environment)
+        assigns = re.match(r"((?:[A-Za-z_][A-Za-z0-9_]*=\S*\s+)*)(.*)", last, flags=re.S)
+        assert assigns is not None
+        script = "\n".join([*before, f"{assigns.group(1)}exec {assigns.group(2)}"])
+        port = self.docs_port(9092) if superlink else 0
+        started = self._start(name, ["bash", "-c", script], port,
+                              env=self._shell_env(self.root / name))
+        if superlink:
+            self.link = started
+            self._wait_listening(started, 60.0)
+        else:
+            self.nodes.append(started)
+        return started
+
+    def _wait_listening(self, link: Started, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if link.popen.poll() is not None:
+                raise RuntimeError(f"SuperLink exited with {link.popen.returncode}\n"
+                                   + link.tail())
+            with socket.socket() as s:
+                s.settimeout(0.5)
+                if s.connect_ex(("127.0.0.1", link.port)) == 0:
+                    return
+            time.sleep(0.3)
+        raise TimeoutError(f"SuperLink not listening on {link.port} after {timeout_s} s\n"
+                           + link.tail())
 
     # -- SuperLink ---------------------------------------------------------------------------
     def start_superlink(self, *, ready_timeout_s: float = 60.0) -> Started:
@@ -216,19 +328,7 @@ class LocalDeployment:
         if self.supernode_auth:
             cmd.append("--enable-supernode-auth")
         self.link = self._start("superlink", cmd, port)
-        deadline = time.monotonic() + ready_timeout_s
-        while time.monotonic() < deadline:
-            if self.link.popen.poll() is not None:
-                raise RuntimeError(f"SuperLink exited with {self.link.popen.returncode}\n"
-                                   + self.link.tail())
-            with socket.socket() as s:
-                s.settimeout(0.5)
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.3)
-        else:
-            raise TimeoutError(f"SuperLink not listening on {port} after {ready_timeout_s} s\n"
-                               + self.link.tail())
+        self._wait_listening(self.link, ready_timeout_s)
         self._write_cli_config()
         return self.link
 
@@ -352,7 +452,8 @@ class LocalDeployment:
     def leftovers(self) -> list[int]:
         """PIDs that still carry this deployment's marker or one of its ``FLWR_HOME``s."""
         pids = set(processes_with_env(MARKER, str(self.root)))
-        for home in [self.cli_home, *(p.home for p in self._all)]:
+        for home in [self.cli_home, *(p.home for p in self._all),
+                     *(self.home / "fedshard-deploy").glob("*")]:
             pids.update(processes_with_env("FLWR_HOME", str(home)))
         return sorted(pids)
 

@@ -158,3 +158,33 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_node_without_keep_ratio_logs_exit_code_800_and_is_skipped(tmp_path: Path) -> None:
+    """A deployed node whose config lacks ``keep-ratio`` (docs/deployment.md, "A node's log
+    says Exit Code: 800"): its ClientApp refuses the server's query, Flower's task process
+    exits with 800 while the SuperNode keeps running, and the ServerApp skips the node (with
+    the reason) and trains with the others."""
+    results = tmp_path / "results"
+    with LocalDeployment(tmp_path / "deploy") as dep:
+        dep.start_superlink()
+        for i, config in enumerate([{"keep-ratio": 0.5}, {"keep-ratio": 0.5}, {}]):
+            dep.start_supernode(f"node-{i}", {**config, "data-dir": str(FMNIST),
+                                              "partition-id": i, "num-partitions": 60})
+        dep.wait_online(3)
+        run = dep.run_app(ROOT, {
+            "model": "mlp", "model-width": WIDTH, "num-server-rounds": 1,
+            "min-available-nodes": 2, "num-partitions": 60, "test-max-examples": 100,
+            "batch-size": 64, "results-dir": str(results), "run-name": "no-ratio",
+        }, timeout_s=300)
+        out = run.stdout
+        assert run.returncode == 0, out[-5000:] + "\n" + dep.tails()
+        bad = dep.nodes[2]
+        assert "Exit Code: 800" in bad.tail(20000), bad.tail()
+        assert "keep-ratio" in bad.tail(20000), bad.tail()
+        assert bad.popen.poll() is None, bad.tail()  # the SuperNode itself keeps running
+        assert "gave no usable keep ratio (error reply" in out, out[-5000:]
+    assert dep.leftovers() == []
+    rows = [json.loads(x) for x in (results / "no-ratio" / "metrics.jsonl").read_text()
+            .splitlines()]
+    assert rows[-1]["round"] == 1 and rows[-1]["replies-used"] == 2, rows[-1]

@@ -1,0 +1,103 @@
+"""What an orphaned ServerApp does when its SuperLink comes back (docs/deployment.md,
+"Stopping, restarting and resuming").
+
+Usage: python tests/deploy/measure_superlink_restart.py [repeats]
+
+Starts a SuperLink and two SuperNodes on 127.0.0.1 (:class:`deploy_cluster.LocalDeployment`),
+submits a run of many short rounds and, once round 1 is recorded, sends SIGTERM to the
+SuperLink. The run's ``flwr-serverapp`` outlives it (it retries its SuperLink with Flower's
+back-off, at most 20 s apart). After ``--down`` seconds (default 10) the SuperLink is started
+again with the same command, port and database; the script then polls every 50 ms until the
+orphaned ServerApp has exited and the run folder's ``run.lock`` can be taken, and reports
+whether the orphan recorded any round after the restart. Prints one line per repeat (seconds
+after the restart) and stops everything it started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from deploy_cluster import LocalDeployment
+from measure_serverapp_exit import _alive, _lock_free, _serverapps
+
+ROOT = Path(__file__).resolve().parents[2]
+FMNIST = Path("/usr/share/datasets/fashion-mnist")
+
+
+def _rounds(metrics: Path) -> int:
+    lines = metrics.read_text().splitlines() if metrics.is_file() else []
+    return max((json.loads(x)["round"] for x in lines if x.strip()), default=-1)
+
+
+def measure_once(root: Path, down_s: float) -> dict[str, float]:
+    results = root / "results"
+    with LocalDeployment(root / "deploy") as dep:
+        link = dep.start_superlink()
+        for i in range(2):
+            dep.start_supernode(f"node-{i}", {"keep-ratio": 0.5, "data-dir": str(FMNIST),
+                                              "partition-id": i, "num-partitions": 60})
+        dep.wait_online(2)
+        overrides = dep.root / "run-config.toml"
+        overrides.write_text(
+            'model = "mlp"\nmodel-width = 32\nnum-server-rounds = 50\nmin-available-nodes = 2\n'
+            'num-partitions = 60\ntest-max-examples = 100\nbatch-size = 64\n'
+            f'results-dir = "{results}"\nrun-name = "exit"\n')
+        submit = dep.flwr("run", str(ROOT), dep.connection, "--run-config", str(overrides),
+                          cwd=ROOT, timeout_s=120)
+        assert re.findall(r"Successfully started run (\d+)", submit.stdout), submit.stdout
+        metrics = results / "exit" / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while _rounds(metrics) < 1:
+            if time.monotonic() > deadline:
+                raise TimeoutError("round 1 was not recorded\n" + dep.tails())
+            time.sleep(0.2)
+        apps = _serverapps(dep)
+        assert len(apps) == 1, apps
+        cmd = (dep.root / "superlink.cmd").read_text().split()
+        os.kill(link.popen.pid, signal.SIGTERM)
+        link.popen.wait(timeout=120)
+        at_stop = _rounds(metrics)
+        time.sleep(down_s)
+        times: dict[str, float] = {"alive-before-restart": float(_alive(apps[0]))}
+        dep.link = dep._start("superlink-again", cmd, link.port)
+        dep._wait_listening(dep.link, 60.0)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 240 and len(times) < 3:
+            now = time.monotonic() - t0
+            if "serverapp" not in times and not _alive(apps[0]):
+                times["serverapp"] = now
+            if "lock" not in times and _lock_free(results / "exit"):
+                times["lock"] = now
+            time.sleep(0.05)
+        times["rounds-after-restart"] = float(_rounds(metrics) - at_stop)
+    return times
+
+
+def main() -> None:
+    repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+    down_s = 10.0
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in
+                Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
+               platform.processor())
+    print(f"# {time.strftime('%Y-%m-%d')}, {cpu}, {os.cpu_count()} cores, torch "
+          f"{torch.__version__}, python {platform.python_version()}, down {down_s:g} s")
+    for i in range(repeats):
+        with tempfile.TemporaryDirectory(prefix="superlink-restart-") as tmp:
+            times = measure_once(Path(tmp), down_s)
+        print(f"repeat {i}: " + ", ".join(f"{k} {v:.2f}" for k, v in times.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
