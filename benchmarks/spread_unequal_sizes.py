@@ -12,13 +12,14 @@ replies bit for bit), 10 honest nodes, the run-config defaults (Collective, keep
 and 0.4, one local epoch, batch 32) except the size (``--width``, ``--rounds``). The nodes'
 examples are drawn at random without replacement from the first training images (IID, so only
 the amount of data differs), in each profile of :data:`PROFILES`; each profile runs with the
-default κ = 5 and with the bound off (κ = 0) as the baseline. Prints one JSON object: per
-profile and κ, the final test accuracy (first 1,000 test images), per round the largest
-change over the round's median (``update-spread-max``) and the clipped (node, layer) pairs,
-and which nodes were clipped with their number of examples (from the server's log).
+default κ = 2, with κ = 5 and with the bound off (κ = 0) as the baseline
+(``--max-weight-ratio`` sets that key for all of them). Prints one JSON object: per profile
+and κ, the final test accuracy (first 1,000 test images), per round the largest change over
+the round's median (``update-spread-max``) and the clipped (node, layer) pairs, and which
+nodes were clipped with their number of examples (from the server's log).
 
 Usage: ``OMP_NUM_THREADS=1 python benchmarks/spread_unequal_sizes.py [--rounds 8]
-[--width 64] [--profiles equal,20x,200x]``.
+[--width 64] [--profiles equal,20x,200x] [--max-weight-ratio 2]``.
 """
 
 from __future__ import annotations
@@ -57,19 +58,25 @@ PROFILES: dict[str, list[int]] = {
     "200x": [30, 50, 100, 200, 400, 600, 1000, 2000, 3500, 6000],
 }
 _CLIPPED = re.compile(r"Round (\d+): node (\d+) changed more than max-update-spread")
+#: the round's INFO line for nodes shrunk from between κ and 2κ times the median
+_NEAR = re.compile(
+    r"Round (\d+): \d+ node\(s\) changed .* above max-update-spread.*\(nodes ([\d, ]+)\)")
 
 
 class _Clipped(logging.Handler):
-    """Collects (round, node) from the server's spread-bound warnings."""
+    """Collects (round, node) from the server's spread-bound log lines (INFO and WARNING)."""
 
     def __init__(self) -> None:
-        super().__init__(logging.WARNING)
+        super().__init__(logging.INFO)
         self.seen: list[tuple[int, int]] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         match = _CLIPPED.search(record.getMessage())
         if match:
             self.seen.append((int(match.group(1)), int(match.group(2))))
+        near = _NEAR.search(record.getMessage())
+        if near:
+            self.seen.extend((int(near.group(1)), int(n)) for n in near.group(2).split(", "))
 
 
 def one_run(settings: dict[str, Any], name: str, kappa: float,
@@ -112,13 +119,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--profiles", default=",".join(PROFILES))
+    ap.add_argument("--max-weight-ratio", type=float, default=None,
+                    help="run-config max-weight-ratio (default: the run config's default)")
     args = ap.parse_args()
     profiles = args.profiles.split(",")
     unknown = [p for p in profiles if p not in PROFILES]
     if unknown:
         raise SystemExit(f"--profiles: {unknown} unknown; expected some of {list(PROFILES)}")
     torch.set_num_threads(1)
-    logging.getLogger("flwr").setLevel(logging.WARNING)
+    for handler in logging.getLogger("flwr").handlers:  # the bound's lines are counted
+        handler.setLevel(logging.WARNING)
     n_train = max(sum(PROFILES[p]) for p in profiles)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -130,13 +140,15 @@ def main() -> None:
             "fraction-evaluate": 0.0, "test-max-examples": 1000, "seed": 0,
             "client-device": "cpu", "server-device": "cpu", "cuda-graph": False,
             "results-dir": str(root / "out"), "overwrite": True,
+            **({} if args.max_weight_ratio is None
+               else {"max-weight-ratio": args.max_weight_ratio}),
         }
         pool = tensors(client_dataset(RunConfig.from_mapping(
             {**settings, "num-partitions": 1, "min-available-nodes": 1}), 0, 1))
         out: dict[str, Any] = {}
         for name in profiles:
             out[name] = {"examples_per_node": PROFILES[name],
-                         **{f"kappa_{k:g}": one_run(settings, name, k, pool) for k in (5, 0)}}
+                         **{f"kappa_{k:g}": one_run(settings, name, k, pool) for k in (2, 5, 0)}}
     print(json.dumps({
         "device": cpu_name(), "python": platform.python_version(), "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"), "rounds": args.rounds, "width": args.width,

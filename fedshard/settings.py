@@ -422,9 +422,12 @@ class ReplyPolicy(Settings):
         Largest ``num-examples`` accepted (``None``: up to 2**53, the exact float64 range;
         0 in a run config).
     max_weight_ratio : float
-        A reply's ``num-examples`` above this multiple of the round's median (the lower median
-        of the accepted replies) is clipped to it, logged and counted
-        (``clipped-num-examples``); 0: off. Honest nodes of equal size never reach it.
+        ≥ 1 (default 2): a reply's ``num-examples`` above this multiple of the round's median
+        (the lower median of the accepted replies) is clipped to it and counted
+        (``clipped-num-examples``); a node beyond 100 × the median is named in a WARNING, the
+        others in one INFO line per round. Honest nodes of equal size never reach it; honest
+        nodes holding more than twice the median's data are weighted as twice the median.
+        0: off (FedAvg's weights).
     aggregation : str
         Per term and dense entry: ``"mean"`` (the paper's weighted mean), ``"median"`` or
         ``"trimmed-mean"`` (:mod:`fedshard.spectral.aggregate`); or over each reply's whole
@@ -443,7 +446,7 @@ class ReplyPolicy(Settings):
         re-signing ``U, V → −U, −V`` (which changes no product), which the separate averages
         of ``U`` and ``V`` would otherwise turn into a shrunken model.
     max_update_spread : float
-        κ ≥ 1 (default 5): a node's change of a sharded layer (its ``u`` and ``v``
+        κ ≥ 1 (default 2): a node's change of a sharded layer (its ``u`` and ``v``
         together) or of a dense entry, relative to what it was sent, above κ times the round's
         median (over the nodes, at least 3) is shrunk to it, logged and counted
         (``clipped-update-spread``): one step of centred clipping around the sent model
@@ -466,9 +469,9 @@ class ReplyPolicy(Settings):
     aggregation: str = setting("mean", one_of(AGGREGATIONS))
     trim_fraction: float = setting(0.1, rule(lambda v: finite_real(v) and 0 <= v < 0.5,
                                              "expected in [0, 0.5)"))
-    max_weight_ratio: float = setting(10.0, _BOUND)
+    max_weight_ratio: float = setting(2.0, _BOUND)
     align_factors: bool = setting(True, BOOL)
-    max_update_spread: float = setting(5.0, _BOUND)
+    max_update_spread: float = setting(2.0, _BOUND)
     max_diverged_fraction: float = setting(
         0.5, rule(lambda v: finite_real(v) and 0 <= v <= 1,
                   "expected a share in [0, 1] (1: never stop)"))

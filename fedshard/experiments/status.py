@@ -29,9 +29,11 @@ __all__ = ["RunState", "RunStatus", "StaleRunsError", "run_status", "suite_statu
 #: a results folder does not make its runs stale, nor does finishing a run by resuming it).
 _NOT_SETTINGS = ("results-dir", "run-name", "resume", "overwrite", "download")
 #: What a run written before a key existed did, where that differs from the key's default now:
-#: before factor alignment and the spread bound, replies were averaged plainly. A run without
+#: before factor alignment, the spread bound and the weight cap, replies were averaged plainly
+#: with FedAvg's weights. A run without
 #: any other key ran with that key's default.
-BEFORE_THE_KEY: dict[str, Any] = {"align-factors": False, "max-update-spread": 0.0}
+BEFORE_THE_KEY: dict[str, Any] = {"align-factors": False, "max-update-spread": 0.0,
+                                   "max-weight-ratio": 0.0}
 
 
 class RunState(enum.Enum):

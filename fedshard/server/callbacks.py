@@ -17,6 +17,8 @@ callbacks in the same way, ``pfl/callback``):
 - :class:`ConfigPrecedence` - says once which of the round config's entries are sent as they
   are and which are replaced;
 - :class:`SingleNodeGroups` - warns when Collective meets a keep-ratio group of one node;
+- :class:`SmallCohort` - warns once when a round goes to fewer nodes than the spread bound
+  needs (3);
 - :class:`CompoundingMultipliers` - warns once when multipliers above 1 meet a model without
   normalization layers;
 - :class:`TrainingReceipts` - compares what the nodes say they trained with (optimizer, lr,
@@ -64,6 +66,7 @@ __all__ = [
     "RoundCallback",
     "ShardingBudgetReport",
     "SingleNodeGroups",
+    "SmallCohort",
     "StopOnDivergence",
     "StopRun",
     "StopWhenEveryReplyFails",
@@ -243,6 +246,37 @@ class SingleNodeGroups(RoundCallback):
                 "terms are not trained by it. Let nodes share keep ratios, or sample more nodes "
                 "(fraction_train / min_train_nodes) so that every group has ≥ 2.",
                 server_round, ", ".join(f"{r:g}" for r in alone), method)
+
+
+class SmallCohort(RoundCallback):
+    """Warns once, at the first round sent to fewer nodes than the robust aggregation needs.
+
+    The spread bound (``max-update-spread``) acts on rounds with at least 3 replies, and the
+    median it measures against is an honest node's only while honest replies are more than
+    half: against f dishonest nodes a round needs 2f + 1 replies (3 for one, 7 for three).
+    With fewer, one dishonest node's reply is averaged in unchecked apart from the per-term
+    bounds (``max-update-ratio``, ``max-weight-ratio``).
+    """
+
+    #: the fewest replies a round needs for the spread bound to act at all
+    NEEDED = 3
+
+    def __init__(self) -> None:
+        self.told = False
+
+    def on_configure(self, strategy: SpectralSharding, server_round: int,
+                     config: ConfigRecord, messages: Sequence[Message]) -> None:
+        if self.told or not strategy.replies.max_update_spread or not messages:
+            return
+        if len(messages) < self.NEEDED:
+            self.told = True
+            logger.warning(
+                "Round %d is sent to %d node(s): the spread bound (max-update-spread) needs at "
+                "least %d replies to act, and holds against f dishonest nodes only with "
+                "2f + 1 or more (3 for one, 7 for three). With %d, a dishonest node's update is "
+                "averaged in as it came (within max-update-ratio). Sample more nodes per round "
+                "(fraction-train, min-available-nodes) where nodes may be dishonest.",
+                server_round, len(messages), self.NEEDED, len(messages))
 
 
 class CompoundingMultipliers(RoundCallback):
@@ -574,7 +608,7 @@ class UnchangingModel(RoundCallback):
 def default_callbacks() -> list[RoundCallback]:
     """The strategy's own callbacks, in order (see the module docstring); fresh objects (each
     keeps its own state: what it already said, untrained rounds in a row)."""
-    return [ShardingBudgetReport(), ConfigPrecedence(), SingleNodeGroups(),
+    return [ShardingBudgetReport(), ConfigPrecedence(), SingleNodeGroups(), SmallCohort(),
             CompoundingMultipliers(), TrainingReceipts(), StopOnDivergence(),
             StopWhenEveryReplyFails(), StopWhenUntrained(), UnchangingModel()]
 

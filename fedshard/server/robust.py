@@ -13,7 +13,7 @@ counted in the round's metrics:
 
 * :func:`align_replies` (``align_factors``, on by default): each term in the sign and balance of
   the term sent (``re-signed-terms``, ``rebalanced-terms``); a no-op for honest nodes;
-* :func:`spread_replies` (``max_update_spread`` = κ, 5 by default): a node's change of a layer
+* :func:`spread_replies` (``max_update_spread`` = κ, 2 by default): a node's change of a layer
   or dense entry beyond κ times the round's median is shrunk to it (``clipped-update-spread``,
   ``update-spread-max``);
 * :func:`dense_rule` (``aggregation`` = ``dense-median`` / ``dense-trimmed-mean`` / ``krum``):
@@ -27,7 +27,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from logging import WARNING
+from logging import INFO, WARNING
 
 import numpy as np
 from flwr.common.logger import log
@@ -113,9 +113,12 @@ def spread_replies(server_round: int, accepted: Sequence[P.TrainReply],
     ``policy.max_update_spread`` (κ) times the round's median change of it
     (:func:`~fedshard.spectral.aggregate.spread_scales`; off below 3 replies or with κ = 0).
 
-    Each node is logged once with what was shrunk and by how much, and its weight against the
-    round's median weight; one weighted at least twice the median is told apart (honest
-    training on much more data than most moves further, and may pass κ). In ``metrics``,
+    A node whose change went beyond ``2κ`` times the median (a scaled update; honest
+    non-IID nodes rarely get there) is named in a WARNING with what was shrunk and by how much,
+    and its weight against the round's median weight; one weighted at least twice the median
+    is told apart (honest training on much more data than most moves further, and may pass
+    κ). The nodes shrunk from between κ and 2κ times the median, which honest nodes on
+    different data reach, are listed in one INFO line per round. In ``metrics``,
     ``clipped-update-spread`` counts the (node, layer or entry) pairs and
     ``update-spread-max`` is the largest change over its median, before shrinking.
 
@@ -131,6 +134,7 @@ def spread_replies(server_round: int, accepted: Sequence[P.TrainReply],
         return list(accepted)
     values = [dict(r.values) for r in accepted]
     notes: dict[int, list[str]] = {}
+    excess: dict[int, float] = {}  # a node's largest change over the median
     for name, keys in _groups(accepted[0], spectra).items():
         before = [[sent[r.node].values[k] for k in keys] for r in accepted]
         # a dense entry was sent to every node as the same array: its norm is taken once
@@ -150,10 +154,21 @@ def spread_replies(server_round: int, accepted: Sequence[P.TrainReply],
                     values[i][k] = shrink_change(b, values[i][k], float(scale))
                 notes.setdefault(accepted[i].node, []).append(
                     f"{name} {changes[i] / median:.3g}x")
+                excess[accepted[i].node] = max(excess.get(accepted[i].node, 0.0),
+                                               changes[i] / median)
                 _count(metrics, "clipped-update-spread", 1.0)
     weights = {r.node: r.weight for r in accepted}
     typical = statistics.median_low(weights.values())  # as max-weight-ratio's median
+    near = sorted(n for n in notes if excess[n] <= 2 * kappa)
+    if near:
+        log(INFO, "Round %d: %d node(s) changed %.3g-%.3g times the round's median change, "
+            "above max-update-spread=%g; shrunk to it (nodes %s). Honest nodes on different "
+            "data get there; beyond %g times the median a node is named in a warning.",
+            server_round, len(near), min(excess[n] for n in near),
+            max(excess[n] for n in near), kappa, ", ".join(map(str, near[:20])), 2 * kappa)
     for node, what in notes.items():
+        if excess[node] <= 2 * kappa:
+            continue
         # with the same local epochs, a node holding more data takes more steps and moves
         # further: an honest data-rich node can pass the bound, and the operator must see it
         hint = (" A node holding much more data than most moves further with honest training: "

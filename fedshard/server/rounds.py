@@ -142,15 +142,15 @@ class RoundState:
         median = statistics.median_low(r.weight for r in accepted)
         cap = ratio * median
         out = []
+        capped: list[tuple[int, float]] = []
         for r in accepted:
             if r.weight > cap:
-                log(WARNING, "Round %d: node %d reports num-examples=%.0f, more than "
-                    "max-weight-ratio=%g times the round's median %g; it is weighted as %g.",
-                    self.server_round, r.node, r.weight, ratio, median, cap)
+                capped.append((r.node, r.weight))
                 r = replace(r, weight=cap)
                 self.metrics["clipped-num-examples"] = (
                     self.metrics.get("clipped-num-examples", 0.0) + 1.0)
             out.append(r)
+        log_weight_caps(self.server_round, capped, ratio, median)
         return out
 
     def finish(self, replies: Iterable[Message], aggr_fn: MetricsAggrFn, weight_key: str,
@@ -361,19 +361,44 @@ def evaluate_round(server_round: int, replies: Iterable[Message], aggr_fn: Metri
     ratio = limits.max_weight_ratio
     median = statistics.median_low(w for _, w, _ in checked)
     if ratio and any(w > ratio * median for _, w, _ in checked):
+        capped: list[tuple[int, float]] = []
         for i, (node, weight, values) in enumerate(checked):
             if weight > ratio * median:
-                log(WARNING, "Round %d: node %d reports num-examples=%.0f, more than "
-                    "max-weight-ratio=%g times the round's median %g; it is weighted as %g.",
-                    server_round, node, weight, ratio, median, ratio * median)
+                capped.append((node, weight))
                 checked[i] = (node, ratio * median, values)
                 row["clipped-eval-num-examples"] = row.get("clipped-eval-num-examples", 0) + 1.0
+        log_weight_caps(server_round, capped, ratio, median)
     records = [_record(values, weight, weight_key) for _, weight, values in checked]
     out = aggr_fn(records, weight_key)
     return out, _finite(server_round, {
         **row, **client_namespace(_floats(out, weight_key)),
         **weighted_means([(w, v) for _, w, v in checked], (P.EVAL_LOSS, P.EVAL_ACCURACY)),
         "eval-nodes": float(len(records))})
+
+
+#: A ``num-examples`` beyond this multiple of the round's median is named in a WARNING; the
+#: nodes capped from below it (honest nodes holding more data than most get there) are listed
+#: in one INFO line per round.
+FAR_WEIGHT = 100.0
+
+
+def log_weight_caps(server_round: int, capped: Sequence[tuple[int, float]], ratio: float,
+                    median: float) -> None:
+    """Log the nodes whose ``num-examples`` was capped at ``ratio`` × ``median``: each one
+    beyond :data:`FAR_WEIGHT` × the median in a WARNING, the others in one INFO line."""
+    near = sorted((node, w) for node, w in capped if w <= FAR_WEIGHT * median)
+    for node, weight in capped:
+        if weight > FAR_WEIGHT * median:
+            log(WARNING, "Round %d: node %d reports num-examples=%.0f, more than "
+                "max-weight-ratio=%g times the round's median %g; it is weighted as %g.",
+                server_round, node, weight, ratio, median, ratio * median)
+    if near:
+        log(INFO, "Round %d: %d node(s) report num-examples above max-weight-ratio=%g times "
+            "the round's median %g (up to %.3g times it; nodes %s): each is weighted as %g. "
+            "Honest nodes holding more data than most get there; max-weight-ratio = 0 keeps "
+            "FedAvg's weights.", server_round, len(near), ratio, median,
+            max(w for _, w in near) / median, ", ".join(str(n) for n, _ in near[:20]),
+            ratio * median)
 
 
 def _finite(server_round: int, metrics: dict[str, float]) -> dict[str, float]:

@@ -242,6 +242,32 @@ def test_a_clipped_node_weighted_twice_the_median_is_told_apart_in_the_log(
                 in line) is hinted
 
 
+def test_a_node_just_past_the_bound_is_listed_at_info_one_far_past_it_warned(
+    flower_logs: pytest.LogCaptureFixture,
+) -> None:
+    # the same round three times: node 1000's factors inflated 3-fold; how far its change is
+    # over the median (update-spread-max, e) decides the log level against kappa
+    def run(kappa: float) -> tuple[dict, list[logging.LogRecord]]:
+        flower_logs.clear()
+        g = grid()
+        g.tamper[1000] = scale_arrays(3.0, lambda k: k.endswith((".u", ".v")))
+        _, row = one_round(strategy(max_update_ratio=0.0, max_update_spread=kappa), g)
+        return row, [r for r in flower_logs.records if "max-update-spread" in r.getMessage()]
+
+    row, _ = run(1e9)  # measured, not shrunk
+    e = row["update-spread-max"]
+    assert e > 3.0  # node 1000 is the one far out
+    row, records = run(e / 1.5)  # between kappa and 2 kappa: one INFO line for the round
+    assert row["clipped-update-spread"] >= 1.0
+    assert {r.levelno for r in records} == {logging.INFO}
+    assert "node(s) changed" in records[0].getMessage() and "nodes 1000" in \
+        records[0].getMessage()
+    row, records = run(e / 3.0)  # beyond 2 kappa: a WARNING naming the node
+    assert row["clipped-update-spread"] >= 1.0
+    assert any(r.levelno == logging.WARNING and "node 1000 changed more than" in r.getMessage()
+               for r in records)
+
+
 def test_a_sign_flip_gives_the_honest_round_bit_for_bit() -> None:
     honest, _ = one_round(strategy(), grid())
     g = grid()

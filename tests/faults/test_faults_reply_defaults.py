@@ -32,11 +32,11 @@ def test_an_outsized_num_examples_is_clipped_to_a_multiple_of_the_median(flower_
     g.tamper[1000] = zeroed_and_heavy
     new, row = one_round(strategy(), g)
     assert row["clipped-num-examples"] == 1.0
-    assert row["num-examples"] == 24 + 24 + 10 * 24  # each node holds 24 examples
+    assert row["num-examples"] == 24 + 24 + 2 * 24  # each node holds 24 examples
     assert ("Round 1: node 1000 reports num-examples=1000000000000, more than "
-            "max-weight-ratio=10 times the round's median 24; it is weighted as 240") \
+            "max-weight-ratio=2 times the round's median 24; it is weighted as 48") \
         in flower_logs.text
-    # the zeroed reply weighs 240/288 of the average, not all of it
+    # the zeroed reply weighs 48/96 of the average, not all of it
     head = new["head.weight"].numpy()
     assert abs(head).max() > 1e-3
 
@@ -124,3 +124,23 @@ def test_aggregating_a_round_never_configured_is_warned(flower_logs) -> None:
     assert msgs and s.aggregate_train(2, []) == (None, None)
     assert "round 2 was never configured (no configure_train for it; the last configured " \
         "round is 1)" in flower_logs.text
+
+
+def test_a_node_just_past_the_weight_cap_is_listed_at_info_one_far_past_it_warned(
+        flower_logs) -> None:
+    # honest nodes holding more data than most pass 2 x the median: one INFO line per round;
+    # a claim beyond 100 x the median is named in a WARNING
+    for claim, level in ((24 * 50, logging.INFO), (24 * 101, logging.WARNING)):
+        flower_logs.clear()
+        g = grid()
+        g.tamper[1000] = set_metric("num-examples", claim)
+        _, row = one_round(strategy(), g)
+        assert row["clipped-num-examples"] == 1.0
+        assert row["num-examples"] == 24 + 24 + 2 * 24
+        lines = {(r.levelno, r.getMessage()) for r in flower_logs.records  # (seen twice)
+                 if "max-weight-ratio=2" in r.getMessage()}
+        assert [lvl for lvl, _ in lines] == [level], lines
+        if level == logging.INFO:
+            assert "1 node(s) report num-examples above max-weight-ratio=2 times the round's " \
+                "median 24 (up to 50 times it; nodes 1000): each is weighted as 48" in \
+                next(iter(lines))[1]

@@ -143,3 +143,25 @@ def test_round_1_says_what_each_keep_ratio_saves_and_warns_when_it_saves_nothing
     assert "r = 0.25: receives" in caplog.text
     assert not [r for r in caplog.records if r.levelno == logging.WARNING
                 and "dense model" in r.getMessage()]
+
+
+@pytest.mark.parametrize(("nodes", "kappa", "warned"), [
+    (2, 2.0, True),    # the bound needs 3 replies: said once, at round 1
+    (3, 2.0, False),   # enough for the bound to act
+    (2, 0.0, False),   # the bound is off: nothing to say about it
+])
+def test_a_round_too_small_for_the_spread_bound_is_said_once(
+        nodes: int, kappa: float, warned: bool, caplog: pytest.LogCaptureFixture) -> None:
+    logging.getLogger("flwr").addHandler(caplog.handler)
+    try:
+        s = strategy(num_rounds=2, max_update_spread=kappa)
+        s.start(grid=grid_with([0.5] * nodes), initial_arrays=initial(), num_rounds=2,
+                timeout=5)
+    finally:
+        logging.getLogger("flwr").removeHandler(caplog.handler)
+    lines = [r.getMessage() for r in caplog.records if "needs at least 3 replies" in
+             r.getMessage()]
+    assert len(lines) == (1 if warned else 0), lines
+    if warned:
+        assert lines[0].startswith("Round 1 is sent to 2 node(s)")
+        assert "2f + 1" in lines[0]
