@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fedshard.data import plays as pl
 from fedshard.data import shakespeare_build as sb
 from fedshard.data.shakespeare import encode, locate, read_leaf_split
 
@@ -66,12 +67,12 @@ Again.
 """
 
 
-def _play(name: str) -> sb.Play:
-    return next(p for p in sb.read_plays(TEXTS) if p.name == name)
+def _play(name: str) -> pl.Play:
+    return next(p for p in pl.read_plays(TEXTS) if p.name == name)
 
 
 def test_hand_counted_roles_of_the_excerpts():
-    plays = {p.name: p for p in sb.read_plays(TEXTS)}
+    plays = {p.name: p for p in pl.read_plays(TEXTS)}
     assert set(plays) == {"HAMLET", "LEAR"}  # the Folio file is not read
     assert set(plays["HAMLET"].roles) == {
         "BER", "FRAN", "HOR", "MAR", "FORT", "CAPT", "1 AMBASSADOR",
@@ -95,18 +96,18 @@ def test_a_role_is_its_speeches_joined():
 
 
 def test_tiny_play_parse():
-    speeches = sb.parse_play(TINY)
+    speeches = pl.parse_play(TINY)
     assert speeches == [
         ("ALP", "Good morrow, fair lady."),
         ("BETA", "And to you. I am alone."),
         ("ALPHA", "Again."),
     ]
-    roles = sb.play_roles(TINY)
+    roles = pl.play_roles(TINY)
     assert roles == {"ALPHA": "Good morrow, fair lady. Again.", "BETA": "And to you. I am alone."}
 
 
 def test_windows_brute_force_count_and_targets():
-    text = sb.play_roles(TINY)["ALPHA"] * 4  # 120 characters
+    text = pl.play_roles(TINY)["ALPHA"] * 4  # 120 characters
     samples = list(sb.role_samples(text, window=80))
     brute = [(text[i : i + 80], text[i + 80]) for i in range(len(text)) if i + 80 < len(text)]
     assert len(samples) == len(text) - 80 == 40
@@ -122,17 +123,17 @@ def test_windows_brute_force_count_and_targets():
 
 
 def test_abbreviations_merge_only_when_unambiguous():
-    role = sb.merge_abbreviations(["FOR", "FORT", "FORT", "HAM"], cast={"FORTINBRAS", "HAMLET"})
+    role = pl.merge_abbreviations(["FOR", "FORT", "FORT", "HAM"], cast={"FORTINBRAS", "HAMLET"})
     assert role == {"FOR": "FORT", "FORT": "FORT", "HAM": "HAM"}
     # Cor. could be Cordelia or Cornwall; Lord. and Lords. are two speakers.
-    lear = sb.merge_abbreviations(["COR", "CORN"], cast={"CORDELIA", "CORNWALL"})
+    lear = pl.merge_abbreviations(["COR", "CORN"], cast={"CORDELIA", "CORNWALL"})
     assert lear == {"COR": "COR", "CORN": "CORN"}
-    assert sb.merge_abbreviations(["LORD", "LORDS"]) == {"LORD": "LORD", "LORDS": "LORDS"}
+    assert pl.merge_abbreviations(["LORD", "LORDS"]) == {"LORD": "LORD", "LORDS": "LORDS"}
     # "Mes." abbreviating two longer names is left alone.
-    mes = sb.merge_abbreviations(["MES", "MESSALA", "MESSENGER"])
+    mes = pl.merge_abbreviations(["MES", "MESSALA", "MESSENGER"])
     assert mes["MES"] == "MES"
-    assert sb.role_key("I Play.") == "1 PLAY"
-    assert sb.role_key("Ros and Guil.") == sb.role_key("Ros. and Guil.") == "ROS AND GUIL"
+    assert pl.role_key("I Play.") == "1 PLAY"
+    assert pl.role_key("Ros and Guil.") == pl.role_key("Ros. and Guil.") == "ROS AND GUIL"
 
 
 @pytest.mark.parametrize(
@@ -204,7 +205,7 @@ def test_existing_output_and_bad_settings(tmp_path):
     with pytest.raises(ValueError, match=r"No role .* lower min-samples"):
         sb.build(tmp_path / "c", TEXTS, sb.BuildConfig(min_samples=10**6))
     with pytest.raises(ValueError, match=r"expected the package's shksprdata/texts.*--texts"):
-        sb.read_plays(tmp_path)
+        pl.read_plays(tmp_path)
 
 
 def _sdist(path: Path, extra: tuple[str, bytes] | None = None) -> Path:
