@@ -195,8 +195,13 @@ def forward_flops(model: nn.Module, example_input: Any) -> int:
     for a tuple), as :class:`~torch.utils.flop_counter.FlopCounterMode` counts them: matrix
     products and convolutions, 2 per multiply-add; normalizations, activations and ``ω``
     scalings are not counted (they are a small, equal share of both models). The model runs
-    in eval mode under ``torch.no_grad()``; its train/eval flags are restored."""
+    in eval mode under ``torch.no_grad()``; its train/eval flags are restored. The input's
+    tensors are moved to the device of the model's first parameter (a model on the GPU, an
+    example input made on the CPU)."""
     flags = {m: m.training for m in model.modules()}
+    first = next(iter(model.parameters()), None)
+    if first is not None:
+        example_input = _on_device(example_input, first.device)
     model.eval()
     try:
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
@@ -208,6 +213,15 @@ def forward_flops(model: nn.Module, example_input: Any) -> int:
         for module, flag in flags.items():
             module.training = flag
     return int(counter.get_total_flops())
+
+
+def _on_device(example_input: Any, device: torch.device) -> Any:
+    """``example_input`` (a tensor, or a tuple of tensors and other values) on ``device``."""
+    if isinstance(example_input, torch.Tensor):
+        return example_input.to(device)
+    if isinstance(example_input, tuple):
+        return tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in example_input)
+    return example_input
 
 
 def submodel_at(model: nn.Module, layers: Iterable[str], keep_ratio: float) -> nn.Module:

@@ -23,6 +23,7 @@ from fedshard.spectral import (
     sharded_layer_names,
     sharding_budget,
 )
+from fedshard.spectral.budget import forward_flops
 from fedshard.spectral.cost import array_bytes, numpy_dtype
 from fedshard.spectral.decompose import layer_spectrum
 
@@ -130,6 +131,19 @@ def test_flops_ratio_of_a_linear_model_is_the_hand_formula() -> None:
     # at r = 1 a node trains all N terms as factors: more than the dense layers
     full = 2 * (20 * 30 + (30 * 30 + 30 * 40) + (40 * 40 + 40 * 50) + 50 * 5)
     assert budget.at(1.0).forward_flops == full
+
+
+def test_flops_of_a_model_on_another_device_than_its_example_input() -> None:
+    """A ServerApp on a GPU counts a model on ``cuda`` with an example input made on the CPU;
+    here the model is on ``meta`` (no data, the same shapes), which refuses a CPU input as
+    ``cuda`` does (the whole budget on a GPU is checked by the CUDA tests)."""
+    model = nn.Sequential(nn.Linear(20, 30), nn.ReLU(), nn.Linear(30, 40), nn.ReLU(),
+                          nn.Linear(40, 5))
+    dense = 2 * (20 * 30 + 30 * 40 + 40 * 5)
+    assert forward_flops(model, torch.zeros(1, 20)) == dense
+    model.to("meta")
+    assert forward_flops(model, torch.zeros(1, 20)) == dense
+    assert forward_flops(model, (torch.zeros(1, 20),)) == dense
 
 
 def test_flops_of_a_conv_layer_are_a_kxk_conv_with_n_outputs_then_a_1x1_conv() -> None:
