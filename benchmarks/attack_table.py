@@ -44,7 +44,6 @@ import copy
 import gzip
 import json
 import logging
-import platform
 import re
 import sys
 import tempfile
@@ -64,6 +63,7 @@ sys.path.insert(0, str(ROOT))
 from fakedata import write_idx  # noqa: E402
 from flower_grid import InProcessGrid  # noqa: E402
 from flwr.app import Array, Context, Message  # noqa: E402
+from machine import cpu_name  # noqa: E402
 
 import client_app  # noqa: E402
 from fedshard import protocol as P  # noqa: E402
@@ -508,7 +508,7 @@ def main() -> None:
                  "train-examples": args.train, "test-examples": args.test,
                  "dirichlet-alpha": "the data set's paper value", "seeds": seeds,
                  "accuracy": f"mean test accuracy of the last {args.last} rounds"},
-        "torch": torch.__version__, "cpu": _cpu(), "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__, "cpu": cpu_name(), "date": time.strftime("%Y-%m-%d"),
         "threads": torch.get_num_threads(), "results": {}}
     with tempfile.TemporaryDirectory() as tmp:
         data = _subset(Path(tmp) / "data", args.train, args.test)
@@ -551,16 +551,6 @@ def main() -> None:
             out["results"][name] = table
     out["wall-s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(out))
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import zlib
 from dataclasses import dataclass
 
@@ -64,7 +65,9 @@ def read_capabilities(reply: Message, default_key: str = "") -> tuple[Capabiliti
     A node that declares no ``node-key`` is known by ``default_key``: what authenticates it,
     e.g. the hex of the public key Flower's SuperNode authentication checked
     (:class:`~fedshard.server.nodes.NodeDirectory` passes it); without one, by its Flower node
-    id (stable within one launch only)."""
+    id (stable within one launch only). A ``default_key`` longer than :data:`MAX_NODE_KEY`
+    is known by its SHA-256 (``"sha256:<hex>"``), so no key a node's credentials bring is
+    unbounded."""
     if reply.has_error():
         return None, f"error reply: {reply.error.reason}"
     caps = reply.content.config_records.get(CAPABILITIES)
@@ -80,4 +83,6 @@ def read_capabilities(reply: Message, default_key: str = "") -> tuple[Capabiliti
     if len(key) > MAX_NODE_KEY:
         return None, (f"{NODE_KEY} of {len(key)} characters: expected at most {MAX_NODE_KEY} "
                       f"(a name, or the hex of a public key), found {key[:20]!r}…")
+    if len(default_key) > MAX_NODE_KEY:
+        default_key = "sha256:" + hashlib.sha256(default_key.encode()).hexdigest()
     return Capabilities(ratio, key or default_key or str(reply.metadata.src_node_id)), ""

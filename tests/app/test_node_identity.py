@@ -5,6 +5,7 @@ docs say (keep-ratio and data-dir, no partition) declare no shared key."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 from collections.abc import Iterable
@@ -23,6 +24,7 @@ from fedshard import protocol as P
 from fedshard.app.config import RunConfig
 from fedshard.app.run import build_strategy
 from fedshard.app.task import build_model, node_partition
+from fedshard.protocol.capabilities import MAX_NODE_KEY
 from fedshard.server.nodes import NodeDirectory
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "deployment.md"
@@ -158,3 +160,13 @@ def test_two_devices_declaring_one_name_are_warned(
     directory.query(grid, sorted(grid.contexts))
     assert "Nodes 1000 and 1001 declare the same node-key 'lab'" in flower_logs.text
     assert len(set(_train_seeds(grid).values())) == 1  # what the warning is about
+
+
+def test_a_public_key_longer_than_a_node_key_may_be_is_known_by_its_digest() -> None:
+    huge = b"k" * 5000  # what an unauthenticated SuperNode's credentials could bring
+    grid = AuthenticatedGrid([{"keep-ratio": 0.2}, {"keep-ratio": 0.2}], [huge, _pem()])
+    directory = NodeDirectory(seed=0, min_available_nodes=2)
+    directory.query(grid, sorted(grid.contexts))
+    keys = {n: c.key for n, c in directory.capabilities.items()}
+    assert keys[1000] == "sha256:" + hashlib.sha256(huge.hex().encode()).hexdigest()
+    assert len(keys[1000]) <= MAX_NODE_KEY and keys[1001] == grid.keys[1001].hex()

@@ -33,7 +33,7 @@ from deploy_cluster import BIN, LocalDeployment
 
 from fedshard.app.checkpoint import Checkpoint
 from fedshard.app.rundir import RunLock, RunLockedError
-from fedshard.experiments.launch import kill_tree, processes_with_env
+from fedshard.experiments.launch import _alive, kill_tree, processes_with_env
 from fedshard.server.nodes import is_public_key
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,14 +52,6 @@ def _serverapps(dep: LocalDeployment) -> list[int]:
     return pids
 
 
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def _lock_free(run: Path) -> bool:
     lock = RunLock(run)
     try:
@@ -70,31 +62,37 @@ def _lock_free(run: Path) -> bool:
     return True
 
 
+def start_long_run(dep: LocalDeployment, results: Path) -> str:
+    """A SuperLink and two SuperNodes of ``dep``, and a run of 50 short MLP rounds into
+    ``results``/exit submitted to them; returns its run id once its round 1 is recorded."""
+    dep.start_superlink()
+    for i in range(2):
+        dep.start_supernode(f"node-{i}", {"keep-ratio": 0.5, "data-dir": str(FMNIST),
+                                          "partition-id": i, "num-partitions": 60})
+    dep.wait_online(2)
+    overrides = dep.root / "run-config.toml"
+    overrides.write_text(
+        'model = "mlp"\nmodel-width = 32\nnum-server-rounds = 50\nmin-available-nodes = 2\n'
+        'num-partitions = 60\ntest-max-examples = 100\nbatch-size = 64\n'
+        f'results-dir = "{results}"\nrun-name = "exit"\n')
+    submit = dep.flwr("run", str(ROOT), dep.connection, "--run-config", str(overrides),
+                      cwd=ROOT, timeout_s=120)
+    run_id = re.findall(r"Successfully started run (\d+)", submit.stdout)[-1]
+    metrics = results / "exit" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if metrics.is_file() and any(json.loads(x)["round"] >= 1
+                                     for x in metrics.read_text().splitlines() if x.strip()):
+            return run_id
+        time.sleep(0.2)
+    raise TimeoutError("round 1 was not recorded\n" + dep.tails())
+
+
 def measure_once(root: Path, stream: bool, diagnose: bool = False) -> dict[str, float]:
     results = root / "results"
     with LocalDeployment(root / "deploy") as dep:
-        dep.start_superlink()
-        for i in range(2):
-            dep.start_supernode(f"node-{i}", {"keep-ratio": 0.5, "data-dir": str(FMNIST),
-                                              "partition-id": i, "num-partitions": 60})
-        dep.wait_online(2)
-        overrides = dep.root / "run-config.toml"
-        overrides.write_text(
-            'model = "mlp"\nmodel-width = 32\nnum-server-rounds = 50\nmin-available-nodes = 2\n'
-            'num-partitions = 60\ntest-max-examples = 100\nbatch-size = 64\n'
-            f'results-dir = "{results}"\nrun-name = "exit"\n')
-        submit = dep.flwr("run", str(ROOT), dep.connection, "--run-config", str(overrides),
-                          cwd=ROOT, timeout_s=120)
-        run_id = re.findall(r"Successfully started run (\d+)", submit.stdout)[-1]
+        run_id = start_long_run(dep, results)
         metrics = results / "exit" / "metrics.jsonl"
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if metrics.is_file() and any(json.loads(x)["round"] >= 1
-                                         for x in metrics.read_text().splitlines()):
-                break
-            time.sleep(0.2)
-        else:
-            raise TimeoutError("round 1 was not recorded\n" + dep.tails())
         log = None
         if stream:
             log = subprocess.Popen([str(BIN / "flwr"), "log", run_id, dep.connection, "--stream"],

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import re
 import signal
 import sys
 import tempfile
@@ -28,10 +27,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from deploy_cluster import LocalDeployment
-from measure_serverapp_exit import _alive, _lock_free, _serverapps
+from measure_serverapp_exit import _lock_free, _serverapps, start_long_run
 
-ROOT = Path(__file__).resolve().parents[2]
-FMNIST = Path("/usr/share/datasets/fashion-mnist")
+from fedshard.experiments.launch import _alive
 
 
 def _rounds(metrics: Path) -> int:
@@ -42,25 +40,10 @@ def _rounds(metrics: Path) -> int:
 def measure_once(root: Path, down_s: float) -> dict[str, float]:
     results = root / "results"
     with LocalDeployment(root / "deploy") as dep:
-        link = dep.start_superlink()
-        for i in range(2):
-            dep.start_supernode(f"node-{i}", {"keep-ratio": 0.5, "data-dir": str(FMNIST),
-                                              "partition-id": i, "num-partitions": 60})
-        dep.wait_online(2)
-        overrides = dep.root / "run-config.toml"
-        overrides.write_text(
-            'model = "mlp"\nmodel-width = 32\nnum-server-rounds = 50\nmin-available-nodes = 2\n'
-            'num-partitions = 60\ntest-max-examples = 100\nbatch-size = 64\n'
-            f'results-dir = "{results}"\nrun-name = "exit"\n')
-        submit = dep.flwr("run", str(ROOT), dep.connection, "--run-config", str(overrides),
-                          cwd=ROOT, timeout_s=120)
-        assert re.findall(r"Successfully started run (\d+)", submit.stdout), submit.stdout
+        start_long_run(dep, results)
+        link = dep.link
+        assert link is not None
         metrics = results / "exit" / "metrics.jsonl"
-        deadline = time.monotonic() + 300
-        while _rounds(metrics) < 1:
-            if time.monotonic() > deadline:
-                raise TimeoutError("round 1 was not recorded\n" + dep.tails())
-            time.sleep(0.2)
         apps = _serverapps(dep)
         assert len(apps) == 1, apps
         cmd = (dep.root / "superlink.cmd").read_text().split()
