@@ -6,7 +6,7 @@ from dataclasses import replace
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from fedshard import handle_evaluate, handle_query, handle_train
+from fedshard import handle_evaluate, handle_query
 from fedshard.app.config import RunConfig
 from fedshard.app.task import (
     client_dataset,
@@ -14,6 +14,7 @@ from fedshard.app.task import (
     node_partition,
     resolve_device,
     template_model,
+    train_node,
     warn_if_looks_simulated,
 )
 from fedshard.client import node_key_of
@@ -41,9 +42,9 @@ def train(msg: Message, context: Context) -> Message:
     cfg, pid, num = _node(context)
     # a deployed node with a simulated node's config is warned (the ServerApp says where it runs)
     warn_if_looks_simulated(cfg, dict(context.node_config), msg.content.get("config"))
-    # the process's shared model: handle_train only reads it (it copies what it trains)
-    return handle_train(msg, template_model(cfg), client_dataset(cfg, pid, num),
-                        device=resolve_device(cfg.client_device), fast=cfg.fast)
+    # the shard of the process's shared model (only read), or width slicing's narrow model
+    return train_node(msg, cfg, client_dataset(cfg, pid, num),
+                      device=resolve_device(cfg.client_device), fast=cfg.fast)
 
 
 @app.evaluate()

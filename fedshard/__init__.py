@@ -16,6 +16,9 @@ Packages (data flows one way: sampling → spectral → client / server → app)
   path fenced in :mod:`fedshard.client.train.fast`).
 - :mod:`fedshard.server` - the Flower strategy :class:`SpectralSharding`, its rounds, nodes,
   lr schedule, metrics, the FedAvg-cosine analysis and the DP guard.
+- :mod:`fedshard.width` - width slicing (HeteroFL, FedRolex, ordered dropout), the
+  alternative the paper's method is compared with: model families, slices, their average and
+  the width of equal cost; its strategy is :class:`WidthSlicing`.
 - :mod:`fedshard.models`, :mod:`fedshard.data` - the paper's models and data sets.
 - :mod:`fedshard.app` - fedshard's own Flower app (run config, task, the ServerApp's run and
   its callbacks, checkpoints, result files); the library never imports it.
@@ -57,9 +60,17 @@ from fedshard.client import (
     sharding_mod,
 )
 from fedshard.client.train import evaluate, train
-from fedshard.server import SHARDING_METHODS, SpectralSharding
-from fedshard.settings import LocalTraining, NodePolicy, ReplyPolicy, SettingsError, Sharding
+from fedshard.server import SHARDING_METHODS, SpectralSharding, WidthSlicing
+from fedshard.settings import (
+    LocalTraining,
+    NodePolicy,
+    ReplyPolicy,
+    SettingsError,
+    Sharding,
+    Slicing,
+)
 from fedshard.spectral import sharded_layer_names
+from fedshard.width import WidthFamily
 
 __version__ = "0.1.0"
 
@@ -72,8 +83,11 @@ __all__ = [
     "Shard",
     "Sharding",
     "ShardingClientApp",
+    "Slicing",
     "SpectralSharding",
     "TrainConfig",
+    "WidthFamily",
+    "WidthSlicing",
     "__version__",
     "evaluate",
     "handle_evaluate",

@@ -6,6 +6,9 @@
   epochs, batch size, momentum, Frobenius decay, ClipLR's τ, weight decay).
 - :class:`ReplyPolicy` - what a node's reply may hold and how the replies are combined.
 - :class:`NodePolicy` - which keep ratios nodes may declare and how long to wait for them.
+- :class:`Slicing` - width slicing, the alternative to spectral sharding (HeteroFL, FedRolex,
+  ordered dropout): how a keep ratio becomes a width, HeteroFL's scaler, ordered dropout's
+  widths and distillation.
 
 The same objects are built by the run config (:class:`fedshard.app.config.RunConfig`), taken
 by the strategy (:class:`~fedshard.server.strategy.SpectralSharding`), carried by the wire
@@ -40,6 +43,8 @@ __all__ = [
     "MAX_EXACT_COUNT",
     "ROUND_LR",
     "UPDATE_POLICIES",
+    "WIDTH_MATCHES",
+    "WIDTH_METHODS",
     "LocalTraining",
     "NodePolicy",
     "Problem",
@@ -48,6 +53,7 @@ __all__ = [
     "Settings",
     "SettingsError",
     "Sharding",
+    "Slicing",
     "encoded_none",
     "finite_real",
     "group_settings",
@@ -61,6 +67,16 @@ __all__ = [
     "value_type",
     "wire_key",
 ]
+
+#: Width slicing's methods (:class:`fedshard.server.width.WidthSlicing`): HeteroFL's static
+#: slices (Diao et al., 2021), FedRolex's rolling window (Alam et al., 2022) and FjORD's
+#: ordered dropout (Horváth et al., 2021).
+WIDTH_METHODS = ("heterofl", "fedrolex", "ordered-dropout")
+
+#: How width slicing turns a node's keep ratio r into a width: ``"flops"`` (the width whose
+#: forward FLOPs are nearest those of the spectral sub-model at r), ``"bytes"`` (nearest in
+#: bytes received) or ``"keep-ratio"`` (r itself is the width ratio).
+WIDTH_MATCHES = ("flops", "bytes", "keep-ratio")
 
 #: ``cosine`` (the paper's, Sec. 4.1) or ``constant``.
 LR_SCHEDULES = ("cosine", "constant")
@@ -296,7 +312,9 @@ class Sharding(Settings):
         ``"prism-wallenius"`` (ω = 1/π, π the Wallenius mean), ``"anneal-unbiased"`` /
         ``"anneal-collective"`` (Theorem 1 / 2 on ``λ^γ_t``, γ annealed from
         ``anneal_exponent`` to 1 over ``anneal_rounds`` rounds: :mod:`fedshard.sampling.anneal`)
-        or ``"none"`` (FedAvg).
+        or ``"none"`` (FedAvg); or a width-slicing method (:data:`WIDTH_METHODS`:
+        ``"heterofl"``, ``"fedrolex"``, ``"ordered-dropout"``), which
+        :class:`~fedshard.server.width.WidthSlicing` runs instead (:class:`Slicing`).
     design : str
         ``"cps"`` (conditional Poisson), ``"brewer"`` or ``"min-support"``, for unbiased and
         collective (PriSM samples successively, Top-n is deterministic).
@@ -314,7 +332,7 @@ class Sharding(Settings):
         work.
     """
 
-    method: str = setting("collective", one_of(SHARDING_METHODS))
+    method: str = setting("collective", one_of(SHARDING_METHODS + WIDTH_METHODS))
     design: str = setting("cps", one_of(SAMPLING_DESIGNS))
     scaled: bool = setting(False, BOOL)
     prism_exponent: float | None = setting(
@@ -328,10 +346,14 @@ class Sharding(Settings):
     fedavg_cosine: bool = setting(False, BOOL)
 
     def _combinations(self) -> list[Problem]:
+        if self.method in WIDTH_METHODS and self.fedavg_cosine is True:
+            return [Problem((("fedavg_cosine", True), ("method", self.method)),
+                            "the FedAvg-cosine analysis compares spectral sub-models with the "
+                            "dense model; width slicing has no terms")]
         if self.scaled is not True:
             return []
         about = (("scaled", True), ("method", self.method))
-        if self.method == "none":
+        if self.method == "none" or self.method in WIDTH_METHODS:
             return [Problem(about, "there are no terms to scale")]
         if self.method in SHARDING_METHODS and self.method not in SCALABLE_METHODS:
             return [Problem(about, "+Scaled replaces the method's own multipliers ω; use it "
@@ -522,9 +544,45 @@ class NodePolicy(Settings):
                 if _KEEP_RATIO(ratio) is not None]
 
 
+@dataclass(frozen=True)
+class Slicing(Settings):
+    """Width slicing (:class:`~fedshard.server.width.WidthSlicing`): how a node's keep ratio
+    becomes the width it trains, and the methods' own options.
+
+    Attributes
+    ----------
+    width_match : str
+        ``"flops"`` (default): a node at keep ratio r trains the width whose forward FLOPs are
+        nearest those of the spectral sub-model at r (the same compute per node);
+        ``"bytes"``: nearest in bytes received (the same download); ``"keep-ratio"``: r is the
+        width ratio (HeteroFL's own meaning of a node's rate). The widths are counted from the
+        model and logged once per keep ratio (:mod:`fedshard.width.budget`).
+    width_scaler : bool
+        HeteroFL's scaler (Diao et al., 2021, Sec. 3.2): while a node trains, every hidden
+        Linear/Conv2d's output is divided by the node's width ratio (identity when
+        evaluating); for ``"heterofl"`` and ``"fedrolex"`` (FedRolex builds on HeteroFL's
+        code). Ordered dropout never scales.
+    od_widths : int
+        Ordered dropout's width grid: the ratios ``1/D, 2/D, ..., 1`` (FjORD's uniform
+        ``P``, D = 5 in the paper); a node samples, per batch, one of those below its own
+        width ratio or its own (Horváth et al., 2021, Sec. 3.1).
+    od_distill : bool
+        FjORD's self-distillation (Sec. 3.3): each batch also trains the node's full width
+        on the labels, and the sampled width against its outputs (KL divergence). Off by
+        default: it adds a full-width step to every batch, so the node computes more than its
+        budget.
+    """
+
+    width_match: str = setting("flops", one_of(WIDTH_MATCHES))
+    width_scaler: bool = setting(True, BOOL)
+    od_widths: int = setting(5, rule(lambda v: _integer(v) and 1 <= v <= 64,
+                                     "expected an integer D in [1, 64] (the ratios 1/D..1)"))
+    od_distill: bool = setting(False, BOOL)
+
+
 CONCERNS: dict[str, type[Settings]] = {
     "sharding": Sharding, "training": LocalTraining, "replies": ReplyPolicy,
-    "nodes": NodePolicy,
+    "nodes": NodePolicy, "slicing": Slicing,
 }
 """Argument name -> settings class, as :class:`~fedshard.server.strategy.SpectralSharding`
 takes them."""

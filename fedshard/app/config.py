@@ -29,6 +29,7 @@ from fedshard.sampling import SAMPLING_DESIGNS, SHARDING_METHODS
 from fedshard.server.nodes import load_keep_ratio_table
 from fedshard.settings import (  # ProblemsError: re-exported
     DEFAULT_LR,
+    WIDTH_METHODS,
     LocalTraining,
     NodePolicy,
     ProblemsError,
@@ -36,6 +37,7 @@ from fedshard.settings import (  # ProblemsError: re-exported
     Settings,
     SettingsError,
     Sharding,
+    Slicing,
     encoded_none,
     kebab,
     rule_of,
@@ -56,6 +58,7 @@ __all__ = [
 METHODS = SHARDING_METHODS  # the run-config names are the library's (fedshard.sampling)
 DESIGNS = SAMPLING_DESIGNS
 MODELS = ("resnet18", "cct", "chargpt", "mlp", "lenet")
+WIDTH_MODELS = ("mlp", "resnet18")  # the models width slicing can narrow
 DATASETS = ("fashion-mnist", "cifar10", "cifar100", "tinyimagenet", "shakespeare")
 
 
@@ -94,6 +97,7 @@ class RunConfig:
     training: LocalTraining = field(default_factory=_run_training)
     replies: ReplyPolicy = field(default_factory=ReplyPolicy)
     nodes: NodePolicy = field(default_factory=NodePolicy)  # the table: node_policy()
+    slicing: Slicing = field(default_factory=Slicing)
     fast: FastOptions = field(default_factory=FastOptions)
     keep_ratios: str = _app("0.2:0.6,0.4:0.4")
     num_server_rounds: int = _app(7)
@@ -274,6 +278,20 @@ class RunConfig:
         p.extend(self._location_problems())
         need(0 < self.init_keep_ratio <= 1,
              f"init-keep-ratio={self.init_keep_ratio}: expected in (0, 1] (1: full-rank start)")
+        if self.sharding.method in WIDTH_METHODS:
+            need(self.model in WIDTH_MODELS,
+                 f"method={self.sharding.method!r} with model={self.model!r}: width slicing "
+                 f"is defined here for {', '.join(WIDTH_MODELS)} (their width sets every "
+                 "hidden layer); the CCT's and char-GPT's attention heads and LeNet's fixed "
+                 "layers have no width family in fedshard")
+            need(self.init_keep_ratio == 1,
+                 f"init-keep-ratio={self.init_keep_ratio} with method="
+                 f"{self.sharding.method!r}: the low-rank start truncates the SVD terms of "
+                 "spectral sharding; width slicing starts from the full model (1)")
+            need(self.replies.aggregation == "mean",
+                 f"aggregation={self.replies.aggregation!r} with method="
+                 f"{self.sharding.method!r}: width slicing averages each element over the "
+                 "nodes that trained it; expected 'mean'")
         need(not self.keep_ratio_file or Path(self.keep_ratio_file).expanduser().is_file(),
              f"keep-ratio-table={self.keep_ratio_file!r}: no such file (expected a TOML file "
              "of '\"<node key>\" = <ratio>' lines, or empty for no table)")
@@ -364,7 +382,7 @@ def _render(err: SettingsError, concern: str) -> list[str]:
 #: The RunConfig fields that hold settings objects -> their class.
 _CONCERNS: dict[str, type[Settings]] = {"sharding": Sharding, "training": LocalTraining,
                                         "replies": ReplyPolicy, "nodes": NodePolicy,
-                                        "fast": FastOptions}
+                                        "slicing": Slicing, "fast": FastOptions}
 
 
 #: The models whose size ``model-width`` sets (cct and chargpt have fixed sizes).

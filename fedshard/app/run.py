@@ -33,10 +33,13 @@ from fedshard.app.task import (
     example_input,
     grid_runtime,
     resolve_device,
+    width_family,
 )
 from fedshard.server.callbacks import NoRoundTrainedError, RoundCallback, TrainingReceipts
 from fedshard.server.side_jobs import TensorBoardLog
 from fedshard.server.strategy import SpectralSharding
+from fedshard.server.width import WidthSlicing
+from fedshard.settings import WIDTH_METHODS
 from fedshard.spectral import sharded_layer_names
 from fedshard.spectral.truncation import truncate_
 
@@ -46,18 +49,27 @@ logger = logging.getLogger(__name__)
 
 
 def build_strategy(cfg: RunConfig, model: nn.Module, device: str = "cpu") -> SpectralSharding:
-    """The strategy for ``cfg``, sharding the paper's default layers of ``model``; its SVD
-    and rebuild run on ``device``."""
+    """The strategy for ``cfg``: spectral sharding of the paper's default layers of ``model``
+    (its SVD and rebuild run on ``device``), or width slicing (:class:`WidthSlicing`) for a
+    width-slicing method."""
+    if cfg.sharding.method in WIDTH_METHODS:
+        return WidthSlicing.from_model(model, family=width_family(cfg),
+                                       example_input=example_input(cfg),
+                                       slicing=cfg.slicing, **_common(cfg))
     return SpectralSharding.from_model(
-        model,
-        example_input=example_input(cfg),
+        model, example_input=example_input(cfg), device=None if device == "cpu" else device,
+        **_common(cfg))
+
+
+def _common(cfg: RunConfig) -> dict[str, Any]:
+    """The strategy arguments both kinds take from ``cfg``."""
+    return dict(
         num_rounds=cfg.num_server_rounds,
         sharding=cfg.sharding,
         training=cfg.training,
         replies=cfg.replies,
         nodes=cfg.node_policy(),
         seed=cfg.seed,
-        device=None if device == "cpu" else device,
         fraction_train=cfg.fraction_train,
         fraction_evaluate=cfg.fraction_evaluate,
         min_train_nodes=1,
@@ -213,8 +225,12 @@ def _savings(cfg: RunConfig, model: nn.Module, strategy: SpectralSharding,
     reference = (reference_summary(cfg.reference_run, cfg.results_path.parent)
                  if cfg.reference_run else None)
     try:
+        narrow = None
+        if isinstance(strategy, WidthSlicing):  # a client trains the narrow model
+            def narrow(r: float, s: WidthSlicing = strategy) -> nn.Module:
+                return s.family(s.width_of(r).width)
         savings = sharding_savings(rows, model, strategy.sharded_layers, example_input(cfg),
-                                   reference)
+                                   reference, submodel=narrow)
     except Exception as err:  # a report at the end must not lose the run's files
         logger.warning("what sharding bought could not be counted (%s: %s); summary.json "
                        "has no 'sharding' entry", type(err).__name__, err)

@@ -16,7 +16,7 @@ import copy
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,8 @@ _RATIO_KEY = re.compile(r"^bytes-sent-ratio-r(.+)$")
 
 def sharding_savings(rows: Sequence[Mapping[str, Any]], model: nn.Module, layers: Sequence[str],
                      example_input: torch.Tensor,
-                     reference: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                     reference: Mapping[str, Any] | None = None, *,
+                     submodel: Callable[[float], nn.Module] | None = None) -> dict[str, Any]:
     """The ``"sharding"`` entry of ``summary.json``.
 
     Parameters
@@ -50,6 +51,9 @@ def sharding_savings(rows: Sequence[Mapping[str, Any]], model: nn.Module, layers
         One example's input (batch of 1).
     reference : mapping or None
         :func:`reference_summary`'s result, or ``None`` (no reference run named).
+    submodel : callable, optional
+        ``submodel(r)``: the model a client at keep ratio ``r`` trains, whose FLOPs are
+        counted (width slicing: its narrow model); default :func:`submodel_at` of ``layers``.
 
     Returns
     -------
@@ -72,7 +76,9 @@ def sharding_savings(rows: Sequence[Mapping[str, Any]], model: nn.Module, layers
                 if f"bytes-sent-ratio-{key}" in r]
         up = [float(r[f"bytes-received-ratio-{key}"]) * float(r["dense-bytes"]) for r in rows
               if f"bytes-received-ratio-{key}" in r]
-        flops = forward_flops(submodel_at(dense_model, layers, ratio), x)
+        trained = (submodel(ratio) if submodel is not None
+                   else submodel_at(dense_model, layers, ratio))
+        flops = forward_flops(trained, x)
         entry = {"bytes-received": _mean(down), "bytes-sent": _mean(up),
                  "forward-flops": float(flops)}
         if dense_bytes:

@@ -7,6 +7,7 @@ ServerApp shares with it: the model builder). The server's orchestration is in
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import OrderedDict
 from logging import DEBUG, WARNING
@@ -14,17 +15,23 @@ from typing import Any
 
 import numpy as np
 import torch
+from flwr.app import Message
 from flwr.common.logger import log
 from torch import nn
 from torch.utils.data import Dataset
 
+from fedshard import protocol as P
 from fedshard.app.config import RunConfig
+from fedshard.client.handlers import handle_train
 from fedshard.client.keep_ratios import (  # re-exported: the library's rule
     SIMULATION_NODE_CONFIG,
     is_simulated_node,
     node_keep_ratio,
 )
+from fedshard.client.width import handle_width_train
 from fedshard.data import ImageDataset, dataset_info, load_partition
+from fedshard.settings import WIDTH_METHODS
+from fedshard.width import WidthFamily
 
 __all__ = [
     "CLIENT_DATA_CACHE_BYTES",
@@ -39,7 +46,9 @@ __all__ = [
     "node_partition",
     "resolve_device",
     "template_model",
+    "train_node",
     "warn_if_looks_simulated",
+    "width_family",
 ]
 
 
@@ -102,6 +111,53 @@ def build_model(cfg: RunConfig) -> nn.Module:
                 raise ValueError(f"model='chargpt' needs a next-char data set, not {cfg.dataset!r}")
             return char_transformer(info.num_classes)
     raise ValueError(f"model={cfg.model!r}: no builder")  # RunConfig validation prevents this
+
+
+def width_family(cfg: RunConfig) -> WidthFamily:
+    """The run's model at any width (width slicing): the MLP's hidden units, ResNet-18's
+    first-stage channels (even: its GroupNorm has 2 groups); the global width is
+    ``model-width``.
+
+    Raises
+    ------
+    ValueError
+        For a model width slicing does not narrow (RunConfig validation prevents this).
+    """
+    info = dataset_info(cfg.dataset)
+    if cfg.model == "mlp":
+        return WidthFamily(functools.partial(_mlp_at, info.in_channels * info.image_size**2,
+                                             info.num_classes), cfg.model_width)
+    if cfg.model == "resnet18":
+        return WidthFamily(functools.partial(_resnet_at, info.num_classes, info.in_channels),
+                           cfg.model_width, multiple=2)
+    raise ValueError(f"model={cfg.model!r}: width slicing has no family for it")
+
+
+def _mlp_at(in_features: int, num_classes: int, width: int) -> nn.Module:
+    from fedshard.models import mlp
+
+    return mlp(in_features, num_classes, width=width)
+
+
+def _resnet_at(num_classes: int, in_channels: int, width: int) -> nn.Module:
+    from fedshard.models import resnet18
+
+    return resnet18(num_classes, in_channels, width)
+
+
+def train_node(msg: Message, cfg: RunConfig, data: Dataset[Any], *, device: str,
+               model: nn.Module | None = None, **options: Any) -> Message:
+    """One node's training reply to ``msg``: the narrow model of width slicing
+    (:func:`~fedshard.client.width.handle_width_train`) when the message's method is one of
+    its, else the received shard of the run's model (:func:`~fedshard.client.handle_train`;
+    ``model``: the process's template, :func:`template_model` if not given)."""
+    config = msg.content.config_records.get(P.CONFIG)
+    if config is not None and config.get("method") in WIDTH_METHODS:
+        options.pop("fast", None)
+        options.pop("submodels", None)
+        return handle_width_train(msg, width_family(cfg), data, device=device, **options)
+    return handle_train(msg, model if model is not None else template_model(cfg), data,
+                        device=device, **options)
 
 
 def _need_images(cfg: RunConfig, info: Any) -> None:

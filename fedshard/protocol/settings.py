@@ -15,6 +15,7 @@ from flwr.app import ConfigRecord
 from fedshard.sampling import SHARDING_METHODS, as_keep_ratio
 from fedshard.settings import (
     ROUND_LR,
+    WIDTH_METHODS,
     LocalTraining,
     Problem,
     Rule,
@@ -52,8 +53,8 @@ class TrainSettings(LocalTraining):
     train_seed : int
         Seeds the node's data order and its torch RNG for this round.
     sharding_method : str
-        The sharding method (``"none"``: the node trains the dense model); ``method`` on the
-        wire.
+        The sharding method (``"none"``: the node trains the dense model; a width-slicing
+        method: a narrow model, :mod:`fedshard.protocol.slices`); ``method`` on the wire.
 
     Notes
     -----
@@ -67,7 +68,8 @@ class TrainSettings(LocalTraining):
     server_round: int = setting(MISSING, _COUNT, run=False, wire=True)
     keep_ratio: float = setting(MISSING, None, run=False, wire=True)  # as_keep_ratio's check
     train_seed: int = setting(MISSING, _COUNT, run=False, wire=True)
-    sharding_method: str = setting(MISSING, one_of(SHARDING_METHODS), run=False, wire="method")
+    sharding_method: str = setting(MISSING, one_of(SHARDING_METHODS + WIDTH_METHODS), run=False,
+                                   wire="method")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -42,6 +42,7 @@ from fedshard.server.strategy import (
     SpectralSharding,
     TrainingDivergedError,
 )
+from fedshard.server.width import WidthSlicing
 from fedshard.settings import LR_SCHEDULES
 
 __all__ = [
@@ -65,6 +66,7 @@ __all__ = [
     "TrainingDivergedError",
     "TrainingReceipts",
     "UnchangingModel",
+    "WidthSlicing",
     "cosine_lr",
     "default_callbacks",
     "load_keep_ratio_table",

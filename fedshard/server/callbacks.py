@@ -406,7 +406,9 @@ class TrainingReceipts(RoundCallback):
             tau, gamma = config.get("clip-lr-tau", 0.0), config.get("frobenius-decay", 0.0)
             wanted = (isinstance(tau, (int, float)) and tau > 0) or \
                 (isinstance(gamma, (int, float)) and gamma > 0)
-            if wanted and receipt.steps == 0:
+            shard = state.sent.get(reply.node)
+            factored = shard is not None and bool(shard.indices)  # it was sent factors
+            if wanted and factored and receipt.steps == 0:
                 kinds[("rules",)] += 1
         self.totals["nodes"] += nodes
         for kind, count in kinds.items():

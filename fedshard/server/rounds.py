@@ -208,18 +208,22 @@ class RoundState:
         self.references.clear()
         return out
 
-    def aggregate(self, accepted: Sequence[P.TrainReply]) -> ArrayRecord | None:
-        """The new global model from the valid replies (:func:`aggregate_state`), or
-        ``None`` if it holds NaN or inf (then the previous model is kept, and
-        ``aggregate-non-finite`` is set in the round's metrics)."""
+    def combine(self, accepted: Sequence[P.TrainReply]) -> dict[str, np.ndarray]:
+        """The new global ``state_dict`` from the valid replies: the per-term averages
+        (:func:`aggregate_state`) or ``replies``' dense rule."""
         current = self.current or {k: P.decode_array(a) for k, a in self.arrays.items()}
         if self.replies.aggregation in DENSE_AGGREGATIONS:
-            new = dense_rule(current, self.spectra, accepted, self.replies)
-        else:
-            new = aggregate_state(current, self.spectra, [r.weight for r in accepted],
-                                  [r.values for r in accepted], [r.terms() for r in accepted],
-                                  self.replies.aggregation, self.replies.trim_fraction,
-                                  self.device)
+            return dense_rule(current, self.spectra, accepted, self.replies)
+        return aggregate_state(current, self.spectra, [r.weight for r in accepted],
+                               [r.values for r in accepted], [r.terms() for r in accepted],
+                               self.replies.aggregation, self.replies.trim_fraction,
+                               self.device)
+
+    def aggregate(self, accepted: Sequence[P.TrainReply]) -> ArrayRecord | None:
+        """The new global model from the valid replies (:meth:`combine`), or ``None`` if it
+        holds NaN or inf (then the previous model is kept, and ``aggregate-non-finite`` is
+        set in the round's metrics)."""
+        new = self.combine(accepted)
         bad = [k for k, v in new.items()
                if np.issubdtype(v.dtype, np.floating) and not np.isfinite(v).all()]
         if bad:

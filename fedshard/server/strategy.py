@@ -144,6 +144,11 @@ class SpectralSharding(FedAvg):
     ...                             training=LocalTraining(lr=0.05, local_epochs=2))
     """
 
+    #: The methods this strategy runs.
+    METHODS: tuple[str, ...] = SHARDING_METHODS
+    _wrong_method = ("a width-slicing method: use fedshard.WidthSlicing (or a spectral "
+                     f"method: {', '.join(SHARDING_METHODS)})")
+
     def __init__(
         self,
         *,
@@ -188,8 +193,11 @@ class SpectralSharding(FedAvg):
         if callbacks is not None and not all(isinstance(c, RoundCallback) for c in callbacks):
             problems.append(Problem((("callbacks", list(callbacks)),),
                                     "expected RoundCallback objects (fedshard.server.callbacks)"))
+        method = getattr(self.sharding, "method", None)
+        if method is not None and method not in self.METHODS:
+            problems.append(Problem((("method", method),), self._wrong_method))
         if problems:
-            raise SettingsError("SpectralSharding arguments", problems)
+            raise SettingsError(f"{type(self).__name__} arguments", problems)
         self.sharded_layers = tuple(sharded_layers) if self.sharding.method != "none" else ()
         # num_rounds: the schedule's length, the constructor's, or set by start() (see start).
         self.num_rounds, self._given_rounds = num_rounds, num_rounds
@@ -295,11 +303,8 @@ class SpectralSharding(FedAvg):
         the hooks yourself, call ``summary()`` after them."""
         if not self.in_own_start and type(self).start is SpectralSharding.start:
             self._foreign_start = True  # a class with its own start() drives itself
-        t, sh = self.training, self.sharding
-        log(INFO, "\t├──> SpectralSharding: method=%s design=%s scaled=%s", sh.method,
-            sh.design, sh.scaled)
-        log(INFO, "\t│\t├── sharded layers (%d): %s", len(self.sharded_layers),
-            ", ".join(self.sharded_layers))
+        self.describe()
+        t = self.training
         schedule = (f"{t.lr_schedule} over {self.num_rounds} rounds"
                     if self.num_rounds is not None or t.lr_schedule == "constant" else
                     "constant: the cosine schedule needs num_rounds")
@@ -308,6 +313,14 @@ class SpectralSharding(FedAvg):
             self.base_lr, schedule, t.local_epochs, t.batch_size, t.momentum,
             t.frobenius_decay, t.clip_lr_tau)
         super().summary()
+
+    def describe(self) -> None:
+        """Log what is sharded and how (the first lines of :meth:`summary`)."""
+        sh = self.sharding
+        log(INFO, "\t├──> SpectralSharding: method=%s design=%s scaled=%s", sh.method,
+            sh.design, sh.scaled)
+        log(INFO, "\t│\t├── sharded layers (%d): %s", len(self.sharded_layers),
+            ", ".join(self.sharded_layers))
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int | None = None,
               timeout: float = 3600, train_config: ConfigRecord | None = None,
@@ -377,12 +390,21 @@ class SpectralSharding(FedAvg):
                 and P.LR not in config:
             self._warn_no_schedule()
         training, lr, _ = round_recipe(self.training, config, server_round, self.num_rounds)
-        messages, self._round = rounds.shard_round(
+        messages, self._round = self.plan_round(server_round, arrays, nodes, config,
+                                                training, lr)
+        cb.run_configure(self.callbacks, self, server_round, config, messages)
+        return messages
+
+    def plan_round(self, server_round: int, arrays: ArrayRecord,
+                   nodes: dict[int, P.Capabilities], config: ConfigRecord,
+                   training: LocalTraining, lr: float,
+                   ) -> tuple[list[Message], rounds.RoundState]:
+        """The round's messages, one per sampled node, and its state
+        (:func:`~fedshard.server.rounds.shard_round`: the SVD and each node's terms)."""
+        return rounds.shard_round(
             server_round, arrays, self.sharded_layers, nodes, config, sharding=self.sharding,
             training=training, lr=lr, replies=self.replies, seed=self.seed,
             device=self.device)
-        cb.run_configure(self.callbacks, self, server_round, config, messages)
-        return messages
 
     def _warn_no_schedule(self) -> None:
         if not self._told_schedule:

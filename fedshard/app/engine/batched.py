@@ -47,6 +47,7 @@ from fedshard.client.shard import Shard, receive
 from fedshard.client.train.batches import TensorBatches, batches_for
 from fedshard.client.train.config import TrainConfig
 from fedshard.client.train.rules import ClientRules, RulesReport
+from fedshard.settings import WIDTH_METHODS
 from fedshard.spectral.layers import SpectralLayer
 from fedshard.spectral.selection import BATCH_NORMS
 
@@ -125,8 +126,10 @@ class BatchedTrainer:
 
     def _member(self, msg: Message, data: Dataset[Any]) -> tuple[Shard, TensorBatches] | None:
         """The received shard and its batches, or ``None`` for the sequential path."""
-        if self.refused or P.REFERENCE in msg.content.array_records:
-            return None
+        config = msg.content.config_records.get(P.CONFIG)
+        if (self.refused or P.REFERENCE in msg.content.array_records
+                or (config is not None and config.get("method") in WIDTH_METHODS)):
+            return None  # (a narrow model of width slicing is trained alone)
         shard = receive(msg, self.model, device=self.device, client_rules=False)
         if _uncovered(shard.train_config()):
             return None

@@ -42,12 +42,11 @@ from torch.utils.data import Dataset
 
 from fedshard.app.config import RunConfig
 from fedshard.app.engine.clients import DataSource, SimulatedNode
-from fedshard.app.task import client_dataset
+from fedshard.app.task import client_dataset, train_node
 from fedshard.client.handlers import (
     SubmodelCache,
     handle_evaluate,
     handle_query,
-    handle_train,
 )
 
 __all__ = ["EngineGrid", "SequentialTrainer", "TrainJob", "Trainer"]
@@ -85,8 +84,8 @@ class SequentialTrainer:
 
     def one(self, msg: Message, data: Dataset[Any]) -> Message:
         """One client's reply (raises what the handler raises)."""
-        return handle_train(msg, self.model, data, device=self.device, fast=self.cfg.fast,
-                            submodels=self.submodels)
+        return train_node(msg, self.cfg, data, model=self.model, device=self.device,
+                          fast=self.cfg.fast, submodels=self.submodels)
 
     def __call__(self, jobs: Sequence[TrainJob]) -> list[Message | Exception]:
         replies: list[Message | Exception] = []

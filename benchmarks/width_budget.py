@@ -1,0 +1,105 @@
+"""What a node costs under spectral sharding and under width slicing at the same budget: the
+cost columns of the width table (experiments/width-table.toml).
+
+Prints one JSON object. For each model (the MLP of width 256 and ResNet-18 of width 16 on
+28×28×1 images, 10 classes) and keep ratio r: the spectral sub-model at r (the paper's default
+layers, ⌈rN⌉ terms each) and the narrow model of the width whose forward FLOPs are nearest
+(fedshard.width.match_width, as WidthSlicing picks it; and the width of nearest bytes), each
+with its forward FLOPs per example, bytes received and sent per round (the wire's .npy bytes of
+what a node is sent and returns), and what one training step on a batch of 32 holds
+(parameters, gradients, SGD momentum, and the activations autograd saves, measured with
+saved-tensor hooks by fedshard.width.training_memory), beside the dense model's. Ordered
+dropout trains, per batch, a width of its grid up to the node's: its mean cost is also given.
+
+Usage: python benchmarks/width_budget.py [--ratios 0.1 0.2 0.4] [--batch 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from machine import cpu_name  # noqa: E402
+
+from fedshard.models import mlp, resnet18  # noqa: E402
+from fedshard.server.width import od_widths  # noqa: E402
+from fedshard.spectral import forward_flops, sharded_layer_names, sharding_budget  # noqa: E402
+from fedshard.spectral.budget import submodel_at  # noqa: E402
+from fedshard.width import WidthFamily, match_width, state_bytes, training_memory  # noqa: E402
+
+
+def _mlp(width: int) -> torch.nn.Module:
+    return mlp(784, 10, width=width)
+
+
+def _resnet(width: int) -> torch.nn.Module:
+    return resnet18(10, 1, width)
+
+
+FAMILIES = {"mlp-256": WidthFamily(_mlp, 256), "resnet18-16": WidthFamily(_resnet, 16, 2)}
+
+
+def _costs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, received: int,
+           sent: int) -> dict[str, Any]:
+    memory = training_memory(model, x, y)
+    return {"forward-flops": forward_flops(model, x[:1]), "bytes-received": received,
+            "bytes-sent": sent, "train-memory-bytes": memory["total"],
+            "activation-bytes": memory["activations"]}
+
+
+def measure(name: str, family: WidthFamily, ratios: list[float], batch: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    dense = family(family.width)
+    x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
+    layers = sharded_layer_names(dense, example_input=x[:1])
+    dense_bytes = state_bytes(family.shapes(family.width), dense)
+    out: dict[str, Any] = {"dense": _costs(dense, x, y, dense_bytes, dense_bytes),
+                           "sharded-layers": len(layers), "ratios": {}}
+    for r in ratios:
+        budget = sharding_budget(dense, layers, [r]).at(r)
+        spectral = _costs(submodel_at(dense, layers, r), x, y, budget.received_bytes,
+                          budget.sent_bytes)
+        row: dict[str, Any] = {"spectral": spectral}
+        for how in ("flops", "bytes"):
+            m = match_width(family, r, how, model=dense, sharded_layers=layers,
+                            example_input=x[:1])
+            narrow = family(m.width)
+            entry = {"width": m.width, "width-ratio": m.width_ratio,
+                     **_costs(narrow, x, y, m.bytes, m.bytes)}
+            if how == "flops":  # ordered dropout: a width of the grid per batch, uniformly
+                grid = od_widths(family, m.width, 5)
+                entry["ordered-dropout-widths"] = list(grid)
+                entry["ordered-dropout-mean-forward-flops"] = sum(
+                    forward_flops(family(w), x[:1]) for w in grid) / len(grid)
+            row[f"width-same-{how}"] = entry
+        out["ratios"][f"{r:g}"] = row
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.2, 0.4])
+    parser.add_argument("--batch", type=int, default=32)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    result = {
+        "machine": cpu_name(), "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(), "batch": args.batch,
+        "models": {name: measure(name, family, args.ratios, args.batch)
+                   for name, family in FAMILIES.items()},
+    }
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
