@@ -2,7 +2,7 @@
 cost columns of the width table (experiments/width-table.toml).
 
 Prints one JSON object. For each model (the MLP of width 256 and ResNet-18 of width 16 on
-28×28×1 images, 10 classes) and keep ratio r: the spectral sub-model at r (the paper's default
+28×28×1 images, ResNet-18 of width 64 on 32×32×3 images, 10 classes) and keep ratio r: the spectral sub-model at r (the paper's default
 layers, ⌈rN⌉ terms each) and the narrow model of the width whose forward FLOPs are nearest
 (fedshard.width.match_width, as WidthSlicing picks it; and the width of nearest bytes), each
 with its forward FLOPs per example, bytes received and sent per round (the wire's .npy bytes of
@@ -11,7 +11,7 @@ what a node is sent and returns), and what one training step on a batch of 32 ho
 saved-tensor hooks by fedshard.width.training_memory), beside the dense model's. Ordered
 dropout trains, per batch, a width of its grid up to the node's: its mean cost is also given.
 
-Usage: python benchmarks/width_budget.py [--ratios 0.1 0.2 0.4] [--batch 32]
+Usage: python benchmarks/width_budget.py [--ratios 0.1 0.2 0.4] [--batch 32] [--models ...]
 """
 
 from __future__ import annotations
@@ -46,7 +46,15 @@ def _resnet(width: int) -> torch.nn.Module:
     return resnet18(10, 1, width)
 
 
-FAMILIES = {"mlp-256": WidthFamily(_mlp, 256), "resnet18-16": WidthFamily(_resnet, 16, 2)}
+def _resnet_cifar(width: int) -> torch.nn.Module:
+    return resnet18(10, 3, width)
+
+
+#: name -> (family, one input's shape): Fashion-MNIST's MLP and ResNet-18 of the width tables,
+#: and CIFAR-10's ResNet-18 of width 64 (experiments/width-cifar10.toml)
+FAMILIES = {"mlp-256": (WidthFamily(_mlp, 256), (1, 28, 28)),
+            "resnet18-16": (WidthFamily(_resnet, 16, 2), (1, 28, 28)),
+            "resnet18-64-cifar10": (WidthFamily(_resnet_cifar, 64, 2), (3, 32, 32))}
 
 
 def _costs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, received: int,
@@ -57,10 +65,11 @@ def _costs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, received: i
             "activation-bytes": memory["activations"]}
 
 
-def measure(name: str, family: WidthFamily, ratios: list[float], batch: int) -> dict[str, Any]:
+def measure(family: WidthFamily, shape: tuple[int, ...], ratios: list[float],
+            batch: int) -> dict[str, Any]:
     torch.manual_seed(0)
     dense = family(family.width)
-    x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
+    x, y = torch.randn(batch, *shape), torch.randint(0, 10, (batch,))
     layers = sharded_layer_names(dense, example_input=x[:1])
     dense_bytes = state_bytes(family.shapes(family.width), dense)
     out: dict[str, Any] = {"dense": _costs(dense, x, y, dense_bytes, dense_bytes),
@@ -90,13 +99,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.2, 0.4])
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--models", nargs="+", choices=list(FAMILIES), default=list(FAMILIES))
     args = parser.parse_args()
     torch.set_num_threads(1)
     result = {
         "machine": cpu_name(), "torch": torch.__version__,
         "date": datetime.date.today().isoformat(), "batch": args.batch,
-        "models": {name: measure(name, family, args.ratios, args.batch)
-                   for name, family in FAMILIES.items()},
+        "models": {name: measure(*FAMILIES[name], args.ratios, args.batch)
+                   for name in args.models},
     }
     print(json.dumps(result, indent=1))
 

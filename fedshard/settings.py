@@ -394,6 +394,10 @@ class LocalTraining(Settings):
         needs a smaller lr than the dense one. ``"dense"``: each step moves ``W`` by the
         dense step projected onto what the factors can express (the dense step itself with
         all terms), so the dense model's lr works (:mod:`fedshard.client.train.precondition`).
+    max_steps : int
+        At most this many optimizer steps per round (the ``local_epochs`` passes stop there);
+        0: no cap. For a run at reduced scale on nodes with much data (a node's weight stays
+        its data size).
     """
 
     lr: float | None = setting(None, rule(lambda v: finite_real(v) and v > 0,
@@ -410,6 +414,9 @@ class LocalTraining(Settings):
     weight_decay: float = setting(0.0, rule(lambda v: finite_real(v) and v >= 0,
                                             "expected a finite number ≥ 0"), wire=True)
     factor_step: str = setting("plain", one_of(FACTOR_STEPS), wire=True, wire_missing="plain")
+    max_steps: int = setting(0, rule(lambda v: _integer(v) and v >= 0,
+                                     "expected an integer ≥ 0 (0: no cap)"), wire=True,
+                             wire_missing=0)
 
     @property
     def base_lr(self) -> float:

@@ -9,6 +9,8 @@ fedshard's), reply.
   which keep ratio a node declares (its own, or its share of a simulated mix).
 - :mod:`~fedshard.client.app` - :class:`ShardingClientApp` and :func:`sharding_mod`: Flower
   glue for an existing project.
+- :mod:`~fedshard.client.width` - :func:`handle_width_train`: a node of width slicing
+  (HeteroFL's scaler, ordered dropout's step).
 - :mod:`~fedshard.client.train` - local training: the plain loop and the client rules (SGD-m,
   Frobenius decay, ClipLR) for any optimizer.
 """
@@ -37,11 +39,13 @@ from fedshard.client.train import (
     TrainResult,
     frobenius_penalty,
 )
+from fedshard.client.width import OrderedDropout, handle_width_train
 
 __all__ = [
     "ClientRules",
     "EvalResult",
     "KeepRatioMixture",
+    "OrderedDropout",
     "Shard",
     "ShardingClientApp",
     "SubmodelCache",
@@ -52,6 +56,7 @@ __all__ = [
     "handle_evaluate",
     "handle_query",
     "handle_train",
+    "handle_width_train",
     "keep_ratio_of",
     "node_keep_ratio",
     "node_key_of",

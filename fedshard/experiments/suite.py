@@ -421,11 +421,15 @@ def parse_suite(
     columns = unique(column for _, column in every if column is not None)
     main_rows = row_order if row_order is not None else table_labels
     main_columns = column_order if column_order is not None else columns
-    tables = parse_tables(read_blocks(data, "tables", problems), name=name, rows=main_rows,
+    blocks = read_blocks(data, "tables", problems)
+    if not resolve_comparisons:  # a compared suite, read for its runs: its own [[compare]]
+        main_rows = [r for r in main_rows if r in table_labels]  # rows are not followed
+        blocks = []
+    tables = parse_tables(blocks, name=name, rows=main_rows,
                           columns=main_columns, table_labels=table_labels,
                           all_columns=columns, problems=problems)
     shown = {label for t in tables for label in t.rows} | set(reference)
-    for label in labels:
+    for label in labels if resolve_comparisons else ():  # (a compared suite: its rows only)
         if label not in shown:
             logger.warning("suite %s: row %r is in no table (it still runs)", source, label)
 

@@ -237,3 +237,30 @@ def test_a_block_key_that_is_not_an_array_of_tables_is_named(key: str) -> None:
     with pytest.raises(SuiteError) as info:
         parse_suite(data, app_dir=ROOT, source="t.toml")
     assert f"[[{key}]] must be an array of tables ([[{key}]] blocks)" in info.value.problems
+
+
+def test_a_compared_suite_may_show_rows_of_its_own_compare_entries(
+        table_suite: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A suite compares with one that itself shows another suite's rows (its `rows` and
+    `[[tables]]` name them): its own cells are found, its comparisons are not followed."""
+    middle = base("middle", tmp_path, [
+        {"label": "Low-rank", "column": "r = 0.1", "method": "top-n", "keep-ratios": "0.1",
+         "init-keep-ratio": 0.1}],
+        compare=[{"suite": "table", "label": "Top-n", "column": "r = 0.1"}],
+        tables=[{"title": "both", "rows": ["Top-n [table]", "Low-rank"]}])
+    middle["suite"]["rows"] = ["Top-n [table]", "Low-rank"]
+    write_suite(tmp_path / "middle.toml", middle)
+    top = base("top", tmp_path, [
+        {"label": "Wide", "column": "r = 0.1", "method": "heterofl", "keep-ratios": "0.1",
+         "width-match": "keep-ratio"}],
+        compare=[{"suite": "middle", "label": "Low-rank", "column": "r = 0.1"}])
+    suite = load_suite(write_suite(tmp_path / "top.toml", top), app_dir=ROOT)
+    (comp,) = suite.comparisons
+    assert comp.label == "Low-rank [middle]" and [r.seed for r in comp.runs] == [0, 1]
+    assert "is in no table" not in caplog.text
+    # loaded for itself, the middle suite still checks its rows and tables in full
+    assert [c.label for c in load_suite(tmp_path / "middle.toml", app_dir=ROOT).comparisons] \
+        == ["Top-n [table]"]
+    middle["suite"]["rows"] = ["Top-n [tabel]", "Low-rank"]
+    write_suite(tmp_path / "middle.toml", middle)
+    assert any("Top-n [tabel]" in p for p in load_problems(tmp_path / "middle.toml"))

@@ -259,3 +259,50 @@ def test_beyond_suites_share_the_tables_setup_and_state_their_runs() -> None:
     pilot = load_suite(ROOT / "experiments" / "beyond-pilot.toml")
     assert {r.config.sharding.method for r in pilot.runs} == methods
     assert all(r.config.sharding.fedavg_cosine and r.num_rounds == 3 for r in pilot.runs)
+
+
+def test_width_suites_compare_both_families_on_one_setup() -> None:
+    """width-table: every row at every budget, two seeds, 100 rounds, one training recipe for
+    spectral and width rows; width-resnet: its width rows share the compared fmnist-table
+    and beyond cells' setup; width-cifar10 is the same table at the paper's scale."""
+    shared = ("dataset", "model", "model-width", "fraction-train", "min-available-nodes",
+              "dirichlet-alpha", "local-epochs", "batch-size", "lr", "momentum",
+              "num-partitions", "num-server-rounds", "max-update-spread", "max-weight-ratio",
+              "align-factors")
+    suite = load_suite(ROOT / "experiments" / "width-table.toml")
+    runs = [r for r in suite.runs if r.column is not None]
+    assert {(r.label, r.column) for r in runs} == {
+        (row, col) for row in suite.tables[0].rows for col in suite.tables[0].columns}
+    assert len(suite.tables[0].rows) == 6 and len(suite.tables[0].columns) == 3
+    first = runs[0].config.as_dict()
+    for run in suite.runs:
+        cfg = run.config.as_dict()
+        assert {k: cfg[k] for k in shared} == {k: first[k] for k in shared}, run.label
+        assert run.num_rounds == 100
+        if cfg["method"] in ("heterofl", "fedrolex", "ordered-dropout"):
+            assert cfg["width-match"] == "flops" and not cfg["od-distill"]
+    assert {r.seed for r in suite.runs} == {0, 1}
+    resnet = load_suite(ROOT / "experiments" / "width-resnet.toml")
+    ref = resnet.comparisons[0].runs[0].config.as_dict()
+    for run in resnet.runs:
+        cfg = run.config.as_dict()
+        assert {k: cfg[k] for k in shared} == {k: ref[k] for k in shared}, run.label
+        assert cfg["keep-ratios"] == "0.1" and cfg["method"] in ("heterofl", "fedrolex",
+                                                                 "ordered-dropout")
+    assert [c.label for c in resnet.comparisons] == [
+        "Collective [fmnist-table]", "Unbiased [fmnist-table]",
+        "Top-n, low-rank start [beyond]", "No sharding [fmnist-table]"]
+    cifar = load_suite(ROOT / "experiments" / "width-cifar10.toml")
+    assert {r.config.dataset for r in cifar.runs} == {"cifar10"}
+    assert {r.seed for r in cifar.runs} == {0, 1, 2} and len(cifar.runs) == 57
+
+
+def test_shakespeare_reduced_is_the_papers_column_with_capped_steps() -> None:
+    suite = load_suite(ROOT / "experiments" / "shakespeare-reduced.toml")
+    assert {r.config.sharding.method for r in suite.runs} == {
+        "top-n", "prism", "prism-wallenius", "unbiased", "collective", "none"}
+    for run in suite.runs:
+        cfg = run.config
+        assert (cfg.dataset, cfg.model, cfg.training.batch_size, cfg.training.lr) == (
+            "shakespeare", "chargpt", 10, 0.1)
+        assert cfg.training.max_steps == 20 and cfg.num_partitions == 672

@@ -143,13 +143,15 @@ class BatchedTrainer:
 def _uncovered(cfg: TrainConfig) -> list[str]:
     """The recipe's settings :func:`train_together` does not implement (then the client is
     trained by :class:`~fedshard.app.engine.grid.SequentialTrainer`): a global gradient-norm
-    clip, a factor step other than the paper's plain SGD."""
+    clip, a factor step other than the paper's plain SGD, a cap on the steps."""
     out = []
     if cfg.max_grad_norm is not None:
         out.append(f"max_grad_norm={cfg.max_grad_norm}")
     factor_step = cfg.recipe.factor_step
     if factor_step != "plain":
         out.append(f"factor_step={factor_step!r}")
+    if cfg.recipe.max_steps:
+        out.append(f"max_steps={cfg.recipe.max_steps}")
     return out
 
 

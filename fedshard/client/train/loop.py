@@ -89,8 +89,11 @@ def _epochs(step: Step, loader: DataLoader[Any] | TensorBatches, cfg: TrainConfi
     total_correct = torch.zeros((), dtype=torch.int64, device=device)
     total_targets = torch.zeros((), dtype=torch.int64, device=device)
     examples_per_epoch = 0
+    cap, taken = cfg.recipe.max_steps, 0  # max_steps: at most that many steps (0: no cap)
     with _forked_rng(cfg.torch_seed, device):
         for epoch in range(cfg.recipe.local_epochs):
+            if cap and taken >= cap:
+                break
             epoch_loss = torch.zeros((), dtype=torch.float64, device=device)
             epoch_correct = torch.zeros((), dtype=torch.int64, device=device)
             epoch_targets = torch.zeros((), dtype=torch.int64, device=device)
@@ -106,8 +109,11 @@ def _epochs(step: Step, loader: DataLoader[Any] | TensorBatches, cfg: TrainConfi
                 epoch_targets += count
                 examples_per_epoch += int(inputs.shape[0])
                 steps += 1
+                taken += 1
                 if steps % _CHECK_EVERY == 0:
                     _check_finite(epoch_loss, epoch, steps, cfg)
+                if cap and taken >= cap:
+                    break
             if examples_per_epoch == 0:
                 raise ValueError("the DataLoader yielded no batches; nothing was trained.")
             _check_finite(epoch_loss, epoch, steps, cfg)
