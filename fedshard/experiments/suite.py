@@ -423,7 +423,7 @@ def parse_suite(
     main_columns = column_order if column_order is not None else columns
     blocks = read_blocks(data, "tables", problems)
     if not resolve_comparisons:  # a compared suite, read for its runs: its own [[compare]]
-        main_rows = [r for r in main_rows if r in table_labels]  # rows are not followed
+        main_rows = tuple(r for r in main_rows if r in table_labels)  # rows: not followed
         blocks = []
     tables = parse_tables(blocks, name=name, rows=main_rows,
                           columns=main_columns, table_labels=table_labels,
