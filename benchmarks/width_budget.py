@@ -3,13 +3,14 @@ cost columns of the width table (experiments/width-table.toml).
 
 Prints one JSON object. For each model (the MLP of width 256 and ResNet-18 of width 16 on
 28×28×1 images, ResNet-18 of width 64 on 32×32×3 images, 10 classes) and keep ratio r: the
-spectral sub-model at r (the paper's default layers, ⌈rN⌉ terms each) and the narrow model
-of the width whose forward FLOPs are nearest (fedshard.width.match_width, as WidthSlicing
-picks it; and the width of nearest bytes), each with its forward FLOPs per example, bytes received and sent per round (the wire's .npy bytes of
-what a node is sent and returns), and what one training step on a batch of 32 holds
-(parameters, gradients, SGD momentum, and the activations autograd saves, measured with
-saved-tensor hooks by fedshard.width.training_memory), beside the dense model's. Ordered
-dropout trains, per batch, a width of its grid up to the node's: its mean cost is also given.
+spectral sub-model at r (the paper's default layers, ⌈rN⌉ terms each) and the narrow model of
+the width whose forward FLOPs are nearest (fedshard.width.match_width, as WidthSlicing picks
+it; and the width of nearest bytes), each with its forward FLOPs per example, bytes received
+and sent per round (the wire's .npy bytes of what a node is sent and returns), and what one
+training step on a batch of 32 holds (parameters, gradients, SGD momentum, and the activations
+autograd saves, measured with saved-tensor hooks by fedshard.width.training_memory), beside the
+dense model's. Ordered dropout trains, per batch, a width of its grid up to the node's: its
+mean cost is also given.
 
 Usage: python benchmarks/width_budget.py [--ratios 0.1 0.2 0.4] [--batch 32] [--models ...]
 """
