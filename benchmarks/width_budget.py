@@ -13,6 +13,8 @@ dense model's. Ordered dropout trains, per batch, a width of its grid up to the 
 mean cost is also given.
 
 Usage: python benchmarks/width_budget.py [--ratios 0.1 0.2 0.4] [--batch 32] [--models ...]
+       python benchmarks/width_budget.py --markdown results/width-budget/costs.json
+(the second prints the table of docs/width-slicing.md from a saved result)
 """
 
 from __future__ import annotations
@@ -96,12 +98,44 @@ def measure(family: WidthFamily, shape: tuple[int, ...], ratios: list[float],
     return out
 
 
+NAMES = {"mlp-256": "MLP, width 256", "resnet18-16": "ResNet-18, width 16",
+         "resnet18-64-cifar10": "ResNet-18, width 64 (CIFAR-10)"}
+
+
+def markdown(result: dict[str, Any], models: tuple[str, ...] = ("mlp-256", "resnet18-16")) -> str:
+    """The cost table of docs/width-slicing.md from a saved result: per model and keep ratio,
+    the spectral sub-model and the width of equal FLOPs, against the dense model."""
+    rows = ["| model | r | what a node trains | forward FLOPs | bytes received | bytes sent "
+            "| training memory |", "|---|---|---|---|---|---|---|"]
+    keys = ("forward-flops", "bytes-received", "bytes-sent", "train-memory-bytes")
+    for name in models:
+        v = result["models"][name]
+        dense = v["dense"]
+        full = name.split("-")[1]
+        for r, row in v["ratios"].items():
+            w = row["width-same-flops"]
+            for what, entry in ((f"spectral, ⌈{r}·N⌉ terms", row["spectral"]),
+                                (f"width {w['width']} of {full} (ρ = {w['width-ratio']:.3f})",
+                                 w)):
+                cells = " | ".join(f"{entry[k] / dense[k]:.3f}×" for k in keys)
+                rows.append(f"| {NAMES[name]} | {r} | {what} | {cells} |")
+        rows.append(f"| {NAMES[name]} | | dense model | {dense['forward-flops'] / 1e6:.3g} MFLOP | "
+                    f"{dense['bytes-received'] / 1e6:.3g} MB | {dense['bytes-sent'] / 1e6:.3g} "
+                    f"MB | {dense['train-memory-bytes'] / 1e6:.3g} MB |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.2, 0.4])
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--models", nargs="+", choices=list(FAMILIES), default=list(FAMILIES))
+    parser.add_argument("--markdown", type=Path, metavar="RESULT",
+                        help="print the docs' table from a saved result instead of measuring")
     args = parser.parse_args()
+    if args.markdown is not None:
+        print(markdown(json.loads(args.markdown.read_text())))
+        return
     torch.set_num_threads(1)
     result = {
         "machine": cpu_name(), "torch": torch.__version__,

@@ -1,7 +1,7 @@
 """Draw the documentation's figures from committed results and committed tables.
 
     python docs/figures.py                    # every figure, into docs/_static/
-    python docs/figures.py accuracy paper     # some of them: accuracy, paper, performance, sharding
+    python docs/figures.py accuracy paper     # some of them: accuracy, paper, performance, sharding, width
 
 Needs matplotlib (``pip install -e ".[plots]"``). No number is typed in here: each figure reads
 its numbers from a committed file, and says which in its caption on the pages.
@@ -18,6 +18,10 @@ its numbers from a committed file, and says which in its caption on the pages.
   ``docs/performance.md``, read from the page.
 - ``sharding.png`` (How sharding works): π and ω of each strategy for one illustrative
   spectrum, and one round's draw for ten clients, computed with :mod:`fedshard.sampling`.
+- ``width-mlp.png`` and ``width-resnet.png`` (Spectral sharding or width slicing): test
+  accuracy against round of every row of ``experiments/width-table.toml`` (one panel per
+  budget) and of ``experiments/width-resnet.toml`` (with its compared spectral rows), mean ± 1
+  std over the seeds, drawn by the report's :func:`plot_accuracy` from ``results/``.
 """
 
 from __future__ import annotations
@@ -125,6 +129,27 @@ def figure_accuracy(out: Path) -> Path:
                           ("r = 0.1",)),),
         reference_rows=("No sharding",), comparisons=())
     return plot_accuracy(suite, renamed, out / "accuracy-r0.1.png")
+
+
+def figure_width(out: Path) -> Path:
+    """The width tables' accuracy curves (every run of both suites must be finished)."""
+    from fedshard.experiments import collect, load_suite
+    from fedshard.experiments.report import plot_accuracy
+
+    written = []
+    for name, png, title in (
+            ("width-table", "width-mlp.png", "Fashion-MNIST, MLP (width 256), 100 clients"),
+            ("width-resnet", "width-resnet.png",
+             "Fashion-MNIST, ResNet-18 (GroupNorm, width 16), 100 clients")):
+        suite = load_suite(ROOT / "experiments" / f"{name}.toml", app_dir=ROOT)
+        cells = collect(suite)
+        short = [f"{c.label} / {c.column}: {len(c.runs)} of {len(suite.seeds)} seeds"
+                 for c in cells if len(c.runs) != len(suite.seeds)]
+        if short:
+            raise SystemExit(f"{name}: unfinished cells ({'; '.join(short[:5])}); "
+                             f"`python -m fedshard.experiments status {name}` says why")
+        written.append(plot_accuracy(dataclasses.replace(suite, name=title), cells, out / png))
+    return written[0]
 
 
 PAPER_COLUMNS = ("CIFAR-10, ResNet-18", "TinyImageNet, CCT", "CIFAR-100, ResNet-18",
@@ -354,6 +379,7 @@ FIGURES: dict[str, Callable[[Path], Path]] = {
     "paper": figure_paper,
     "performance": figure_performance,
     "sharding": figure_sharding,
+    "width": figure_width,
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -57,3 +58,21 @@ def test_every_command_line_option_is_on_the_cli_page(
     names = options | (set(commands.group(1).split(",")) if commands else set())
     missing = sorted(name for name in names if f"`{name}" not in page and f" {name}" not in page)
     assert not missing, f"{module} {' '.join(argv)}: not on docs/cli.md: {missing}"
+
+
+def test_width_pages_tables_are_the_committed_measurements() -> None:
+    """docs/width-slicing.md's cost table is what benchmarks/width_budget.py prints from the
+    committed result, and its accuracy tables are the experiment reports' (table.md)."""
+    root = DOCS.parent
+    spec = importlib.util.spec_from_file_location("width_budget",
+                                                  root / "benchmarks" / "width_budget.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    page = (DOCS / "width-slicing.md").read_text(encoding="utf-8")
+    costs = json.loads((root / "results" / "width-budget" / "costs.json").read_text())
+    assert module.markdown(costs) in page
+    for suite in ("width-table", "width-resnet"):
+        report = (root / "results" / suite / "table.md").read_text(encoding="utf-8")
+        main = report.split("## ", 2)[1].split("\n", 1)[1].strip().split("\n\n")[0]
+        assert main in page, f"{suite}'s table.md main table is not on the page as written"

@@ -288,6 +288,10 @@ class RunConfig:
                  f"init-keep-ratio={self.init_keep_ratio} with method="
                  f"{self.sharding.method!r}: the low-rank start truncates the SVD terms of "
                  "spectral sharding; width slicing starts from the full model (1)")
+            need(not self.diagnostics,
+                 f"diagnostics=true with method={self.sharding.method!r}: the diagnostics "
+                 "measure spectral terms (untrained energy, the Top-n truncation); width "
+                 "slicing has none")
             need(self.replies.aggregation == "mean",
                  f"aggregation={self.replies.aggregation!r} with method="
                  f"{self.sharding.method!r}: width slicing averages each element over the "

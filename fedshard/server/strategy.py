@@ -308,10 +308,13 @@ class SpectralSharding(FedAvg):
         schedule = (f"{t.lr_schedule} over {self.num_rounds} rounds"
                     if self.num_rounds is not None or t.lr_schedule == "constant" else
                     "constant: the cosine schedule needs num_rounds")
-        log(INFO, "\t│\t└── lr=%g (%s; a round's config may set its own), local epochs=%d, "
-            "batch=%d, momentum=%g, FD=%g, ClipLR τ=%s (the nodes' receive() applies both)",
-            self.base_lr, schedule, t.local_epochs, t.batch_size, t.momentum,
-            t.frobenius_decay, t.clip_lr_tau)
+        rules = (f"FD={t.frobenius_decay:g}, ClipLR τ={t.clip_lr_tau} (the nodes' receive() "
+                 "applies both)" if self.sharded_layers else
+                 "no factors: Frobenius decay and ClipLR do not apply")
+        log(INFO, "\t│\t└── lr=%g (%s; a round's config may set its own), local epochs=%d%s, "
+            "batch=%d, momentum=%g, weight decay=%g, %s", self.base_lr, schedule,
+            t.local_epochs, f" (at most {t.max_steps} steps)" if t.max_steps else "",
+            t.batch_size, t.momentum, t.weight_decay, rules)
         super().summary()
 
     def describe(self) -> None:

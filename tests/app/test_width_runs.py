@@ -86,6 +86,7 @@ def test_build_strategy_picks_width_slicing_with_the_run_family(tmp_path: Path) 
     ({"init-keep-ratio": 0.5}, "init-keep-ratio=0.5 with method='heterofl'"),
     ({"aggregation": "median"}, "aggregation='median' with method='heterofl'"),
     ({"width-match": "widest"}, "width-match='widest'"),
+    ({"diagnostics": True}, "diagnostics=true with method='heterofl'"),
 ])
 def test_run_config_names_what_width_slicing_cannot_take(changes: dict[str, Any], match: str,
                                                         tmp_path: Path) -> None:

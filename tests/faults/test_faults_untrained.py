@@ -58,7 +58,7 @@ def test_a_run_whose_every_reply_is_one_error_stops_at_round_1_with_the_fix(
     def fail(*args: object, **kwargs: object) -> Message:
         raise RuntimeError(reason)  # what load_state_dict raises, as the ClientApp would
 
-    monkeypatch.setattr(client_app, "handle_train", fail)
+    monkeypatch.setattr(client_app, "train_node", fail)
     logging.getLogger("flwr").addHandler(caplog.handler)
     try:
         with pytest.raises(StopRun, match=r"(?s)Round 1: every one of the 3 nodes answered with "
