@@ -1,7 +1,7 @@
 """Draw the documentation's figures from committed results and committed tables.
 
     python docs/figures.py                    # every figure, into docs/_static/
-    python docs/figures.py accuracy paper     # some of them: accuracy, paper, performance, sharding, width
+    python docs/figures.py accuracy paper     # some: accuracy, paper, performance, sharding, width
 
 Needs matplotlib (``pip install -e ".[plots]"``). No number is typed in here: each figure reads
 its numbers from a committed file, and says which in its caption on the pages.
