@@ -351,3 +351,18 @@ def test_the_trained_model_learns(caplog):
     losses = [strategy.history[t]["train-loss"] for t in (1, 2, 3)]
     assert losses[2] < losses[0]
     assert train is not None  # the node trains with fedshard's loop (handle_train)
+
+
+@pytest.mark.parametrize("method,ratios,warned", [
+    ("heterofl", [0.3, 0.3, 0.6, 0.6], True), ("ordered-dropout", [0.5] * 4, True),
+    ("fedrolex", [0.3] * 4, False), ("heterofl", [0.3, 0.3, 1.0, 1.0], False)])
+def test_untrained_channels_are_named_once_where_no_node_trains_them(method, ratios, warned,
+                                                                    caplog):
+    grid = _grid(ratios)
+    caplog.set_level(logging.WARNING)
+    _run(_strategy(method, rounds=2), grid, 2)
+    said = [r for r in caplog.records if "no node trains beyond width" in r.getMessage()]
+    assert len(said) == (1 if warned else 0)
+    if warned:
+        widest = FAMILY.width_for(max(ratios))
+        assert f"beyond width {widest} of 10" in said[0].getMessage()
