@@ -29,6 +29,7 @@ from fedshard.settings import (
     WIDTH_METHODS,
     LocalTraining,
     Problem,
+    ReplyPolicy,
     SettingsError,
     Sharding,
     Slicing,
@@ -72,7 +73,7 @@ class SliceRoundState(RoundState):
 def slice_round(
     server_round: int, arrays: ArrayRecord, nodes: dict[int, P.Capabilities],
     widths: dict[float, int], config: ConfigRecord, *, family: WidthFamily, method: str,
-    slicing: Slicing, training: LocalTraining, lr: float, replies: Any, seed: int,
+    slicing: Slicing, training: LocalTraining, lr: float, replies: ReplyPolicy, seed: int,
 ) -> tuple[list[Message], SliceRoundState]:
     """One ``train`` message per node and the round's state: each node's slice of the global
     ``arrays`` at the width of its keep ratio (``widths``), :mod:`fedshard.width.slicing`'s
