@@ -51,6 +51,31 @@ def test_presets_exist() -> None:
 
 
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
+def test_preset_samples_ten_of_the_nodes_it_waits_for(preset: Path) -> None:
+    """The paper samples 10 clients a round (Sec. 4.1). A preset waits for as many nodes as it
+    has partitions, and Flower samples int(nodes × fraction-train) of them: 0.014 of 660
+    nodes is 9."""
+    config = tomllib.loads(preset.read_text())
+    nodes = config["num-partitions"]
+    assert config["min-available-nodes"] == nodes
+    assert int(nodes * config["fraction-train"]) == 10
+    commands = [line for line in preset.read_text().splitlines() if "num-supernodes=" in line]
+    assert commands and all(f"num-supernodes={nodes}" in line for line in commands)
+
+
+def test_shakespeare_preset_has_a_client_per_role_of_the_build() -> None:
+    """The build's role count (docs/shakespeare-data.md, from its build.json) is the preset's
+    node count: one more node than roles fails when that node reads its data, and a federation
+    of fewer SuperNodes than min-available-nodes waits forever."""
+    page = (ROOT / "docs" / "shakespeare-data.md").read_text(encoding="utf-8")
+    roles = [line for line in page.splitlines() if line.startswith("| **roles kept (clients)**")]
+    assert len(roles) == 1, roles
+    count = int(roles[0].split("|")[2].strip(" *").replace(",", ""))
+    config = tomllib.loads((ROOT / "presets" / "shakespeare-gpt.toml").read_text())
+    assert config["num-partitions"] == count
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
 def test_preset_runs_one_round(preset: Path, tmp_path: Path) -> None:
     import client_app
     import server_app
