@@ -76,3 +76,30 @@ def test_width_pages_tables_are_the_committed_measurements() -> None:
         report = (root / "results" / suite / "table.md").read_text(encoding="utf-8")
         main = report.split("## ", 2)[1].split("\n", 1)[1].strip().split("\n\n")[0]
         assert main in page, f"{suite}'s table.md main table is not on the page as written"
+
+
+def test_results_page_shakespeare_tables_are_the_report() -> None:
+    """docs/results.md's Shakespeare tables are the experiment report's (table.md), and its
+    side-by-side table quotes the same means and paired differences (results.json)."""
+    root = DOCS.parent
+    page = (DOCS / "results.md").read_text(encoding="utf-8")
+    report = (root / "results" / "shakespeare-reduced" / "table.md").read_text(encoding="utf-8")
+    main = report.split("## ", 2)[1].split("\n", 1)[1].strip().split("\n\n")[0]
+    assert main in page
+    for row in report.split("## Reference", 1)[1].split("\n\n")[1].splitlines()[2:]:
+        assert row in page, row
+    report_json = json.loads(
+        (root / "results" / "shakespeare-reduced" / "results.json").read_text())
+    cells = {c["label"]: dict(zip(c["seeds-finished"], c["final-test-accuracy"], strict=True))
+             for c in report_json["cells"]}
+    side = page.split("| r = 0.1 | paper | here", 1)[1].split("\n\n")[0]
+    rows = side.splitlines()[2:]
+    assert len(rows) == len(cells) == 7
+    for line in rows:
+        label, _paper, here, paired = (c.strip() for c in line.strip("|").split("|"))
+        finals = cells[label]
+        assert sorted(finals) == [0, 1], label
+        assert here.startswith(f"{sum(finals.values()) / 2:.2f} ± "), (label, here)
+        if paired:
+            want = [finals[seed] - cells["Top-n"][seed] for seed in (0, 1)]
+            assert paired == ", ".join(f"{d:+.2f}".replace("-", "−") for d in want), label

@@ -228,8 +228,8 @@ class WidthSlicing(SpectralSharding):
         self._told_untrained = True
         log(WARNING, "Width slicing (%s): no node trains beyond width %d of %d, so the global "
             "model's other channels keep their initial values and the model at full width "
-            "(what is evaluated and saved) carries them: on Fashion-MNIST's ResNet-18 at width "
-            "6 of 16 it scored 13 %% at full width and 83 %% at width 6. Evaluate and deploy "
+            "(what is evaluated and saved) carries them (HeteroFL's ResNet-18 of width 6 of 16 "
+            "on Fashion-MNIST: 13 %% at full width, 83 %% at width 6). Evaluate and deploy "
             "the narrow model of width %d with the leading channels (fedshard.width.take of "
             "slice_indices(..., 'heterofl', 0); benchmarks/width_eval.py), or let some nodes "
             "train the full width, or use 'fedrolex', whose window covers every channel.",
