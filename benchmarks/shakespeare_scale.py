@@ -52,11 +52,11 @@ def one_round(overrides: dict[str, object], num_nodes: int, out: Path) -> dict[s
     run_engine(cfg, num_nodes)
     cpu = time.process_time() - t0
     rows = [json.loads(x) for x in (cfg.results_path / "metrics.jsonl").read_text().splitlines()]
-    examples = rows[-1]["num-examples"]
+    examples, clients = rows[-1]["num-examples"], rows[-1]["nodes-sampled"]
     if cfg.training.max_steps:
-        steps = 10 * cfg.training.max_steps  # every sampled role holds > 20 batches
-    else:  # ⌈n/10⌉ per epoch, ≈ n/10 + 1/2
-        steps = cfg.training.local_epochs * (examples / cfg.training.batch_size + 10 * 0.5)
+        steps = clients * cfg.training.max_steps  # every role holds > 70 batches
+    else:  # ⌈n/batch⌉ per epoch, ≈ n/batch + 1/2
+        steps = cfg.training.local_epochs * (examples / cfg.training.batch_size + clients * 0.5)
     return {"cpu-s": cpu, "examples": examples, "steps": steps, "cpu-s-per-step": cpu / steps}
 
 
