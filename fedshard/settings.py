@@ -517,6 +517,12 @@ class NodePolicy(Settings):
     ----------
     max_keep_ratio : float
         Largest keep ratio in ``(0, 1]``; a node declaring more is clipped to it (warned).
+    min_keep_ratio : float
+        Smallest keep ratio that trains, in ``[0, 1]`` (0, the default: every node trains).
+        A node declaring less is never sampled for training: it stays idle, and the round's
+        sample is ``fraction_train`` of the nodes that may train. With ``min_keep_ratio = 1``
+        and ``method = "none"`` only the devices able to train the whole model train it
+        (what a federation does without sharding). Logged once per idle node.
     keep_ratio_table : mapping of str to float, optional
         Node key (``node-key``) or public key (hex of ``NodeInfo.public_key``) -> the only
         keep ratio that node may declare. With a table, a node in neither column is refused.
@@ -536,6 +542,9 @@ class NodePolicy(Settings):
     """
 
     max_keep_ratio: float = setting(1.0, _KEEP_RATIO)
+    min_keep_ratio: float = setting(0.0, rule(lambda v: finite_real(v) and 0 <= v <= 1,
+                                              "expected a keep ratio in [0, 1] (0: every "
+                                              "node trains)"))
     keep_ratio_table: Mapping[str, float] | None = setting(None, None, run=False)
     query_timeout: float = setting(600.0, rule(lambda v: finite_real(v) and v > 0,
                                                "expected > 0 seconds"), run=False)
@@ -545,10 +554,17 @@ class NodePolicy(Settings):
     trust_declared_keys: bool = setting(False, BOOL)
 
     def _combinations(self) -> list[Problem]:
-        return [Problem(((f"keep-ratio table entry {key!r}", ratio),),
-                        "expected a keep ratio in (0, 1]")
-                for key, ratio in (self.keep_ratio_table or {}).items()
-                if _KEEP_RATIO(ratio) is not None]
+        out = [Problem(((f"keep-ratio table entry {key!r}", ratio),),
+                       "expected a keep ratio in (0, 1]")
+               for key, ratio in (self.keep_ratio_table or {}).items()
+               if _KEEP_RATIO(ratio) is not None]
+        if (finite_real(self.min_keep_ratio) and finite_real(self.max_keep_ratio)
+                and self.min_keep_ratio > self.max_keep_ratio):
+            out.append(Problem((("min_keep_ratio", self.min_keep_ratio),
+                                ("max_keep_ratio", self.max_keep_ratio)),
+                               "expected the smallest keep ratio that trains to be at most "
+                               "the largest allowed (else no node could train)"))
+        return out
 
 
 @dataclass(frozen=True)

@@ -10,24 +10,29 @@ it added).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import copy
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from flwr.app import ArrayRecord
 from torch import nn
 
 from fedshard.app.checkpoint import Checkpoint
 from fedshard.app.config import RunConfig
 from fedshard.app.results import RunRecorder
+from fedshard.app.task import width_family
 from fedshard.client.train.batches import batches_for
 from fedshard.data import load_test_set
 from fedshard.protocol import decode_array
 from fedshard.server.callbacks import RoundCallback
 from fedshard.server.side_jobs import CentralEvaluation
 from fedshard.server.strategy import SpectralSharding
+from fedshard.spectral.truncation import truncate_state
 
-__all__ = ["Checkpointing", "MetricsLog", "central_evaluation"]
+__all__ = ["Checkpointing", "MetricsLog", "budget_models", "central_evaluation"]
 
 #: Run-config keys left out of a checkpoint's config: they say how this invocation started,
 #: not what the run computes.
@@ -35,17 +40,60 @@ _NOT_CHECKPOINTED = ("resume", "overwrite")
 
 
 def central_evaluation(cfg: RunConfig, model: nn.Module, sharded_layers: Sequence[str], *,
-                       device: str = "cpu") -> CentralEvaluation:
+                       device: str = "cpu",
+                       width_of: Callable[[float], int] | None = None) -> CentralEvaluation:
     """The run's central evaluation: ``cfg``'s test set (``test-max-examples`` of it, held on
-    ``device`` when it fits), ``eval-every``, and with ``diagnostics`` the Top-n truncation of
-    ``sharded_layers`` at the largest keep ratio of ``keep-ratios``."""
+    ``device`` when it fits), ``eval-every``, with ``diagnostics`` the Top-n truncation of
+    ``sharded_layers`` at the largest keep ratio of ``keep-ratios``, and with
+    ``eval-at-budgets`` the model each keep ratio below 1 of ``keep-ratios`` would run
+    (:func:`budget_models`; ``width_of``: a width-slicing run's width for a keep ratio)."""
     test = load_test_set(cfg.dataset, data_dir=cfg.data_dir or None,
                          max_examples=cfg.test_max_examples or None, download=cfg.download)
+    budgets = budget_models(cfg, model, sharded_layers, width_of) if cfg.eval_at_budgets else {}
     return CentralEvaluation(model, batches_for(test, 256, device=device),
                              eval_every=cfg.eval_every, num_rounds=cfg.num_server_rounds,
                              device=device,
                              top_n_layers=sharded_layers if cfg.diagnostics else (),
-                             top_n_ratio=max(cfg.mixture.ratios))
+                             top_n_ratio=max(cfg.mixture.ratios), budgets=budgets)
+
+
+def budget_models(cfg: RunConfig, model: nn.Module, sharded_layers: Sequence[str],
+                  width_of: Callable[[float], int] | None = None,
+                  ) -> dict[str, Callable[[Mapping[str, torch.Tensor]], nn.Module]]:
+    """For each keep ratio ``r < 1`` of ``cfg``'s mix, named ``"r<r>"``: the model a device of
+    that budget would run, as a function of the global state dict.
+
+    - width slicing (``width_of`` given): the global model's leading slice at the width the
+      run trains at ``r`` (HeteroFL's and FjORD's deployed sub-model; for FedRolex, whose
+      window rolls over all channels, the same leading slice);
+    - otherwise (spectral sharding, or no sharding): every sharded layer truncated to its
+      top ``⌈rN⌉`` SVD terms (:func:`~fedshard.spectral.truncation.truncate_state`), the
+      best rank-``⌈rN⌉`` model in each layer (Eckart–Young), which a device stores and runs
+      as the two factors of that rank.
+    """
+    out: dict[str, Callable[[Mapping[str, torch.Tensor]], nn.Module]] = {}
+    for r in sorted(x for x in cfg.mixture.ratios if x < 1):
+        if width_of is not None:
+            family = width_family(cfg)
+            out[f"r{r:g}"] = functools.partial(_sliced, family(width_of(r)))
+        else:
+            out[f"r{r:g}"] = functools.partial(_truncated, copy.deepcopy(model),
+                                               tuple(sharded_layers), r)
+    return out
+
+
+def _sliced(narrow: nn.Module, state: Mapping[str, torch.Tensor]) -> nn.Module:
+    shapes = {k: v.shape for k, v in narrow.state_dict().items()}
+    narrow.load_state_dict({k: v[tuple(slice(0, s) for s in shapes[k])]
+                            for k, v in state.items()})
+    return narrow
+
+
+def _truncated(model: nn.Module, layers: tuple[str, ...], keep_ratio: float,
+               state: Mapping[str, torch.Tensor]) -> nn.Module:
+    truncated, _ = truncate_state(state, layers, keep_ratio)
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in truncated.items()})
+    return model
 
 
 class MetricsLog(RoundCallback):

@@ -125,6 +125,7 @@ class RunConfig:
     tensorboard: bool = _app(False)
     init_keep_ratio: float = _app(1.0)
     diagnostics: bool = _app(False)
+    eval_at_budgets: bool = _app(False)
     reference_run: str = _app("")
 
     def __post_init__(self) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from logging import ERROR
 from pathlib import Path
 from typing import Any
@@ -151,8 +151,12 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
     recorder = RunRecorder(directory, cfg.as_dict(), cfg.num_server_rounds,
                            resume_round=done if checkpoint is not None else None,
                            overwrite=cfg.overwrite)
+    width_of = None
+    if isinstance(strategy, WidthSlicing):  # a device of keep ratio r runs this width
+        def width_of(r: float, s: WidthSlicing = strategy) -> int:
+            return s.width_of(r).width
     strategy.callbacks.extend(side_jobs(cfg, model, strategy.sharded_layers, recorder,
-                                        device=device))
+                                        device=device, width_of=width_of))
     untrained: NoRoundTrainedError | None = None
     try:
         result = strategy.start(
@@ -240,12 +244,15 @@ def _savings(cfg: RunConfig, model: nn.Module, strategy: SpectralSharding,
 
 
 def side_jobs(cfg: RunConfig, model: nn.Module, sharded_layers: Sequence[str],
-              recorder: RunRecorder, *, device: str = "cpu") -> list[RoundCallback]:
+              recorder: RunRecorder, *, device: str = "cpu",
+              width_of: Callable[[float], int] | None = None) -> list[RoundCallback]:
     """What runs after every round, after the strategy's own checks, in order: central
-    evaluation on the test set (``model`` is loaded with each evaluated round), the round's
-    row in ``metrics.jsonl``, TensorBoard (with ``tensorboard``), and the checkpoint, written
-    once the round is recorded."""
-    jobs: list[RoundCallback] = [central_evaluation(cfg, model, sharded_layers, device=device),
+    evaluation on the test set (``model`` is loaded with each evaluated round; with
+    ``eval-at-budgets`` also the model of each smaller keep ratio, ``width_of`` giving a
+    width-slicing run's width), the round's row in ``metrics.jsonl``, TensorBoard (with
+    ``tensorboard``), and the checkpoint, written once the round is recorded."""
+    jobs: list[RoundCallback] = [central_evaluation(cfg, model, sharded_layers, device=device,
+                                                    width_of=width_of),
                                  MetricsLog(recorder)]
     if cfg.tensorboard:
         jobs.append(TensorBoardLog(cfg.results_path / "tensorboard"))

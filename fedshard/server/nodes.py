@@ -144,6 +144,7 @@ class NodeDirectory:
         self.min_available_nodes = min_available_nodes
         self.policy = policy if policy is not None else NodePolicy()
         self.capabilities: dict[int, P.Capabilities] = {}
+        self._told_idle: set[int] = set()
 
     #: Seconds between two "waiting for nodes" lines while a round waits.
     WAIT_LOG_EVERY_S = 60.0
@@ -178,14 +179,19 @@ class NodeDirectory:
         return node_ids
 
     def sample(self, grid: Grid, server_round: int, fraction: float,
-               minimum: int) -> dict[int, P.Capabilities]:
+               minimum: int, *, training: bool = False) -> dict[int, P.Capabilities]:
         """Wait for enough nodes, learn the capabilities of new ones, then sample
         ``max(⌊fraction·K⌋, minimum)`` of the K connected among those with a keep ratio,
-        returned in the canonical order (by stable key)."""
+        returned in the canonical order (by stable key).
+
+        With ``training``, nodes whose keep ratio is below the policy's ``min_keep_ratio``
+        are idle: they are neither sampled nor counted in K."""
         node_ids = self.wait(grid, max(self.min_available_nodes, minimum))
         for gone in set(self.capabilities) - set(node_ids):
             del self.capabilities[gone]
         self.query(grid, node_ids)
+        if training and self.policy.min_keep_ratio > 0:
+            node_ids = self._without_idle(server_round, node_ids)
         eligible = sorted((n for n in node_ids if n in self.capabilities),
                           key=lambda n: (self.capabilities[n].key, n))
         size = min(len(eligible), max(int(len(node_ids) * fraction), minimum))
@@ -196,6 +202,24 @@ class NodeDirectory:
             log(WARNING, "Round %d: only %d of %d connected nodes declared a usable keep ratio.",
                 server_round, len(self.capabilities), len(node_ids))
         return {n: self.capabilities[n] for n in eligible}
+
+    def _without_idle(self, server_round: int, node_ids: list[int]) -> list[int]:
+        """``node_ids`` less the nodes below ``min_keep_ratio`` (each logged once)."""
+        floor = self.policy.min_keep_ratio
+        idle = [n for n in node_ids
+                if n in self.capabilities and self.capabilities[n].keep_ratio < floor]
+        for node in idle:
+            if node not in self._told_idle:
+                self._told_idle.add(node)
+                log(INFO, "Node %d declares keep ratio %g, below min-keep-ratio=%g: it stays "
+                    "idle (never sampled for training).", node,
+                    self.capabilities[node].keep_ratio, floor)
+        busy = [n for n in node_ids if n not in set(idle)]
+        if idle and not busy:
+            log(WARNING, "Round %d: all %d connected node(s) declare a keep ratio below "
+                "min-keep-ratio=%g, so no node trains this round; lower min-keep-ratio or "
+                "start nodes that declare at least %g.", server_round, len(idle), floor, floor)
+        return busy
 
     def query(self, grid: Grid, node_ids: list[int]) -> None:
         """Ask every node not in the cache for its keep ratio (a ``query`` message)."""

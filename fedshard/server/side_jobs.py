@@ -13,7 +13,7 @@ Give them to the strategy with its own checks, e.g.::
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -64,11 +64,19 @@ class CentralEvaluation(RoundCallback):
         The sharded layers to truncate for the Top-n diagnostics; empty: no diagnostics.
     top_n_ratio : float
         Keep ratio of the Top-n diagnostics.
+    budgets : mapping of str to callable
+        Smaller models to evaluate beside the global one, each round it is evaluated: a name
+        (``"r0.1"``) -> a function of the global state dict that returns the model a device
+        of that budget would run (e.g. the sharded layers truncated to their top ``⌈rN⌉``
+        terms, or a width slice), ready to evaluate. Adds ``test-loss-at-<name>`` and
+        ``test-accuracy-at-<name>``.
     """
 
     def __init__(self, model: nn.Module, batches: DataLoader[Any] | TensorBatches, *,
                  eval_every: int, num_rounds: int, device: str = "cpu",
-                 top_n_layers: Sequence[str] = (), top_n_ratio: float = 1.0) -> None:
+                 top_n_layers: Sequence[str] = (), top_n_ratio: float = 1.0,
+                 budgets: Mapping[str, Callable[[Mapping[str, torch.Tensor]], nn.Module]]
+                 | None = None) -> None:
         self.model = model
         self.batches = batches
         self.eval_every = eval_every
@@ -76,6 +84,7 @@ class CentralEvaluation(RoundCallback):
         self.device = device
         self.top_n_layers = tuple(top_n_layers)
         self.top_n_ratio = top_n_ratio
+        self.budgets = dict(budgets or {})
 
     def is_due(self, server_round: int) -> bool:
         """Whether ``server_round`` is evaluated."""
@@ -98,6 +107,10 @@ class CentralEvaluation(RoundCallback):
             top = evaluate(self.model, self.batches, device=self.device)
             out.update({"test-loss-top-n": top.loss, "test-accuracy-top-n": top.accuracy,
                         "tail-energy-top-n": tail})
+        for name, at_budget in self.budgets.items():
+            small = evaluate(at_budget(state).to(self.device), self.batches, device=self.device)
+            out.update({f"test-loss-at-{name}": small.loss,
+                        f"test-accuracy-at-{name}": small.accuracy})
         return out
 
 

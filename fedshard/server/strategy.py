@@ -384,7 +384,8 @@ class SpectralSharding(FedAvg):
         self._round, self._configured, self.current_arrays = None, server_round, arrays
         if self.fraction_train == 0.0:
             return []
-        nodes = self.nodes.sample(grid, server_round, self.fraction_train, self.min_train_nodes)
+        nodes = self.nodes.sample(grid, server_round, self.fraction_train, self.min_train_nodes,
+                                  training=True)
         if not nodes:
             log(WARNING, "Round %d: no connected node declared a keep ratio; no training.",
                 server_round)
