@@ -60,6 +60,7 @@ from fedshard.client import (
     sharding_mod,
 )
 from fedshard.client.train import evaluate, train
+from fedshard.logs import route_to_flower
 from fedshard.server import SHARDING_METHODS, SpectralSharding, WidthSlicing
 from fedshard.settings import (
     LocalTraining,
@@ -73,6 +74,8 @@ from fedshard.spectral import sharded_layer_names
 from fedshard.width import WidthFamily
 
 __version__ = "0.1.0"
+
+route_to_flower()  # fedshard's log lines with Flower's format and level (fedshard.logs)
 
 __all__ = [
     "SHARDING_METHODS",

@@ -35,12 +35,12 @@ def _restore_torch_threads():
 
 @pytest.fixture(autouse=True)
 def _restore_library_logging():
-    """A run started in a test gives the ``fedshard`` logger Flower's handlers
-    (:func:`fedshard.app.run.log_with_flower`), among them a test's ``caplog`` handler when the
-    test put one on Flower's logger: they are taken off again, so no later test sees its log
-    lines twice."""
+    """A test that changes the ``fedshard`` logger (its level, its handlers) does not leak
+    that into the next test: fedshard's lines reach Flower's logger through
+    :func:`fedshard.logs.route_to_flower`, and only that way."""
     library = logging.getLogger("fedshard")
-    handlers, level = list(library.handlers), library.level
+    handlers, level, propagate = list(library.handlers), library.level, library.propagate
     yield
     library.handlers[:] = handlers
     library.setLevel(level)
+    library.propagate = propagate

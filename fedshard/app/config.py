@@ -99,16 +99,16 @@ class RunConfig:
     nodes: NodePolicy = field(default_factory=NodePolicy)  # the table: node_policy()
     slicing: Slicing = field(default_factory=Slicing)
     fast: FastOptions = field(default_factory=FastOptions)
-    keep_ratios: str = _app("0.2:0.6,0.4:0.4")
+    keep_ratios: str = _app("0.1:0.6,0.2:0.4")
     num_server_rounds: int = _app(7)
     fraction_train: float = _app(1.0)
     fraction_evaluate: float = _app(0.0)
-    min_available_nodes: int = _app(2)
+    min_available_nodes: int = _app(1)
     round_timeout: float = _app(600.0)
-    num_partitions: int = _app(10)
+    num_partitions: int = _app(0)
     dirichlet_alpha: float = _app(0.0)
     model: str = _app("mlp")
-    model_width: int = _app(256)
+    model_width: int = _app(1024)
     dataset: str = _app("fashion-mnist")
     data_dir: str = _app("")
     download: bool = _app(True)
@@ -250,7 +250,9 @@ class RunConfig:
             self.min_available_nodes >= 1,
             f"min-available-nodes={self.min_available_nodes}: expected ≥ 1",
         )
-        need(self.num_partitions >= 1, f"num-partitions={self.num_partitions}: expected ≥ 1")
+        need(self.num_partitions >= 0,
+             f"num-partitions={self.num_partitions}: expected ≥ 1, or 0 for one partition per "
+             "simulated node (the simulation's node count)")
         need(
             math.isfinite(self.dirichlet_alpha) and self.dirichlet_alpha >= 0,
             f"dirichlet-alpha={self.dirichlet_alpha}: expected > 0, or 0 for the data set's "

@@ -35,7 +35,12 @@ from fedshard.app.task import (
     resolve_device,
     width_family,
 )
-from fedshard.server.callbacks import NoRoundTrainedError, RoundCallback, TrainingReceipts
+from fedshard.data import dataset_info
+from fedshard.server.callbacks import (
+    NoRoundTrainedError,
+    RoundCallback,
+    TrainingReceipts,
+)
 from fedshard.server.side_jobs import TensorBoardLog
 from fedshard.server.strategy import SpectralSharding
 from fedshard.server.width import WidthSlicing
@@ -43,7 +48,7 @@ from fedshard.settings import WIDTH_METHODS
 from fedshard.spectral import sharded_layer_names
 from fedshard.spectral.truncation import truncate_
 
-__all__ = ["build_strategy", "log_with_flower", "run_server", "side_jobs"]
+__all__ = ["build_strategy", "log_data_split", "run_server", "side_jobs"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,21 +83,6 @@ def _common(cfg: RunConfig) -> dict[str, Any]:
     )
 
 
-def log_with_flower() -> None:
-    """Show fedshard's own log lines (INFO and above: resuming, the low-rank start, the results
-    folder, warnings about files) where Flower's are, in the ServerApp's log and ``flwr log``.
-
-    The library logs through :mod:`logging` under the ``fedshard`` name and leaves its
-    configuration to the application; this app gives those lines Flower's console handler.
-    """
-    library = logging.getLogger("fedshard")
-    if library.level == logging.NOTSET or library.level > logging.INFO:
-        library.setLevel(logging.INFO)
-    for handler in logging.getLogger("flwr").handlers:
-        if handler not in library.handlers:
-            library.addHandler(handler)
-
-
 def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict[str, Any]:
     """The ServerApp's whole job: model, strategy, rounds with their side jobs
     (:func:`side_jobs`), results, resume.
@@ -108,7 +98,6 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
     (:func:`~fedshard.app.rundir.wait_for_run_lock`). ``device`` overrides ``server-device``
     (SVD, rebuild, central evaluation).
     """
-    log_with_flower()
     device = device or resolve_device(cfg.server_device)
     model = build_model(cfg)
     if cfg.init_keep_ratio < 1:  # the low-rank start (a resumed run loads its checkpoint)
@@ -148,6 +137,7 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
                     cfg.num_server_rounds, done + 1, cfg.num_server_rounds,
                     cfg.num_server_rounds - done, done)
     runtime = grid_runtime(grid)
+    log_data_split(cfg, grid)
     recorder = RunRecorder(directory, cfg.as_dict(), cfg.num_server_rounds,
                            resume_round=done if checkpoint is not None else None,
                            overwrite=cfg.overwrite)
@@ -190,6 +180,31 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
     return summary
 
 
+def log_data_split(cfg: RunConfig, grid: Grid) -> None:
+    """Say once, before round 1, how the simulated nodes' data is split (deployed nodes with
+    their own ``data-dir`` or partition train on what they are given)."""
+    info = dataset_info(cfg.dataset)
+    if info.task == "next-char":
+        how = "by speaking role (LEAF's split)"
+    else:
+        alpha = cfg.dirichlet_alpha or info.default_alpha
+        how = (f"with Dirichlet(α = {alpha:g}) class priors" if alpha
+               else "uniformly at random")
+    try:
+        connected = len(list(grid.get_node_ids()))
+    except Exception:  # a grid that cannot list its nodes yet: the split is said without it
+        connected = -1
+    nodes = f" ({connected} node(s) connected now)" if connected >= 0 else ""
+    if cfg.num_partitions:
+        ways = f"{cfg.num_partitions} partitions (num-partitions={cfg.num_partitions})"
+    else:
+        ways = ("one partition per simulated node (num-partitions = 0 follows the "
+                f"simulation's node count{nodes})")
+    logger.info("Data: each simulated node trains on its partition of %s's training set, "
+                "split into %s %s; a deployed node trains on its own data-dir or partition.",
+                cfg.dataset, ways, how)
+
+
 def _started_before(directory: Path, cfg: RunConfig) -> bool:
     """Whether ``directory`` holds this run's ``config.json`` (the same settings, apart from
     :data:`~fedshard.app.checkpoint.RESUME_MAY_CHANGE`) and no round after 0 in
@@ -216,9 +231,12 @@ def _fail(recorder: RunRecorder, arrays: ArrayRecord, err: BaseException) -> Non
         recorder.finish(arrays.to_torch_state_dict(), {"status": "failed", "failure": reason})
     except Exception as write_err:  # the run's own error matters more than its files
         logger.error("The failed run's summary could not be written (%s).", write_err)
+    # a stop's reason was logged as an ERROR where it was decided: not twice
+    shown = ("the reason is the ERROR line above" if getattr(err, "logged", False)
+             else reason)
     flwr_log(ERROR, "RUN FAILED after %d round(s): %s. %s has \"status\": \"failed\" "
              "(flwr run exits 0 all the same: a script should read that file).",
-             max((r["round"] for r in recorder.rows), default=0), reason,
+             max((r["round"] for r in recorder.rows), default=0), shown,
              recorder.directory / "summary.json")
 
 

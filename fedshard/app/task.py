@@ -251,9 +251,11 @@ def _nbytes(dataset: Dataset[Any]) -> int:
 def node_partition(cfg: RunConfig, node_config: dict[str, Any]) -> tuple[int, int]:
     """``(partition-id, num-partitions)`` of this node's data.
 
-    A simulated node's ``num-partitions`` is the federation's ``num-supernodes``; a run config
-    whose ``num-partitions`` differs would be recorded in the results as if it had been used,
-    so it is an error (the node replies with it, and a run in which no node trains fails).
+    A simulated node's ``num-partitions`` is the federation's ``num-supernodes``: with the run
+    config's ``num-partitions = 0`` (the default) the data is split that many ways, whatever
+    the number of simulated nodes. An explicit ``num-partitions`` that differs would be
+    recorded in the results as if it had been used, so it is an error (the node replies with
+    it, and a run in which every node fails the same way stops after its first round).
     A deployed node's own ``num-partitions`` is its business; a deployed node without
     ``partition-id`` trains all of its data (``(0, 1)``: a device with its own ``data-dir``
     needs no partition arguments).
@@ -262,12 +264,19 @@ def node_partition(cfg: RunConfig, node_config: dict[str, Any]) -> tuple[int, in
         return 0, 1
     pid = int(node_config.get("partition-id", 0))
     num = int(node_config.get("num-partitions", cfg.num_partitions))
-    if is_simulated_node(node_config) and num != cfg.num_partitions:
+    if is_simulated_node(node_config) and cfg.num_partitions and num != cfg.num_partitions:
         raise ValueError(
             f"run config num-partitions={cfg.num_partitions}, but this simulation has {num} "
             f"nodes (node config num-partitions={num}); the data would be split {num} ways "
-            "while the results record another split. Set num-partitions equal to "
-            "num-supernodes; this node does not train until then")
+            "while the results record another split. Leave num-partitions out (0: one "
+            "partition per simulated node) or set it equal to num-supernodes; this node does "
+            "not train until then")
+    if num < 1:
+        raise ValueError(
+            f"node config partition-id={pid} without num-partitions, and the run config's "
+            "num-partitions is 0 (one partition per simulated node), which a deployed node "
+            "cannot know: give the node --node-config \"partition-id=... num-partitions=...\" "
+            "or its own data-dir; this node does not train until then")
     return pid, num
 
 

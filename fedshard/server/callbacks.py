@@ -88,7 +88,12 @@ NO_TRAINING_PATIENCE = 3
 
 
 class StopRun(RuntimeError):
-    """Raised by a callback to stop the run; its message says why (and what to change)."""
+    """Raised by a callback to stop the run; its message says why (and what to change).
+
+    ``logged``: whether the message was already logged as an ERROR where the stop was decided
+    (fedshard's own stops do; the app then does not repeat it)."""
+
+    logged = False
 
 
 class NoRoundTrainedError(StopRun):
@@ -224,12 +229,17 @@ _GROUP_SIZE_METHODS = ("collective", "anneal-collective")
 
 
 class SingleNodeGroups(RoundCallback):
-    """Warns each round in which Collective meets a keep-ratio group of one sampled node.
+    """Warns when Collective meets a keep-ratio group of one sampled node: a WARNING the first
+    time each group is alone, an INFO line in later rounds where it is again (in a federation
+    of two nodes, every round).
 
     Collective's ω = C/(1+π(C−1)) needs C ≥ 2 nodes per keep-ratio group: a group of one
     gets the n largest terms with ω = 1, i.e. Top-n (Unbiased's ω = 1/π does not depend on
     C: one node per group is still unbiased, with more variance).
     """
+
+    def __init__(self) -> None:
+        self.warned: set[float] = set()  # the groups already named in a WARNING
 
     def on_configure(self, strategy: SpectralSharding, server_round: int,
                      config: ConfigRecord, messages: Sequence[Message]) -> None:
@@ -239,13 +249,20 @@ class SingleNodeGroups(RoundCallback):
         sizes = Counter(float(r) for m in messages
                         if isinstance(r := m.content[P.CONFIG].get(P.KEEP_RATIO), (int, float)))
         alone = sorted(r for r, c in sizes.items() if c == 1 and r < 1.0)
-        if alone:
-            logger.warning(
-                "Round %d: keep-ratio group(s) r=%s have a single sampled node: with C = 1, "
-                "method=%s gives that node the n largest terms with ω = 1 (Top-n); the other "
-                "terms are not trained by it. Let nodes share keep ratios, or sample more nodes "
-                "(fraction_train / min_train_nodes) so that every group has ≥ 2.",
-                server_round, ", ".join(f"{r:g}" for r in alone), method)
+        if not alone:
+            return
+        groups = ", ".join(f"{r:g}" for r in alone)
+        if set(alone) <= self.warned:
+            logger.info("Round %d: keep-ratio group(s) r=%s again have a single sampled node "
+                        "(Top-n for them this round).", server_round, groups)
+            return
+        self.warned.update(alone)
+        logger.warning(
+            "Round %d: keep-ratio group(s) r=%s have a single sampled node: with C = 1, "
+            "method=%s gives that node the n largest terms with ω = 1 (Top-n); the other "
+            "terms are not trained by it. Let nodes share keep ratios, or sample more nodes "
+            "(fraction_train / min_train_nodes) so that every group has ≥ 2. Later rounds where "
+            "this recurs are logged at INFO.", server_round, groups, method)
 
 
 class SmallCohort(RoundCallback):
@@ -365,7 +382,7 @@ class StopOnDivergence(RoundCallback):
                    "the run stops here and the global model stays the previous round's. To "
                    f"fix: {'; or '.join(advice)}.")
         logger.error("%s", message)
-        raise TrainingDivergedError(message)
+        raise _said(TrainingDivergedError(message))
 
 
 class TrainingReceipts(RoundCallback):
@@ -465,7 +482,13 @@ class StopWhenEveryReplyFails(RoundCallback):
         if hint:
             message += f" Likely fix: {hint}"
         logger.error("%s", message)
-        raise StopRun(message)
+        raise _said(StopRun(message))
+
+
+def _said(stop: StopRun) -> StopRun:
+    """``stop``, marked as already logged."""
+    stop.logged = True
+    return stop
 
 
 def likely_fix(reason: str) -> str:
@@ -477,6 +500,11 @@ def likely_fix(reason: str) -> str:
                 "layers): build it with model = receive(msg, Net()).model (fedshard.receive) "
                 "instead of loading msg.content['arrays'] into your dense model, and make sure "
                 "server and nodes build the same model.")
+    if "num-partitions" in reason:
+        return ("the run config's num-partitions disagrees with the number of simulated nodes. "
+                "Leave num-partitions out (its default 0 gives one partition per simulated "
+                "node, whatever their number), or set it equal to the federation's "
+                "num-supernodes (flwr run . --federation-config \"num-supernodes=N\").")
     if "keep ratio" in reason or "keep-ratio" in reason:
         return ("every node must declare a keep ratio: ShardingClientApp(keep_ratios=...), or "
                 "keep-ratio in the node or run config.")
@@ -518,7 +546,7 @@ class StopWhenUntrained(RoundCallback):
     @staticmethod
     def _stop(message: str, result: Result | None = None) -> None:
         logger.error("%s", message)
-        raise NoRoundTrainedError(message, result)
+        raise _said(NoRoundTrainedError(message, result))
 
 
 class UnchangingModel(RoundCallback):

@@ -27,7 +27,7 @@ import math
 import sys
 import time
 from dataclasses import replace
-from logging import INFO, WARNING
+from logging import ERROR, INFO, WARNING
 from pathlib import Path
 
 from flwr.common.logger import log
@@ -145,6 +145,7 @@ class NodeDirectory:
         self.policy = policy if policy is not None else NodePolicy()
         self.capabilities: dict[int, P.Capabilities] = {}
         self._told_idle: set[int] = set()
+        self._asked_to_train = False  # the run's first training round has sampled
 
     #: Seconds between two "waiting for nodes" lines while a round waits.
     WAIT_LOG_EVERY_S = 60.0
@@ -189,7 +190,14 @@ class NodeDirectory:
         node_ids = self.wait(grid, max(self.min_available_nodes, minimum))
         for gone in set(self.capabilities) - set(node_ids):
             del self.capabilities[gone]
-        self.query(grid, node_ids)
+        first = training and not self._asked_to_train
+        failures = self.query(grid, node_ids, defer_errors=first)
+        if first:
+            self._asked_to_train = True
+            self._stop_if_all_failed(server_round, node_ids, failures)
+            for node, reason in failures.items():  # they failed in different ways: as usual
+                if reason.startswith("error reply"):
+                    self._skipped(node, reason)
         if training and self.policy.min_keep_ratio > 0:
             node_ids = self._without_idle(server_round, node_ids)
         eligible = sorted((n for n in node_ids if n in self.capabilities),
@@ -221,11 +229,44 @@ class NodeDirectory:
                 "start nodes that declare at least %g.", server_round, len(idle), floor, floor)
         return busy
 
-    def query(self, grid: Grid, node_ids: list[int]) -> None:
-        """Ask every node not in the cache for its keep ratio (a ``query`` message)."""
+    def _stop_if_all_failed(self, server_round: int, node_ids: list[int],
+                            failures: dict[int, str]) -> None:
+        """At the run's first training round: stop the run (:class:`StopRun`, one ERROR line
+        with the error and the likely fix) when every connected node answered the capability
+        query with the same error. That error would come back every round; nodes that fail
+        differently, or only some nodes, are asked again next round as usual."""
+        if not node_ids or set(failures) != set(node_ids) or self.capabilities:
+            return
+        reasons = set(failures.values())
+        if len(reasons) != 1 or not (reason := next(iter(reasons))).startswith("error reply"):
+            return
+        from fedshard.server.callbacks import StopRun, likely_fix  # callbacks import rounds
+
+        message = (f"Round {server_round}: every one of the {len(node_ids)} connected nodes "
+                   f"answered the capability query with the same error, so every round would: "
+                   f"the run stops here. The error: {one_line(reason, 2000)}")
+        hint = likely_fix(reason)
+        if hint:
+            message += f" Likely fix: {hint}"
+        log(ERROR, "%s", message)
+        stop = StopRun(message)
+        stop.logged = True
+        raise stop
+
+    @staticmethod
+    def _skipped(node: int, reason: str) -> None:
+        log(WARNING, "Node %d gave no usable keep ratio (%s); it is skipped this round and "
+            "asked again next round.", node, one_line(reason, 600))
+
+    def query(self, grid: Grid, node_ids: list[int], *,
+              defer_errors: bool = False) -> dict[int, str]:
+        """Ask every node not in the cache for its keep ratio (a ``query`` message); returns
+        why each node that gave none did not (node -> reason). With ``defer_errors`` the
+        nodes' error replies are not logged here (the caller says them once)."""
+        failures: dict[int, str] = {}
         unknown = [n for n in node_ids if n not in self.capabilities]
         if not unknown:
-            return
+            return failures
         messages = [P.query_message(node) for node in unknown]
         public_keys = self._public_keys(grid)
         answered: set[int] = set()
@@ -238,8 +279,9 @@ class NodeDirectory:
             if caps is not None:
                 caps, reason = admit(self.policy, caps, public_key)
             if caps is None:  # the reason may quote the node's own text: one escaped line
-                log(WARNING, "Node %d gave no usable keep ratio (%s); it is skipped this "
-                    "round and asked again next round.", node, one_line(reason, 600))
+                failures[node] = reason
+                if not (defer_errors and reason.startswith("error reply")):
+                    self._skipped(node, reason)
                 continue
             if reason:
                 log(WARNING, "Node %d: %s.", node, one_line(reason, 600))
@@ -267,6 +309,7 @@ class NodeDirectory:
             log(WARNING, "Node %d did not answer the capability query within %.0f s; it is "
                 "skipped this round and asked again next round.", node,
                 self.policy.query_timeout)
+        return failures
 
     @staticmethod
     def _public_keys(grid: Grid) -> dict[int, str]:

@@ -113,14 +113,20 @@ def spread_replies(server_round: int, accepted: Sequence[P.TrainReply],
     ``policy.max_update_spread`` (κ) times the round's median change of it
     (:func:`~fedshard.spectral.aggregate.spread_scales`; off below 3 replies or with κ = 0).
 
-    A node whose change went beyond ``2κ`` times the median (a scaled update; honest
-    non-IID nodes rarely get there) is named in a WARNING with what was shrunk and by how much,
-    and its weight against the round's median weight; one weighted at least twice the median
-    is told apart (honest training on much more data than most moves further, and may pass
-    κ). The nodes shrunk from between κ and 2κ times the median, which honest nodes on
-    different data reach, are listed in one INFO line per round. In ``metrics``,
-    ``clipped-update-spread`` counts the (node, layer or entry) pairs and
-    ``update-spread-max`` is the largest change over its median, before shrinking.
+    Every shrunk change is logged; the level says what the evidence says. A node is named in
+    a WARNING (what was shrunk and by how much, its weight against the round's median weight,
+    and, for a node weighted at least twice the median, that honest training on much more data
+    moves further) when its update as a whole is out of line: beyond κ times the median on
+    at least half of the layers and entries it returned and beyond ``2κ`` on one of them (a
+    scaled update moves every layer), or beyond ``10κ`` on any one (a targeted one), both
+    thresholds multiplied by its weight over the round's median weight where that is above 1
+    (k times the data, k times the steps). Honest nodes on different data pass the bound on
+    a few entries (a bias, a norm's scale, one layer) while the rest of their update is
+    typical, and honest data-rich nodes move in proportion to their data: they are listed in
+    one INFO line per round with their largest excess. In ``metrics``,
+    ``clipped-update-spread`` counts the (node, layer or entry) pairs, ``update-spread-max``
+    is the largest change over its median, before shrinking, and ``update-spread-warned``
+    the nodes named in a WARNING.
 
     Notes
     -----
@@ -135,7 +141,9 @@ def spread_replies(server_round: int, accepted: Sequence[P.TrainReply],
     values = [dict(r.values) for r in accepted]
     notes: dict[int, list[str]] = {}
     excess: dict[int, float] = {}  # a node's largest change over the median
-    for name, keys in _groups(accepted[0], spectra).items():
+    over: dict[int, int] = {}  # how many of a node's layers and entries were beyond κ
+    groups = _groups(accepted[0], spectra)
+    for name, keys in groups.items():
         before = [[sent[r.node].values[k] for k in keys] for r in accepted]
         # a dense entry was sent to every node as the same array: its norm is taken once
         norms: dict[tuple[int, ...], float] = {}
@@ -156,18 +164,24 @@ def spread_replies(server_round: int, accepted: Sequence[P.TrainReply],
                     f"{name} {changes[i] / median:.3g}x")
                 excess[accepted[i].node] = max(excess.get(accepted[i].node, 0.0),
                                                changes[i] / median)
+                over[accepted[i].node] = over.get(accepted[i].node, 0) + 1
                 _count(metrics, "clipped-update-spread", 1.0)
     weights = {r.node: r.weight for r in accepted}
     typical = statistics.median_low(weights.values())  # as max-weight-ratio's median
-    near = sorted(n for n in notes if excess[n] <= 2 * kappa)
+    warned = {n for n in notes if _out_of_line(excess[n], over[n], len(groups), kappa,
+                                               weights[n] / typical if typical > 0 else 1.0)}
+    near = sorted(set(notes) - warned)
     if near:
-        log(INFO, "Round %d: %d node(s) changed %.3g-%.3g times the round's median change, "
-            "above max-update-spread=%g; shrunk to it (nodes %s). Honest nodes on different "
-            "data get there; beyond %g times the median a node is named in a warning.",
-            server_round, len(near), min(excess[n] for n in near),
-            max(excess[n] for n in near), kappa, ", ".join(map(str, near[:20])), 2 * kappa)
+        log(INFO, "Round %d: %d node(s) changed a few layers or entries %.3g-%.3g times the "
+            "round's median change, above max-update-spread=%g; shrunk to it (nodes %s). "
+            "Honest nodes on different data get there; a node whose update is out of line as "
+            "a whole is named in a warning.", server_round, len(near),
+            min(excess[n] for n in near), max(excess[n] for n in near), kappa,
+            ", ".join(map(str, near[:20])))
+    if warned:
+        metrics["update-spread-warned"] = float(len(warned))
     for node, what in notes.items():
-        if excess[node] <= 2 * kappa:
+        if node not in warned:
             continue
         # with the same local epochs, a node holding more data takes more steps and moves
         # further: an honest data-rich node can pass the bound, and the operator must see it
@@ -180,6 +194,17 @@ def spread_replies(server_round: int, accepted: Sequence[P.TrainReply],
             one_line(", ".join(what[:8]), 600), weights[node], typical, hint)
     return [replace(r, values=v) if r.node in notes else r
             for r, v in zip(accepted, values, strict=True)]
+
+
+def _out_of_line(excess: float, over: int, groups: int, kappa: float,
+                 data: float = 1.0) -> bool:
+    """Whether a node's shrunk update is evidence against it, not honest heterogeneity:
+    beyond κ on at least half of its ``groups`` layers and entries and beyond 2κ on one, or
+    beyond 10κ on any (``excess``: its largest change over the round's median). ``data``:
+    its weight over the round's median weight; a node holding k times the typical data takes
+    k times the steps, so both thresholds grow with it (k ≥ 1)."""
+    k = max(1.0, data)
+    return (2 * over >= groups and excess > 2 * kappa * k) or excess > 10 * kappa * k
 
 
 def _entries(models: Sequence[Sequence[np.ndarray]], rule: str) -> list[np.ndarray]:

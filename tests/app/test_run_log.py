@@ -4,22 +4,16 @@ line that says a run resumes and how Flower's round numbers map to the run's."""
 from __future__ import annotations
 
 import logging
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from fault_setup import run_app
 
-
-@pytest.fixture(autouse=True)
-def _fresh_fedshard_logger():
-    """Each test starts with the ``fedshard`` logger as an application would find it."""
-    lib = logging.getLogger("fedshard")
-    saved = (lib.level, list(lib.handlers))
-    lib.setLevel(logging.NOTSET)
-    lib.handlers.clear()
-    yield
-    lib.setLevel(saved[0])
-    lib.handlers[:] = saved[1]
+from fedshard.logs import ToFlower
 
 
 def _info_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -32,8 +26,32 @@ def test_the_apps_info_lines_reach_flowers_console(tmp_path: Path, caplog) -> No
     run_app(tmp_path, {})
     folder = (tmp_path / "out" / "run").resolve()
     assert f"fedshard results -> {folder}" in _info_lines(caplog)
-    flower = logging.getLogger("flwr").handlers
-    assert flower and all(h in logging.getLogger("fedshard").handlers for h in flower)
+    assert any(isinstance(h, ToFlower) for h in logging.getLogger("fedshard").handlers)
+
+
+_USER_PROJECT = """
+import sys
+sys.path[:0] = [{tests!r}]
+from fault_setup import grid, one_round, strategy  # a strategy, a ClientApp, a grid: no app
+
+one_round(strategy(), grid())
+"""
+
+
+def test_a_user_projects_log_shows_fedshards_lines_in_flowers_format(tmp_path: Path) -> None:
+    # a project that configures no logging: fedshard's INFO and WARNING lines come out as
+    # Flower's own do ("INFO :      ...", "WARNING :   ..."), none as a bare line
+    script = tmp_path / "project.py"
+    script.write_text(_USER_PROJECT.format(tests=str(Path(__file__).resolve().parents[1])))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = re.sub(r"\x1b\[[0-9;]*m", "", out.stderr + out.stdout).splitlines()
+    info = [x for x in lines if "what a node receives and computes" in x]
+    warning = [x for x in lines if "Sharding buys little" in x]
+    assert info and all(re.match(r"INFO\s*:\s+Round 1, what a node", x) for x in info), info
+    assert warning and all(x.startswith("WARNING") for x in warning), warning
+    assert len(info) == 1 and len(warning) == 1  # each line once
 
 
 def test_a_resumed_run_says_how_its_rounds_are_numbered(tmp_path: Path, caplog) -> None:

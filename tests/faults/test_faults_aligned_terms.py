@@ -245,8 +245,9 @@ def test_a_clipped_node_weighted_twice_the_median_is_told_apart_in_the_log(
 def test_a_node_just_past_the_bound_is_listed_at_info_one_far_past_it_warned(
     flower_logs: pytest.LogCaptureFixture,
 ) -> None:
-    # the same round three times: node 1000's factors inflated 3-fold; how far its change is
-    # over the median (update-spread-max, e) decides the log level against kappa
+    # the same round four times: node 1000's factors inflated 3-fold (one layer of its
+    # eight layers and entries); how far its change is over the median (update-spread-max, e)
+    # decides the log level against kappa
     def run(kappa: float) -> tuple[dict, list[logging.LogRecord]]:
         flower_logs.clear()
         g = grid()
@@ -257,15 +258,42 @@ def test_a_node_just_past_the_bound_is_listed_at_info_one_far_past_it_warned(
     row, _ = run(1e9)  # measured, not shrunk
     e = row["update-spread-max"]
     assert e > 3.0  # node 1000 is the one far out
-    row, records = run(e / 1.5)  # between kappa and 2 kappa: one INFO line for the round
-    assert row["clipped-update-spread"] >= 1.0
-    assert {r.levelno for r in records} == {logging.INFO}
-    assert "node(s) changed" in records[0].getMessage() and "nodes 1000" in \
-        records[0].getMessage()
-    row, records = run(e / 3.0)  # beyond 2 kappa: a WARNING naming the node
-    assert row["clipped-update-spread"] >= 1.0
+    for kappa in (e / 1.5, e / 3.0, e / 9.0):  # one layer beyond κ, within 10κ: INFO
+        row, records = run(kappa)
+        assert row["clipped-update-spread"] >= 1.0 and "update-spread-warned" not in row
+        assert {r.levelno for r in records} == {logging.INFO}, kappa
+        assert "node(s) changed a few layers" in records[0].getMessage()
+        assert "nodes 1000" in records[0].getMessage()
+    row, records = run(e / 11.0)  # one layer beyond 10κ: a WARNING naming the node
+    assert row["update-spread-warned"] == 1.0
     assert any(r.levelno == logging.WARNING and "node 1000 changed more than" in r.getMessage()
                for r in records)
+
+
+def test_a_whole_update_out_of_line_is_warned_a_few_noisy_entries_are_not(
+    flower_logs: pytest.LogCaptureFixture,
+) -> None:
+    # a scaled update moves every layer and entry; an honest node on other data passes the
+    # bound on a few (a bias) by a few times the median
+    def run(keys, kappa: float | None = None) -> tuple[dict, list[logging.LogRecord]]:
+        flower_logs.clear()
+        g = grid()
+        g.tamper[1000] = scale_arrays(3.0, keys)
+        if kappa is None:  # within 10κ of the node's excess: only the breadth can warn
+            measured = grid()
+            measured.tamper[1000] = scale_arrays(3.0, keys)
+            kappa = one_round(strategy(max_update_ratio=0.0, max_update_spread=1e9),
+                              measured)[1]["update-spread-max"] / 5.0
+        _, row = one_round(strategy(max_update_ratio=0.0, max_update_spread=kappa), g)
+        return row, [r for r in flower_logs.records if "max-update-spread" in r.getMessage()]
+
+    row, records = run(lambda k: True, kappa=2.0)  # every array inflated: out of line
+    assert row["update-spread-warned"] == 1.0 and row["clipped-update-spread"] >= 4.0
+    assert any(r.levelno == logging.WARNING and "node 1000 changed more than" in r.getMessage()
+               for r in records)
+    row, records = run(lambda k: k == "hidden.bias")  # one noisy entry, 5κ: INFO only
+    assert row["clipped-update-spread"] == 1.0 and "update-spread-warned" not in row
+    assert {r.levelno for r in records} == {logging.INFO}
 
 
 def test_a_sign_flip_gives_the_honest_round_bit_for_bit() -> None:

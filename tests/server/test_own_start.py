@@ -185,12 +185,15 @@ def test_a_run_that_trains_nothing_raises_whoever_wrote_start(
 def test_a_lone_node_in_a_keep_ratio_group_is_named(caplog: pytest.LogCaptureFixture) -> None:
     grid = InProcessGrid(ratio_client, [{"keep-ratio": 0.25}, {"keep-ratio": 0.5},
                                         {"keep-ratio": 0.5}])
-    with caplog.at_level(logging.WARNING):
-        list(strategy(method="collective").configure_train(3, initial(), ConfigRecord(), grid))
+    collective = strategy(method="collective")
+    with caplog.at_level(logging.INFO):
+        list(collective.configure_train(3, initial(), ConfigRecord(), grid))
+        list(collective.configure_train(4, initial(), ConfigRecord(), grid))
     lone = [r for r in caplog.records if "single sampled node" in r.message]
-    assert len(lone) == 1 and lone[0].levelno == logging.WARNING
+    assert [r.levelno for r in lone] == [logging.WARNING, logging.INFO]  # said once, then INFO
     assert "Round 3: keep-ratio group(s) r=0.25 have a single" in lone[0].message
     assert "Top-n" in lone[0].message and "sample more nodes" in lone[0].message
+    assert lone[1].message.startswith("Round 4: keep-ratio group(s) r=0.25 again have")
     caplog.clear()
     with caplog.at_level(logging.WARNING):  # Unbiased's ω = 1/π does not depend on C
         list(strategy(method="unbiased").configure_train(3, initial(), ConfigRecord(), grid))
