@@ -5,6 +5,7 @@ settings a resumed run may change is the checkpoint's own list."""
 from __future__ import annotations
 
 import importlib
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -90,3 +91,36 @@ def test_every_key_a_resumed_run_may_change_is_a_run_config_key() -> None:
     assert "lr" in known and "results-dir" in known  # the run config's keys, kebab-case
     unknown = sorted(set(RESUME_MAY_CHANGE) - known)
     assert not unknown, f"RESUME_MAY_CHANGE names {unknown}, which are not run-config keys"
+
+
+def test_every_results_json_the_docs_cite_is_committed() -> None:
+    root = DOCS.parent
+    # a repository path (`results/...`, `../results/...`), not a deployment's `$D/results/...`
+    found = (re.findall(r"(?<![\w$/.])(?:\.\./)?(results/[\w./-]+\.json)",
+                        page.read_text(encoding="utf-8")) for page in DOCS.glob("*.md"))
+    cited = {path for paths in found for path in paths}
+    assert "results/performance/sampling.json" in cited  # the search finds citations
+    missing = sorted(c for c in cited if not (root / c).is_file())
+    assert not missing, f"the docs cite {missing}, which are not committed"
+
+
+def test_the_performance_pages_recorded_figures_are_their_jsons() -> None:
+    """The sampling-core table and the Flower-arrays figures say what their JSON says, and
+    the page's machine line names the JSON's CPU and torch."""
+    root = DOCS.parent
+    page = (DOCS / "performance.md").read_text(encoding="utf-8")
+    sampling = json.loads((root / "results/performance/sampling.json").read_text())
+    arrays = json.loads((root / "results/performance/wire-arrays.json").read_text())
+    expected = [
+        f"{sampling['date']}, 2 cores of an {sampling['cpu']}",
+        f"**{sampling['collective_speedup_vs_algorithm2']:.0f}×**",
+        f"**{sampling['unbiased_speedup_vs_algorithm1']:.1f}×**",
+        f"**{sampling['cps_speedup_vs_r_upmaxentropy']:.0f}×**",
+        f"{arrays['date']}, 2 cores of an {arrays['device']}",
+        f"{arrays['ms_per_state_dict']['fedshard_encode']:.2f} ms to encode",
+        f"{arrays['ms_per_state_dict']['flower_decode']:.2f} ms with Flower's",
+    ]
+    missing = [text for text in expected if text not in page]
+    assert not missing, f"docs/performance.md lacks {missing}"
+    machine = next(line for line in page.splitlines() if line.startswith("| development machine"))
+    assert f"({sampling['cpu']})" in machine and arrays["torch"] in machine, machine
