@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "sampling"))
 
+from machine import cpu_name  # noqa: E402
 from paper_algorithms import (  # noqa: E402
     algorithm1_unbiased,
     algorithm2_collective,
@@ -122,7 +123,9 @@ def main() -> None:
         "python": platform.python_version(),
         "numpy": np.__version__,
         "machine": platform.machine(),
+        "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d"),
     }
 
     # Strategy solvers vs the literal algorithms (same spectrum, same process).

@@ -1,7 +1,7 @@
 """Draw the documentation's figures from committed results and committed tables.
 
     python docs/figures.py                    # every figure, into docs/_static/
-    python docs/figures.py accuracy paper     # some: accuracy, paper, performance, sharding, width
+    python docs/figures.py accuracy paper     # some: accuracy, strategies, tail, paper, ...
 
 Needs matplotlib (``pip install -e ".[plots]"``). No number is typed in here: each figure reads
 its numbers from a committed file, and says which in its caption on the pages.
@@ -10,6 +10,12 @@ its numbers from a committed file, and says which in its caption on the pages.
   r = 0.1 for No sharding, Collective, Top-n and Top-n with a low-rank start, mean ± 1 std
   over the two seeds, drawn by the experiment report's own :func:`plot_accuracy` from the run
   folders of ``results/fmnist-table/`` and ``results/beyond/``.
+- ``fmnist-r0.1.png`` (Results): which of the paper's strategies ends highest at r = 0.1:
+  test accuracy against round of the five with two seeds in ``results/fmnist-table/``, and
+  No sharding and r = 1 in black and grey, mean over the seeds (±1 std bands).
+- ``untrained-energy.png`` (Results): why Top-n collapses: the energy share of the terms no
+  client could draw, per round, for Top-n, Collective, the annealed Collective and the
+  low-rank starts (``untrained-energy`` of the run folders in ``results/beyond/``).
 - ``paper-vs-fedshard.png`` (Results): the paper's Table 1 at r = 0.1 next to fedshard's
   Fashion-MNIST table, from the table "The paper's Table 1 next to this one" in
   ``docs/results.md`` (its fedshard column is checked against
@@ -31,6 +37,7 @@ import dataclasses
 import json
 import math
 import re
+import statistics
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -151,6 +158,123 @@ def figure_width(out: Path) -> Path:
                              f"`python -m fedshard.experiments status {name}` says why")
         written.append(plot_accuracy(dataclasses.replace(suite, name=title), cells, out / png))
     return written[0]
+
+
+#: Line styles of the strategies: with the colours, each line reads apart from its
+#: neighbours in grey print and for colour-blind readers too.
+STYLES = {
+    "Top-n": "-",
+    "PriSM": "-.",
+    "PriSM + Wallenius + ClipLR": (0, (5, 1.5, 1, 1.5, 1, 1.5)),
+    "Unbiased": ":",
+    "Collective": "-",
+}
+#: The references, in black and grey: never confused with a strategy's colour.
+REFERENCE_STYLES = {"No sharding": ("black", "--"), "r = 1": ("0.45", (0, (1, 1.5)))}
+
+
+def _seed_mean(curves: Sequence[Sequence[tuple[int, float]]]
+               ) -> tuple[list[int], list[float], list[float]]:
+    """Rounds present in every curve, the mean over the curves and their std (0 with one)."""
+    per = [dict(c) for c in curves]
+    rounds = sorted(set.intersection(*(set(c) for c in per)))
+    means = [sum(c[r] for c in per) / len(per) for r in rounds]
+    stds = [statistics.stdev(c[r] for c in per) if len(per) > 1 else 0.0 for r in rounds]
+    return rounds, means, stds
+
+
+def _two_seeds(cells: dict[tuple[str, str | None], Any], key: tuple[str, str | None],
+               suite: str) -> Any:
+    cell = cells.get(key)
+    if cell is None or len(cell.runs) != 2:
+        found = "no finished run" if cell is None else f"{len(cell.runs)} finished run(s)"
+        raise SystemExit(f"{key[0]}: {found} in results/{suite}/ where 2 seeds were "
+                         f"committed; `python -m fedshard.experiments status {suite}` says why")
+    return cell
+
+
+def figure_strategies(out: Path) -> Path:
+    """Which of the paper's strategies ends highest at r = 0.1: the five with two seeds in
+    ``results/fmnist-table/`` and the two references, each line its own colour and style."""
+    from fedshard.experiments import collect, load_suite
+    from fedshard.experiments.plots import _matplotlib
+
+    suite = load_suite(ROOT / "experiments" / "fmnist-table.toml", app_dir=ROOT)
+    cells = {(c.label, c.column): c for c in collect(suite)}
+    _, Figure, FigureCanvasAgg = _matplotlib()
+    fig = Figure(figsize=(8.0, 5.4), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    for label, (colour, style) in REFERENCE_STYLES.items():
+        cell = _two_seeds(cells, (label, None), "fmnist-table")
+        rounds, mean, _ = _seed_mean([r.curve for r in cell.runs])
+        ax.plot(rounds, mean, color=colour, ls=style, lw=1.6, label=f"{label} (reference)")
+    for label, style in STYLES.items():
+        cell = _two_seeds(cells, (label, "r = 0.1"), "fmnist-table")
+        rounds, mean, std = _seed_mean([r.curve for r in cell.runs])
+        ax.plot(rounds, mean, color=COLOURS[label], ls=style, lw=2.0, label=label)
+        ax.fill_between(rounds, [m - s for m, s in zip(mean, std, strict=True)],
+                        [m + s for m, s in zip(mean, std, strict=True)],
+                        color=COLOURS[label], alpha=0.10, lw=0)
+    ax.set_xlabel("round")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_xlim(0, 100)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize="small", ncols=2)
+    ax.set_title("Fashion-MNIST, ResNet-18, r = 0.1: test accuracy per round\n"
+                 "(mean over 2 seeds; band ±1 std)", fontsize="medium")
+    path = out / "fmnist-r0.1.png"
+    fig.savefig(path, dpi=110)
+    return path
+
+
+#: The runs of ``results/beyond/`` whose untrained energy tells why Top-n collapses.
+TAIL_RUNS = {
+    "Top-n": ("tab:blue", "-"),
+    "Top-n, low-rank start 0.3": ("tab:cyan", "-."),
+    "Anneal-Collective": ("tab:orange", "--"),
+    "Collective": ("tab:red", "-"),
+    "Top-n, low-rank start": ("tab:green", ":"),
+}
+
+
+def figure_tail(out: Path) -> Path:
+    """How much of the sharded layers' energy lies in terms no client could draw, per round:
+    the untrained tail Top-n keeps (``untrained-energy`` of the runs in ``results/beyond/``)."""
+    from fedshard.experiments import collect, load_suite
+    from fedshard.experiments.diagnostics import metric_curves
+    from fedshard.experiments.plots import _matplotlib
+
+    suite = load_suite(ROOT / "experiments" / "beyond.toml", app_dir=ROOT)
+    cells = {(c.label, c.column): c for c in collect(suite)}
+    _, Figure, FigureCanvasAgg = _matplotlib()
+    fig = Figure(figsize=(8.0, 4.8), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    for label, (colour, style) in TAIL_RUNS.items():
+        cell = _two_seeds(cells, (label, "r = 0.1"), "beyond")
+        curves = [metric_curves(r.spec.directory, ["untrained-energy"]).get("untrained-energy")
+                  for r in cell.runs]
+        found = [c for c in curves if c]
+        if len(found) != len(curves):
+            raise SystemExit(f"{label}: a run in results/beyond/ has no untrained-energy")
+        rounds, mean, _ = _seed_mean(found)
+        name = {"Top-n, low-rank start": "Top-n, low-rank start (ρ = 0.1)",
+                "Top-n, low-rank start 0.3": "Top-n, low-rank start (ρ = 0.3)"}.get(label, label)
+        # markers: the ρ = 0.1 start's line lies on Collective's, both near 0
+        marks = {"marker": "o", "ms": 4, "markevery": 10} if style == ":" else {}
+        ax.plot(rounds, mean, color=colour, ls=style, lw=2.0, label=name, **marks)
+    ax.set_xlabel("round")
+    ax.set_ylabel("energy share of terms no client could draw")
+    ax.set_xlim(0, 100)
+    ax.set_ylim(-0.03, 1.0)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="center right", bbox_to_anchor=(1.0, 0.32), fontsize="small")
+    ax.set_title("Fashion-MNIST, ResNet-18, r = 0.1: the untrained part of the sharded layers\n"
+                 "(mean over 2 seeds)", fontsize="medium")
+    path = out / "untrained-energy.png"
+    fig.savefig(path, dpi=110)
+    return path
 
 
 PAPER_COLUMNS = ("CIFAR-10, ResNet-18", "TinyImageNet, CCT", "CIFAR-100, ResNet-18",
@@ -377,6 +501,8 @@ def figure_sharding(out: Path) -> Path:
 
 FIGURES: dict[str, Callable[[Path], Path]] = {
     "accuracy": figure_accuracy,
+    "strategies": figure_strategies,
+    "tail": figure_tail,
     "paper": figure_paper,
     "performance": figure_performance,
     "sharding": figure_sharding,

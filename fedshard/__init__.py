@@ -24,28 +24,41 @@ Packages (data flows one way: sampling → spectral → client / server → app)
   its callbacks, checkpoints, result files); the library never imports it.
 - :mod:`fedshard.experiments` - suites of runs, their reports and plots (a command line tool).
 
-From the paper to the code:
+From the paper to the code (the same table, with links, is the docs' "From the paper to the
+code" page):
 
-======================================  ==================================================
-Paper                                   Code
-======================================  ==================================================
-SVD, √λ absorbed (Sec. 3.1 step 1)      ``spectral.decompose.decompose``, ``layer_spectrum``
-n = ⌈rN⌉                                ``sampling.plan.num_terms``
-Theorem 1 (Unbiased, ω = 1/π)           ``sampling.probabilities._unbiased_sorted``
-Theorem 2 (Collective, ω=C/(1+π(C−1)))  ``sampling.probabilities._collective_sorted``
-PriSM, Wallenius mean, +Scaled          ``sampling.probabilities``, ``sampling.wallenius``
-Conditional Poisson sampling (CPS)      ``sampling.cps.ConditionalPoisson``
-Method → design, per group and layer    ``sampling.plan.draw_layer``, ``plan_round``
-ANME                                    ``sampling.entropy.anme``
-Factorized layer U·diag(ω)·Vᵀ           ``spectral.layers.SpectralLinear``, ``spectral.conv``
-Frobenius decay γ‖UΩVᵀ‖²_F (Sec. 3.3)   ``client.train.optim.frobenius_penalty``, ``FrobeniusDecay``
-ClipLR min(1, τ/ω_i) (Sec. 3.3)         ``client.train.optim.ClipLR.column_scale``
-Per-term aggregation (Sec. 3.1 step 3)  ``spectral.aggregate.term_means``, ``rebuild_weight``
-Cosine lr over rounds (Sec. 4.1)        ``server.schedule.cosine_lr``
-Post-client updates vs FedAvg (4.4)     ``server.fedavg_cosine.fedavg_cosines``
-(beyond) Theorem 1/2 on λ^γ, annealed   ``sampling.anneal.annealed_probabilities``
-(beyond) low-rank start, truncation     ``spectral.truncation.truncate_``
-======================================  ==================================================
+==========================================  ==================================================
+Paper                                       Code
+==========================================  ==================================================
+SVD, √λ absorbed (Sec. 3.1, step 1)         ``fedshard.spectral.decompose``,
+                                            ``fedshard.spectral.decompose.layer_spectrum``
+n = ⌈rN⌉ terms per client                   ``fedshard.sampling.num_terms``
+Theorem 1, Unbiased: ω = 1/π (Sec. 3.2.1)   ``fedshard.sampling.inclusion_probabilities``
+                                            (``method="unbiased"``)
+Theorem 2, Collective (Sec. 3.2.2)          ``fedshard.sampling.inclusion_probabilities``
+                                            (``method="collective"``), ω = C/(1+π(C−1))
+PriSM, its Wallenius mean, +Scaled          ``fedshard.sampling.inclusion_probabilities``,
+                                            ``fedshard.sampling.wallenius_mean``,
+                                            ``fedshard.sampling.scaled_multipliers``
+Conditional Poisson sampling (Sec. 3.2.3)   ``fedshard.sampling.ConditionalPoisson`` (also
+                                            ``fedshard.sampling.Brewer``,
+                                            ``fedshard.sampling.MinimumSupport``)
+Method and design per group and layer       ``fedshard.sampling.draw_layer``,
+                                            ``fedshard.sampling.plan_round``
+Factorized layer U·diag(ω)·Vᵀ               ``fedshard.spectral.SpectralLinear``,
+                                            ``fedshard.spectral.SpectralConv2d``
+Frobenius decay γ‖UΩVᵀ‖²_F (Sec. 3.3)       ``fedshard.client.train.frobenius_penalty``,
+                                            ``fedshard.client.train.ClientRules``
+ClipLR min(1, τ/ωᵢ) (Sec. 3.3)              ``fedshard.client.train.ClientRules.after_step``
+Per-term aggregation (Sec. 3.1, step 3)     ``fedshard.spectral.aggregate.term_means``,
+                                            ``fedshard.spectral.aggregate.rebuild_weight``
+Cosine lr over rounds (Sec. 4.1)            ``fedshard.server.cosine_lr``
+ANME (Sec. 4.2.2)                           ``fedshard.sampling.anme``
+Post-client updates vs FedAvg (Sec. 4.4)    ``fedshard.server.fedavg_cosine.fedavg_cosines``
+(beyond) Theorem 1 / 2 on λ^γ, annealed     ``fedshard.sampling.annealed_probabilities``,
+                                            ``fedshard.sampling.anneal_exponent``
+(beyond) the low-rank start                 ``fedshard.spectral.truncation.truncate_``
+==========================================  ==================================================
 """
 
 from fedshard.client import (

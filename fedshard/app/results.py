@@ -321,7 +321,7 @@ class RunRecorder:
         parts = [f"round {row['round']}/{self.num_rounds}"]
         for key, fmt in (("train-loss", "train loss {:.4f}"), ("test-loss", "test loss {:.4f}"),
                          ("test-accuracy", "test acc {:.2%}"), ("anme", "ANME {:.3f}"),
-                         ("bytes-sent-ratio-mean", "sent {:.3f}x dense"),
+                         ("bytes-sent-ratio-mean", "nodes received {:.3f}x dense"),
                          ("replies-used", "replies {:.0f}")):
             value = row.get(key)
             if value is not None and not (isinstance(value, float) and math.isnan(value)):

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any
+from typing import Any, Union
 
 import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
@@ -149,7 +149,8 @@ def handle_query(msg: Message, keep_ratio: float, node_key: str | int | None = N
 
 
 # ---------------------------------------------------------------------------- data
-Loader = DataLoader[Any] | TensorBatches
+# typing.Union, not `|`: a light docs build mocks torch, and a mocked DataLoader[Any] is no type
+Loader = Union[DataLoader[Any], TensorBatches]  # noqa: UP007
 
 
 def _loader(data: Dataset[Any] | Loader, batch_size: int, seed: int | None,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,26 @@ def test_the_summary_is_logged(run: dict[str, Any]) -> None:
     line = next(x for x in run["log"] if x.startswith("what sharding bought"))
     assert "r = 0.25: received" in line and "r = 0.5: received" in line
     assert "at r = 1" in line and "points" in line
+
+
+def test_the_round_line_and_the_summary_name_one_direction_with_one_word(
+        run: dict[str, Any]) -> None:
+    """"received" is what a node received (server -> node), "sent" what it sent back, in the
+    round lines as in the summary line: checked against the train messages the grid carried."""
+    dense = run["summary"]["sharding"]["dense"]["bytes"]
+    down = np.mean([_array_bytes(m) for m in run["train"]]) / dense  # every node, every round
+    rounds = [x for x in run["log"] if x.startswith(("round 1/", "round 2/"))]  # trained
+    assert len(rounds) == 2, run["log"]
+    for line in rounds:
+        found = re.search(r"\| nodes received ([0-9.]+)x dense \|", line)
+        assert found, line
+        assert float(found.group(1)) == pytest.approx(down, abs=5e-4), line
+        assert " sent " not in line, line
+    summary = next(x for x in run["log"] if x.startswith("what sharding bought"))
+    for r in RATIOS:
+        received = np.mean([_array_bytes(m) for m in run["train"]
+                            if run["ratio_of"][m.metadata.dst_node_id] == r])
+        assert f"r = {r:g}: received {received / 1e6:.3g} MB" in summary, (r, summary)
 
 
 def test_an_unreadable_reference_is_named_not_fatal(tmp_path: Path) -> None:
