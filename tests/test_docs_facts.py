@@ -124,3 +124,30 @@ def test_the_performance_pages_recorded_figures_are_their_jsons() -> None:
     assert not missing, f"docs/performance.md lacks {missing}"
     machine = next(line for line in page.splitlines() if line.startswith("| development machine"))
     assert f"({sampling['cpu']})" in machine and arrays["torch"] in machine, machine
+
+
+README = DOCS.parent / "README.md"
+FIRST_RUN = DOCS.parent / "results" / "first-run" / "first-run.json"
+
+
+def test_readmes_first_run_is_the_committed_record() -> None:
+    # the expected output README quotes is what benchmarks/first_run.py recorded, with the
+    # machine, torch version and date it came from
+    record = json.loads(FIRST_RUN.read_text())
+    readme = README.read_text()
+    section = readme.split("## The first run", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```\n(.*?)```", section, flags=re.S)
+    assert blocks[0].strip().splitlines() == record["round-lines"]
+    assert blocks[1].strip().splitlines() == record["sharding-bought"]
+    assert record["returncode"] == 0 and record["status"] == "finished"
+    for fact in (record["machine"], record["torch"], record["date"],
+                 f"{100 * record['final-test-accuracy']:.1f} %",
+                 "results/first-run/first-run.json"):
+        assert fact in " ".join(section.split()), fact
+    assert record["honest-nodes-named-at-warning"] == 0
+    fedshard_warnings = [w for w in record["warnings"] if not w.startswith(_FLOWERS_WARNINGS)]
+    assert fedshard_warnings == []
+
+
+#: The WARNING lines of a run that Flower itself logs, whatever the app does.
+_FLOWERS_WARNINGS = ("Since flwr 1.32", "fraction_evaluate is set to 0.0")

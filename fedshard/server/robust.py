@@ -64,14 +64,17 @@ def align_replies(server_round: int, accepted: Sequence[P.TrainReply],
                   metrics: dict[str, float]) -> list[P.TrainReply]:
     """``accepted`` with every returned term re-signed (and re-balanced) to the gauge of the
     term sent (:func:`~fedshard.spectral.aggregate.align_factors`); unchanged when
-    ``policy.align_factors`` is off. Each node whose terms changed is logged once;
-    ``re-signed-terms`` / ``rebalanced-terms`` in ``metrics`` count the terms. Honest replies
-    come back as the same objects."""
+    ``policy.align_factors`` is off. Each node whose terms changed is logged once: in a
+    WARNING where it re-signed or re-balanced at least half of a layer's terms (a deliberate
+    change of gauge touches them all), else at INFO (honest training with a large step moves a
+    few terms' balance); ``re-signed-terms`` / ``rebalanced-terms`` in ``metrics`` count the
+    terms. Honest replies come back as the same objects."""
     if not policy.align_factors:
         return list(accepted)
     out = []
     for r in accepted:
         before, values, notes = sent[r.node].values, dict(r.values), []
+        sweeping = False  # at least half of one layer's terms changed
         for layer in r.layers:
             ku, kv = P.factor_key(layer, "u"), P.factor_key(layer, "v")
             a = align_factors(before[ku], before[kv], values[ku], values[kv])
@@ -81,11 +84,12 @@ def align_replies(server_round: int, accepted: Sequence[P.TrainReply],
                              f"{a.u.shape[1]}")
                 _count(metrics, "re-signed-terms", a.flipped)
                 _count(metrics, "rebalanced-terms", a.rebalanced)
+                sweeping |= 2 * (a.flipped + a.rebalanced) >= a.u.shape[1]
         if notes:
-            log(WARNING, "Round %d: node %d returned terms in another sign or balance than it "
-                "was sent (%s); they are averaged in the sent terms' sign and balance, which "
-                "keeps each of its products u v^T.", server_round, r.node,
-                one_line("; ".join(notes[:5]), 600))
+            log(WARNING if sweeping else INFO, "Round %d: node %d returned terms in another "
+                "sign or balance than it was sent (%s); they are averaged in the sent terms' "
+                "sign and balance, which keeps each of its products u v^T.", server_round,
+                r.node, one_line("; ".join(notes[:5]), 600))
             r = replace(r, values=values)
         out.append(r)
     return out
@@ -172,12 +176,12 @@ def spread_replies(server_round: int, accepted: Sequence[P.TrainReply],
                                                weights[n] / typical if typical > 0 else 1.0)}
     near = sorted(set(notes) - warned)
     if near:
-        log(INFO, "Round %d: %d node(s) changed a few layers or entries %.3g-%.3g times the "
-            "round's median change, above max-update-spread=%g; shrunk to it (nodes %s). "
-            "Honest nodes on different data get there; a node whose update is out of line as "
-            "a whole is named in a warning.", server_round, len(near),
-            min(excess[n] for n in near), max(excess[n] for n in near), kappa,
-            ", ".join(map(str, near[:20])))
+        log(INFO, "Round %d: %d node(s) changed a few layers or entries more than "
+            "max-update-spread=%g times the round's median change; shrunk to it (node: "
+            "largest change over the median: %s). Honest nodes on different data get there; a "
+            "node whose update is out of line as a whole is named in a warning.",
+            server_round, len(near), kappa,
+            ", ".join(f"{n}: {excess[n]:.3g}x" for n in near[:20]))
     if warned:
         metrics["update-spread-warned"] = float(len(warned))
     for node, what in notes.items():

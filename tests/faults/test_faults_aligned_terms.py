@@ -263,7 +263,8 @@ def test_a_node_just_past_the_bound_is_listed_at_info_one_far_past_it_warned(
         assert row["clipped-update-spread"] >= 1.0 and "update-spread-warned" not in row
         assert {r.levelno for r in records} == {logging.INFO}, kappa
         assert "node(s) changed a few layers" in records[0].getMessage()
-        assert "nodes 1000" in records[0].getMessage()
+        assert f"(node: largest change over the median: 1000: {e:.3g}x)" in \
+            records[0].getMessage()
     row, records = run(e / 11.0)  # one layer beyond 10κ: a WARNING naming the node
     assert row["update-spread-warned"] == 1.0
     assert any(r.levelno == logging.WARNING and "node 1000 changed more than" in r.getMessage()
@@ -374,3 +375,30 @@ def test_flowers_rules_over_the_dense_equivalent_models(rule: str) -> None:
             want = models[min(score, key=score.get)][key]
             assert min(score, key=score.get) != 1003
         np.testing.assert_allclose(new[key].numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_few_terms_in_another_balance_are_info_a_whole_layer_is_warned(
+    flower_logs: pytest.LogCaptureFixture,
+) -> None:
+    # honest training with a large step may move a term's balance; a deliberate change of
+    # gauge moves every term: only that is named in a WARNING
+    def gauge(columns: slice):
+        def hook(reply: Message) -> Message:
+            rec = reply.content[P.ARRAYS]
+            u, v = rec["hidden.u"].numpy().copy(), rec["hidden.v"].numpy().copy()
+            u[:, columns] *= 10.0
+            v[:, columns] /= 10.0
+            rec["hidden.u"], rec["hidden.v"] = Array(u), Array(v)
+            return reply
+        return hook
+
+    for columns, level in ((slice(0, 1), logging.INFO), (slice(0, 5), logging.WARNING)):
+        flower_logs.clear()
+        g = grid()
+        g.tamper[1001] = gauge(columns)
+        _, row = one_round(strategy(max_update_ratio=0.0), g)
+        assert row["rebalanced-terms"] == columns.stop
+        [(levelno, message)] = {(r.levelno, r.getMessage()) for r in flower_logs.records  # (seen
+                                if "node 1001 returned terms in another sign" in r.getMessage()}
+        assert levelno == level  # twice: flwr's handler and the root's)
+        assert f"hidden: 0 re-signed, {columns.stop} re-balanced of 5" in message
