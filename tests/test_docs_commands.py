@@ -83,7 +83,7 @@ _SEED_COPY = {"/tmp/cifar10-seed1.toml": "presets/cifar10-resnet18.toml",
               "/tmp/cifar10-seed$s.toml": "presets/cifar10-resnet18.toml"}
 
 PARSE_ONLY = [
-    ParseOnly("README.md", "presets/", _PRESET_DATA, r"data|preset"),
+    ParseOnly("README.md", "presets/", _PRESET_DATA, r"GPU|CIFAR|data-dir"),
     ParseOnly("docs/configuration.md", "presets/cifar10-resnet18.toml", _PRESET_DATA,
               r"CIFAR-10|data-dir"),
     ParseOnly("docs/configuration.md", "/tmp/cifar10-seed1.toml",
