@@ -10,6 +10,8 @@ the shared helpers by name:
 - ``fault_setup`` - the apps, the strategy and a small real Fashion-MNIST run, for the fault
   and attack tests;
 - ``golden_run`` / ``resume_worker`` - scripts that tests run in a fresh process.
+- ``doc_commands`` - the ``flwr run`` commands of the docs, read from the pages and parsed by
+  Flower's own parsers.
 
 Tests of one package live in the folder of the same name (``tests/client/train/fast`` tests
 ``fedshard.client.train.fast``); ``tests/faults`` holds the hostile-node and broken-file tests
