@@ -11,7 +11,10 @@ also writes it.
 
 Usage: ``python benchmarks/first_run.py --out results/first-run/first-run.json``; with
 Flower's default federation (plain ``flwr run .``: 2 SuperNodes, 2 CPUs each):
-``python benchmarks/first_run.py --nodes 2 --cpus 2 --out results/first-run/flower-defaults.json``
+``python benchmarks/first_run.py --nodes 2 --cpus 2 --out results/first-run/flower-defaults.json``;
+the default of the previous release (the MLP 256 wide, 7 rounds, r = 0.2 / 0.4):
+``python benchmarks/first_run.py --set model-width=256 --set num-server-rounds=7
+--set "keep-ratios='0.2:0.6,0.4:0.4'" --out results/first-run/previous-default.json``
 """
 
 from __future__ import annotations
@@ -27,6 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10; tomli comes with flwr
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -46,13 +54,15 @@ def _plain(line: str) -> str:
     return re.sub(r"^(INFO|WARNING|ERROR|DEBUG)\s*:\s*", "", _ANSI.sub("", line)).strip()
 
 
-def measure(nodes: int = NODES, cpus: int = 1) -> dict[str, Any]:
+def measure(nodes: int = NODES, cpus: int = 1,
+            overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """One run of README's first command (``nodes`` SuperNodes, ``cpus`` CPUs per
-    ClientApp); its record."""
+    ClientApp, ``overrides`` of the run config); its record."""
     lines: list[str] = []
     with tempfile.TemporaryDirectory(prefix="fedshard-first-run-") as tmp:
         start = time.perf_counter()
-        run = run_simulation(ROOT, {"results-dir": f"{tmp}/results", "run-name": "first-run"},
+        run = run_simulation(ROOT, {**(overrides or {}), "results-dir": f"{tmp}/results",
+                                    "run-name": "first-run"},
                              num_supernodes=nodes, flwr_home=Path(tmp) / "flwr-home",
                              client_num_cpus=cpus, timeout_s=1800, on_line=lines.append)
         wall = time.perf_counter() - start
@@ -69,6 +79,9 @@ def measure(nodes: int = NODES, cpus: int = 1) -> dict[str, Any]:
     beyond = {int(n) for x in spread_info
               for n, e in re.findall(r"(\d+): ([0-9.e+]+)x", x.split("median:", 1)[1])
               if float(e) > 4.0} | named
+    # and every node with a term in another balance or sign (now INFO unless a whole layer)
+    realigned = {int(n) for x in plain
+                 for n in re.findall(r"node (\d+) returned terms in another sign", x)}
     return {
         "command": f"flwr run . --federation-config \"num-supernodes={nodes} "
                    f"client-resources-num-cpus={cpus}\" --stream (results-dir, run-name added)",
@@ -82,6 +95,8 @@ def measure(nodes: int = NODES, cpus: int = 1) -> dict[str, Any]:
         "warnings": warnings,
         "honest-nodes-named-at-warning": len(named),
         "honest-nodes-beyond-2-kappa": len(beyond),
+        "honest-nodes-realigned": len(realigned),
+        "overrides": overrides or {},
     }
 
 
@@ -92,9 +107,14 @@ def main() -> None:
                         help="SuperNodes (README: 10; Flower's default: 2)")
     parser.add_argument("--cpus", type=int, default=1,
                         help="CPUs per ClientApp (README: 1; Flower's default: 2)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a run-config override (TOML value), e.g. model-width=256")
     args = parser.parse_args()
+    overrides = {k: tomllib.loads(f"v = {v}")["v"]
+                 for k, _, v in (x.partition("=") for x in args.set)}
     record = {"machine": cpu_name(), "torch": torch.__version__, "flwr": flwr.__version__,
-              "date": datetime.date.today().isoformat(), **measure(args.nodes, args.cpus)}
+              "date": datetime.date.today().isoformat(),
+              **measure(args.nodes, args.cpus, overrides)}
     text = json.dumps(record, indent=1)
     print(text)
     if args.out is not None:
