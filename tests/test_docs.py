@@ -140,12 +140,12 @@ def test_merged_attack_tables_keep_every_seed_and_recompute_the_means(
         at.merge([str(tmp_path / "0.json"), str(tmp_path / "0.json")])
 
 
-def test_robustness_pages_seeds_3_to_5_table_is_the_committed_measurement(
+def test_robustness_pages_six_seed_table_is_the_committed_measurement(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """docs/robustness.md's table of seeds 3-5 is what benchmarks/attack_table.py prints from
-    the committed output, row for row."""
+    """docs/robustness.md's six-seed table is what benchmarks/attack_table.py prints from the
+    committed output, row for row."""
     at = _attack_table(monkeypatch)
-    path = DOCS.parent / "results" / "robustness" / "attacks-default-seeds-3-5.json"
-    assert json.loads(path.read_text())["size"]["seeds"] == [3, 4, 5]
+    path = DOCS.parent / "results" / "robustness" / "attacks-default-seeds-0-5.json"
+    assert json.loads(path.read_text())["size"]["seeds"] == [0, 1, 2, 3, 4, 5]
     rows = at.markdown([str(path)]).split("\n\n", 1)[1]
     assert rows in (DOCS / "robustness.md").read_text(encoding="utf-8")
