@@ -34,7 +34,9 @@ the tables made from it are in ``docs/robustness.md``.
 Usage: ``OMP_NUM_THREADS=1 python benchmarks/attack_table.py [--attacks a,b] [--defences d,e]
 [--attackers 1,3] [--seeds 0,1,2] [--rounds 12] [--width 64] [--train 12000] [--test 2000]``;
 ``python benchmarks/attack_table.py --markdown OUT.json [...]`` prints the docs' table from
-saved outputs.
+saved outputs; ``python benchmarks/attack_table.py --merge A.json B.json [...]`` prints one
+output holding the seeds of several runs of the same cells (same size, defences and attacks,
+other seeds), the means and worst seeds recomputed.
 """
 
 from __future__ import annotations
@@ -74,6 +76,10 @@ from fedshard.client import handle_train  # noqa: E402
 
 REAL = Path("/usr/share/datasets/fashion-mnist")
 N_NODES = 10
+
+#: What every cell runs with beyond the app's defaults and the size options: the keep-ratio mix
+#: the committed tables were measured with (the app's default until it moved to 0.1 / 0.2).
+TABLE_KEYS: dict[str, Any] = {"keep-ratios": "0.2:0.6,0.4:0.4"}
 
 #: defence name -> run-config keys
 DEFENCES: dict[str, dict[str, Any]] = {
@@ -477,9 +483,59 @@ def markdown(paths: list[str]) -> str:
     return "\n".join(lines).strip("\n")
 
 
+def merge(paths: list[str]) -> dict[str, Any]:
+    """One output from several outputs of this script that ran the same cells (the same size
+    but for the seeds, the same defences with the same keys, the same attacks) on other seeds:
+    every cell's seeds together, each attack's mean and worst Δ recomputed; ``runs`` keeps
+    each output's date, machine, torch and wall time.
+
+    Raises
+    ------
+    SystemExit
+        If two outputs differ in anything but their seeds, or share a seed.
+    """
+    outs = [json.loads(Path(p).read_text()) for p in paths]
+    first = outs[0]
+    size = {k: v for k, v in first["size"].items() if k != "seeds"}
+    seeds: list[int] = []
+    for path, out in zip(paths, outs, strict=True):
+        other = {k: v for k, v in out["size"].items() if k != "seeds"}
+        cells = {n: (t["keys"], sorted(t["attacks"])) for n, t in out["results"].items()}
+        want = {n: (t["keys"], sorted(t["attacks"])) for n, t in first["results"].items()}
+        if other != size or cells != want:
+            raise SystemExit(f"{path}: another size, defence or attack set than {paths[0]}; "
+                             "only runs of the same cells on other seeds can be merged")
+        if set(out["size"]["seeds"]) & set(seeds):
+            raise SystemExit(f"{path}: seeds {out['size']['seeds']} overlap {seeds}; nothing "
+                             "was merged")
+        seeds += out["size"]["seeds"]
+    results: dict[str, Any] = {}
+    for name, table in first["results"].items():
+        merged: dict[str, Any] = {"keys": table["keys"], "clean": {}, "attacks": {}}
+        for out in outs:
+            merged["clean"].update(out["results"][name]["clean"])
+        for key in table["attacks"]:
+            cells = {}
+            for out in outs:
+                cells.update(out["results"][name]["attacks"][key]["seeds"])
+            deltas = [c["delta-points"] for c in cells.values() if c["delta-points"] is not None]
+            merged["attacks"][key] = {
+                "delta-points-mean": round(float(np.mean(deltas)), 2) if deltas else None,
+                "delta-points-worst": round(float(min(deltas)), 2) if deltas else None,
+                "seeds": cells}
+        results[name] = merged
+    return {"size": {**first["size"], "seeds": seeds},
+            "runs": [{k: out[k] for k in ("date", "cpu", "torch", "threads", "wall-s")} | {
+                "seeds": out["size"]["seeds"]} for out in outs],
+            "results": results}
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--markdown"]:
         print(markdown(sys.argv[2:]))
+        return
+    if sys.argv[1:2] == ["--merge"]:
+        print(json.dumps(merge(sys.argv[2:])))
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--attacks", default=",".join([*ATTACKS, *ROUND_ATTACKS]))
@@ -520,6 +576,7 @@ def main() -> None:
                 base = {"dataset": "fashion-mnist", "data-dir": str(data), "model": "mlp",
                         "model-width": args.width, "num-server-rounds": args.rounds,
                         "num-partitions": N_NODES, "min-available-nodes": N_NODES,
+                        **TABLE_KEYS,
                         "test-max-examples": args.test, "eval-every": 1, "seed": seed,
                         **DEFENCES[name]}
                 cell += 1
@@ -535,7 +592,8 @@ def main() -> None:
                                 "model": "mlp", "model-width": args.width,
                                 "num-server-rounds": args.rounds, "num-partitions": N_NODES,
                                 "min-available-nodes": N_NODES, "test-max-examples": args.test,
-                                "eval-every": 1, "seed": seed, **DEFENCES[name]}
+                                "eval-every": 1, "seed": seed, **TABLE_KEYS,
+                                **DEFENCES[name]}
                         cell += 1
                         row = run_cell(Path(tmp) / f"c{cell}", base, attack, k, args.last)
                         row["delta-points"] = (round(100 * (row["accuracy"] - clean[seed]), 2)

@@ -138,6 +138,8 @@ def main() -> None:
             "model-width": args.width, "num-server-rounds": args.rounds,
             "num-partitions": 10, "min-available-nodes": 10, "fraction-train": 1.0,
             "fraction-evaluate": 0.0, "test-max-examples": 1000, "seed": 0,
+            # the mix the committed record was measured with (the app's default then)
+            "keep-ratios": "0.2:0.6,0.4:0.4",
             "client-device": "cpu", "server-device": "cpu", "cuda-graph": False,
             "results-dir": str(root / "out"), "overwrite": True,
             **({} if args.max_weight_ratio is None

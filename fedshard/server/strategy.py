@@ -28,7 +28,7 @@ from fedshard.server.callbacks import (
 )
 from fedshard.server.metrics import mean_client_metrics
 from fedshard.server.nodes import NodeDirectory
-from fedshard.server.privacy import refuse_foreign_driver
+from fedshard.server.privacy import driving_strategy, refuse_foreign_driver
 from fedshard.server.schedule import round_recipe, schedule_length
 from fedshard.settings import (
     CONCERNS,
@@ -379,7 +379,7 @@ class SpectralSharding(FedAvg):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Sample nodes, shard every sharded layer per keep-ratio group, one message per node."""
-        refuse_foreign_driver(self._foreign_start, config)
+        refuse_foreign_driver(self._foreign_start, config, driving_strategy(self))
         server_round += self.round_offset
         self._round, self._configured, self.current_arrays = None, server_round, arrays
         if self.fraction_train == 0.0:

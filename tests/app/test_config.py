@@ -58,7 +58,7 @@ def test_all_problems_reported_at_once() -> None:
      ({"keep-ratios": "0:1"}, r"ratio 0.0 is outside \(0, 1\]"),
      ({"keep-ratios": "0.2,0.4"}, "has no share"),
      ({"keep-ratios": "a:b"}, "cannot read 'a:b'"),
-     ({"lr": -1.0}, "lr=-1.0: expected > 0"),
+     ({"lr": -1.0}, "lr=-1.0: expected a finite number ≥ 1.2e-38"),
      ({"fraction-train": 0.0}, r"fraction-train=0.0: expected in \(0, 1\]"),
      ({"method": "unbiased", "scaled": True}, "scaled=true with method='unbiased'"),
      ({"momentum": 1.0}, "momentum=1.0"),

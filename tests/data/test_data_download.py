@@ -81,13 +81,18 @@ def _served_files(scratch: Path) -> dict[str, bytes]:
 
 class Mirror:
     """A real HTTP server on 127.0.0.1 holding files by name. It records every request and can
-    serve a file with one byte changed (``corrupt``) or close after half of it (``cut``)."""
+    serve a file with one byte changed (``corrupt``), close after half of it (``cut``), go on
+    past its end (``endless``: the file, then 64 kB blocks up to 100 times its size, no
+    ``Content-Length``) or send it a byte every 50 ms (``trickle``)."""
 
     def __init__(self, files: dict[str, bytes]) -> None:
         self.files = files
         self.requests: list[str] = []
         self.corrupt: set[str] = set()
         self.cut: set[str] = set()
+        self.endless: set[str] = set()
+        self.trickle: set[str] = set()
+        self.sent: dict[str, int] = {}  # bytes written to the socket per endless/trickled file
         self.delay = 0.0
         mirror = self
 
@@ -102,6 +107,9 @@ class Mirror:
                     return
                 if name in mirror.corrupt:
                     data = data[:-1] + bytes([data[-1] ^ 0xFF])  # same size, other bytes
+                if name in mirror.endless or name in mirror.trickle:
+                    self._slow_or_endless(name, data)
+                    return
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -110,6 +118,29 @@ class Mirror:
                     self.close_connection = True
                     return
                 self.wfile.write(data)
+
+            def _slow_or_endless(self, name: str, data: bytes) -> None:
+                self.send_response(200)
+                if name in mirror.trickle:
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.close_connection = True
+                mirror.sent[name] = 0
+                try:
+                    if name in mirror.trickle:
+                        for i in range(len(data)):
+                            self.wfile.write(data[i:i + 1])
+                            self.wfile.flush()
+                            mirror.sent[name] += 1
+                            time.sleep(0.05)
+                        return
+                    self.wfile.write(data)
+                    mirror.sent[name] += len(data)
+                    while mirror.sent[name] < 100 * len(data):
+                        self.wfile.write(b"\0" * (1 << 16))
+                        mirror.sent[name] += 1 << 16
+                except OSError:  # the client hung up
+                    pass
 
             def log_message(self, *args: object) -> None:
                 pass
@@ -189,7 +220,9 @@ def test_a_download_is_verified_cached_and_read(mirror: Mirror, served: dict[str
         load_test_set("fashion-mnist")  # download=False: no request
     assert mirror.requests == []
     caplog.set_level("INFO", logger="fedshard")
-    leftover = tmp_path / "cache" / "fashion-mnist" / ".train-images-idx3-ubyte.gz.killed.part"
+    # named as the download names its temporary files: what a killed download left
+    leftover = (tmp_path / "cache" / "fashion-mnist"
+                / ".train-images-idx3-ubyte.gz.fedshard-k1lled_0.part")
     leftover.parent.mkdir(parents=True)
     leftover.write_bytes(b"what a killed download left")
     test = load_test_set("fashion-mnist", download=True)
@@ -241,6 +274,108 @@ def test_a_cut_short_transfer_is_refused_and_not_kept(mirror: Mirror, tmp_path: 
     mirror.cut.clear()
     assert len(load_partition("fashion-mnist", 0, 2, download=True)) > 0
     assert _cached(tmp_path) == sorted(f.name for f in FASHION_MNIST_FILES)
+
+
+_SMALL = "t10k-labels-idx1-ubyte.gz"
+
+
+def _small(mirror: Mirror) -> OfficialFile:
+    """The small labels file as the table of one :func:`fetch.fetch`."""
+    data = mirror.files[_SMALL]
+    return OfficialFile(_SMALL, len(data), hashlib.sha256(data).hexdigest())
+
+
+def test_the_cleanup_removes_only_the_downloads_own_partial_files(mirror: Mirror,
+                                                                 tmp_path: Path) -> None:
+    folder = tmp_path / "cache" / "fashion-mnist"
+    folder.mkdir(parents=True)
+    outside = tmp_path / "outside.part"
+    outside.write_bytes(b"the user's")
+    users = {".notes.part": b"a user's draft", ".t10k-labels-idx1-ubyte.gz.mine.part": b"mine",
+             ".t10k-labels-idx1-ubyte.gz.fedshard-toolong99.part": b"not our name",
+             ".other.gz.fedshard-abcdefgh.part": b"not a file being fetched"}
+    for name, data in users.items():
+        (folder / name).write_bytes(data)
+    linked = folder / ".t10k-labels-idx1-ubyte.gz.fedshard-linked00.part"
+    linked.symlink_to(outside)  # named as ours, but a link: not the download's file
+    ours = folder / ".t10k-labels-idx1-ubyte.gz.fedshard-k1lled_0.part"
+    ours.write_bytes(b"what a killed download left")
+
+    fetch.fetch([_small(mirror)], mirror.url, folder, what="X", offline_hint="")
+
+    assert not ours.exists()
+    for name, data in users.items():
+        assert (folder / name).read_bytes() == data
+    assert linked.is_symlink() and outside.read_bytes() == b"the user's"
+    assert (folder / _SMALL).read_bytes() == mirror.files[_SMALL]
+
+
+def test_an_endless_body_is_read_only_up_to_the_files_size(
+    mirror: Mirror, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    written: list[int] = []
+    real = fetch.tempfile.NamedTemporaryFile
+
+    def counting(*args: object, **kwargs: object) -> object:
+        handle = real(*args, **kwargs)  # type: ignore[call-overload]
+        write = handle.write
+        handle.write = lambda b: written.append(len(b)) or write(b)
+        return handle
+
+    monkeypatch.setattr(fetch.tempfile, "NamedTemporaryFile", counting)
+    mirror.endless.add(_SMALL)
+    size = len(mirror.files[_SMALL])
+    folder = tmp_path / "cache" / "fashion-mnist"
+    with pytest.raises(DataNotFoundError, match=(
+            rf"^{re.escape(mirror.url + _SMALL)} sends more than the {size:,} bytes of "
+            rf"{_SMALL}; the download was stopped after {size + 1:,} bytes and nothing of it "
+            "was kept")):
+        fetch.fetch([_small(mirror)], mirror.url, folder, what="X", offline_hint="")
+    assert 0 < sum(written) <= size  # never more than the file on disk
+    assert [p.name for p in folder.iterdir() if p.name != ".fedshard-download.lock"] == []
+
+
+def test_a_trickling_mirror_is_stopped_at_the_whole_downloads_deadline(
+    mirror: Mirror, tmp_path: Path
+) -> None:
+    mirror.trickle.add(_SMALL)  # a byte every 50 ms: no read ever times out
+    folder = tmp_path / "cache" / "fashion-mnist"
+    size = len(mirror.files[_SMALL])
+    t0 = time.monotonic()
+    with pytest.raises(DataNotFoundError, match=(
+            r"^Downloading X did not finish within its deadline of 1 s \(for the whole "
+            rf"download; \d+ of {size:,} bytes of {re.escape(mirror.url + _SMALL)} had "
+            r"arrived\); it was stopped and nothing of the unfinished file was kept")):
+        fetch.fetch([_small(mirror)], mirror.url, folder, what="X", offline_hint="",
+                    deadline_s=1.0)
+    assert time.monotonic() - t0 < 5
+    assert mirror.sent[_SMALL] < size
+    assert [p.name for p in folder.iterdir() if p.name != ".fedshard-download.lock"] == []
+
+
+def test_a_link_planted_as_the_download_lock_is_refused(mirror: Mirror, tmp_path: Path) -> None:
+    folder = tmp_path / "cache" / "fashion-mnist"
+    folder.mkdir(parents=True)
+    target = tmp_path / "elsewhere" / "created-through-the-link"
+    target.parent.mkdir()
+    (folder / ".fedshard-download.lock").symlink_to(target)
+    with pytest.raises(DataNotFoundError, match=(
+            r"download lock .*\.fedshard-download\.lock is a symbolic link \(to "
+            rf"{re.escape(str(target))}\); expected a plain file .* nothing was opened or "
+            "created through it")):
+        fetch.fetch([_small(mirror)], mirror.url, folder, what="X", offline_hint="")
+    assert not target.exists()
+    assert mirror.requests == []
+
+
+def test_a_fifo_as_the_download_lock_is_refused(mirror: Mirror, tmp_path: Path) -> None:
+    folder = tmp_path / "cache" / "fashion-mnist"
+    folder.mkdir(parents=True)
+    os.mkfifo(folder / ".fedshard-download.lock")
+    with pytest.raises(DataNotFoundError, match=(
+            r"download lock .*\.fedshard-download\.lock is not a regular file \(a FIFO")):
+        fetch.fetch([_small(mirror)], mirror.url, folder, what="X", offline_hint="")
+    assert mirror.requests == []
 
 
 def test_concurrent_first_downloads_fetch_each_file_once(mirror: Mirror, tmp_path: Path,

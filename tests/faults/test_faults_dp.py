@@ -113,3 +113,25 @@ def test_flowers_local_dp_mod_cannot_wrap_a_shard_reply() -> None:
     replies = g.send_and_receive(list(s.configure_train(1, initial(), ConfigRecord(), g)))
     assert len(replies) == 2 and all(r.has_error() for r in replies)
     assert all("LocalDpMod" in r.error.reason for r in replies)
+
+
+@pytest.mark.parametrize("wrapper", [DifferentialPrivacyServerSideFixedClipping,
+                                     DifferentialPrivacyServerSideAdaptiveClipping])
+def test_a_server_side_wrapper_driven_through_its_hooks_is_refused_before_round_1(
+    wrapper: type,
+) -> None:
+    """A loop of one's own over the wrapper's hooks (no start(), no summary()): refused at the
+    first configure_train, naming the wrapper, never a numpy broadcast error after round 1."""
+    kwargs: dict[str, Any] = {"clipping_norm": 1.0} if "Fixed" in wrapper.__name__ else {}
+    dp = wrapper(strategy(), noise_multiplier=0.1, num_sampled_clients=3, **kwargs)
+    g = grid()
+    arrays = initial()
+    with pytest.raises(RuntimeError, match=(
+            rf"driven by another strategy \({wrapper.__name__} called "
+            r"SpectralSharding\.configure_train\).*no differential privacy for factor shards "
+            "yet")):
+        for server_round in (1, 2):
+            messages = list(dp.configure_train(server_round, arrays, ConfigRecord(), g))
+            new, _ = dp.aggregate_train(server_round, g.send_and_receive(messages))
+            arrays = new or arrays
+    assert not g.sent

@@ -116,3 +116,44 @@ def test_lock_file_is_emptied_on_release(tmp_path: Path) -> None:
     lock.release()
     assert not lock.held
     assert (tmp_path / "run.lock").read_text() == ""
+
+
+def test_a_forged_holder_in_run_lock_is_escaped_in_the_log_and_the_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import fcntl
+
+    forged = {"pid": "1\n2026-01-01 ERROR flwr: the run was stopped by the operator",
+              "host": "\x1b[2J\x1b[31mhost", "started": "now\r"}
+    (tmp_path / "run.lock").write_text(json.dumps(forged))
+    with open(tmp_path / "run.lock") as held:  # another open file: a holder of the lock
+        fcntl.flock(held, fcntl.LOCK_EX)
+        caplog.set_level("WARNING", logger="fedshard")
+        with pytest.raises(RunLockedError, match=(
+                r"in use by another run \(pid 1\\n2026-01-01 ERROR flwr: the run was stopped "
+                r"by the operator on host \\x1b\[2J\\x1b\[31mhost, started now\\r; lock file"
+                )) as info:
+            RunLock(tmp_path).acquire(wait_s=0.3)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("is held by pid 1\\n2026-01-01 ERROR" in line for line in lines), lines
+    for text in [*lines, str(info.value)]:
+        assert "\n" not in text and "\r" not in text and "\x1b" not in text
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_as_run_lock_is_refused_naming_it(tmp_path: Path) -> None:
+    from fedshard.app.rundir import RunDirectoryError
+
+    run = tmp_path / "run"
+    run.mkdir()
+    os.mkfifo(run / "run.lock")
+    for start in (lambda: RunLock(run).acquire(), lambda: RunRecorder(run, CONFIG, 1)):
+        with pytest.raises(RunDirectoryError, match=(
+                rf"^{run / 'run.lock'} is a FIFO, not a regular file; expected a plain file "
+                "that fedshard creates, so it was not opened and the run was not started")):
+            start()
+    # a FIFO under a result file's name is refused as well, and nothing blocks on it
+    os.mkfifo(run / "metrics.jsonl")
+    from fedshard.app.rundir import open_private_append
+    with pytest.raises(RunDirectoryError, match=rf"^{run / 'metrics.jsonl'} is a FIFO"):
+        open_private_append(run / "metrics.jsonl")
