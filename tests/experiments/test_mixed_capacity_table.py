@@ -1,0 +1,56 @@
+"""The mixed-capacity table's statistics (benchmarks/mixed_capacity.py) against sums written
+out by hand: each cell's mean and std over seeds, and the paired difference to the column's
+best baseline seed by seed."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import mixed_capacity  # noqa: E402
+
+COLUMN = "20 % r = 1 / 80 % r = 0.1"
+
+
+def test_the_paired_difference_is_taken_seed_by_seed_against_the_best_baseline() -> None:
+    cells = {
+        ("Collective", COLUMN): {"full": {0: 0.80, 1: 0.70, 2: 0.75},
+                                 "r0.1": {0: 0.60, 1: 0.50, 2: 0.55}},
+        ("HeteroFL", COLUMN): {"full": {0: 0.78, 1: 0.66, 2: 0.74},
+                               "r0.1": {0: 0.70, 1: 0.61, 2: 0.66}},
+        ("Small model", COLUMN): {"full": {0: 0.77, 1: 0.69, 2: 0.70},
+                                  "r0.1": {0: 0.77, 1: 0.69, 2: 0.70}},
+    }
+    stats = mixed_capacity.statistics_of(cells)[COLUMN]
+    # at full size the best baseline by mean is HeteroFL (0.7267 > 0.72)
+    full = stats["full"]["Collective"]
+    assert full["mean"] == pytest.approx(0.75)
+    assert full["std"] == pytest.approx(0.05)
+    d = full["vs-best-baseline"]
+    assert d["baseline"] == "HeteroFL"
+    assert d["mean"] == pytest.approx((0.02 + 0.04 + 0.01) / 3)
+    assert d["std"] == pytest.approx(statistics.stdev([0.02, 0.04, 0.01]))
+    assert d["beyond-spread"] is True  # 0.0233 ± 0.0153
+    # at r = 0.1 the small model is the best baseline; Collective's deficit is steady
+    d = stats["r0.1"]["Collective"]["vs-best-baseline"]
+    assert d["baseline"] == "Small model"
+    assert d["mean"] == pytest.approx((-0.17 - 0.19 - 0.15) / 3)
+    assert d["beyond-spread"] is True
+    # the best baseline is not compared with itself; another baseline is
+    assert "vs-best-baseline" not in stats["r0.1"]["Small model"]
+    assert stats["r0.1"]["HeteroFL"]["vs-best-baseline"]["baseline"] == "Small model"
+
+
+def test_a_difference_inside_the_seeds_spread_is_said_so() -> None:
+    cells = {("Unbiased", COLUMN): {"full": {0: 0.70, 1: 0.80}},
+             ("HeteroFL", COLUMN): {"full": {0: 0.75, 1: 0.74}}}
+    d = mixed_capacity.statistics_of(cells)[COLUMN]["full"]["Unbiased"]["vs-best-baseline"]
+    assert d["mean"] == pytest.approx(0.005)  # (-0.05 + 0.06) / 2
+    assert d["beyond-spread"] is False
+    table = mixed_capacity.markdown({"statistics": mixed_capacity.statistics_of(cells)})
+    assert "| Unbiased | 75.0 ± 7.1 (+0.5) |" in table
