@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import mixed_capacity  # noqa: E402
+import mixed_capacity
 
 COLUMN = "20 % r = 1 / 80 % r = 0.1"
 
