@@ -116,13 +116,13 @@ def test_a_deployed_node_with_a_simulated_config_is_warned(cfg: RunConfig) -> No
         assert task.warn_if_looks_simulated(cfg, node, deployed)
         assert not task.warn_if_looks_simulated(cfg, node, deployed)  # once
     assert len(lines) == 1
-    # partition 1 of the default mixture 0.2:0.6,0.4:0.4 (the library's rule, by hand:
+    # partition 1 of the default mixture 0.1:0.6,0.2:0.4 (the library's rule, by hand:
     # node_keep_ratio spreads the mixture over partition ids)
     from fedshard.client.keep_ratios import node_keep_ratio
 
     r = node_keep_ratio(node, cfg.mixture)
     assert f"took keep ratio r={r:g} from the run's simulated mixture keep-ratios=" \
-           "'0.2:0.6,0.4:0.4' and trains partition 1 of 3 of fashion-mnist" in lines[0]
+           "'0.1:0.6,0.2:0.4' and trains partition 1 of 3 of fashion-mnist" in lines[0]
 
 
 def test_grid_runtime_names_flowers_grids() -> None:

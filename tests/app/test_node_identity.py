@@ -61,7 +61,7 @@ def test_devices_following_the_docs_never_share_a_key(tmp_path: Any) -> None:
 
 
 def test_a_device_with_its_own_data_trains_all_of_it() -> None:
-    cfg = RunConfig()  # num-partitions 10: the simulated federation's split
+    cfg = RunConfig.from_mapping({"num-partitions": 10})  # the simulated federation's split
     assert node_partition(cfg, {"keep-ratio": 0.2, "data-dir": "/data"}) == (0, 1)
     assert node_partition(cfg, {"keep-ratio": 0.2, "partition-id": 2,
                                 "num-partitions": 3}) == (2, 3)

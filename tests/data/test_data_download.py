@@ -331,7 +331,9 @@ def test_an_endless_body_is_read_only_up_to_the_files_size(
             rf"{_SMALL}; the download was stopped after {size + 1:,} bytes and nothing of it "
             "was kept")):
         fetch.fetch([_small(mirror)], mirror.url, folder, what="X", offline_hint="")
-    assert 0 < sum(written) <= size  # never more than the file on disk
+    # never more than the file on disk (nothing at all when the first read already brought
+    # more than the file's size: how much the mirror had sent by then depends on timing)
+    assert sum(written) <= size
     assert [p.name for p in folder.iterdir() if p.name != ".fedshard-download.lock"] == []
 
 
@@ -472,7 +474,9 @@ def test_readmes_first_command_downloads_when_no_local_copy_exists(
     cfg = RunConfig.from_mapping(defaults)
     assert (cfg.dataset, cfg.data_dir, cfg.download) == ("fashion-mnist", "", True)
     monkeypatch.setattr(task, "_DATASETS", OrderedDict())  # nothing prepared earlier
-    dataset = task.client_dataset(cfg, 0, cfg.num_partitions)  # what the ClientApp calls
+    # what the ClientApp calls for node 0 of README's 10 simulated nodes
+    dataset = task.client_dataset(cfg, *task.node_partition(
+        cfg, {"partition-id": 0, "num-partitions": 10}))
     assert len(dataset) > 0
     assert sorted(mirror.requests) == sorted(f.name for f in FASHION_MNIST_FILES)
 

@@ -21,6 +21,7 @@ from fedshard.app.config import RunConfig
 from fedshard.app.engine import engine_grid, run_engine, simulated_nodes
 from fedshard.app.engine.__main__ import main
 from fedshard.app.run import run_server
+from fedshard.server.callbacks import StopRun
 
 ROOT = Path(__file__).resolve().parents[3]
 NODES = 4
@@ -99,13 +100,16 @@ def test_engine_and_node_count_are_checked(data_dir: Path, tmp_path: Path) -> No
 
 def test_a_node_count_other_than_num_partitions_gives_error_replies(
         data_dir: Path, tmp_path: Path) -> None:
-    """As over Flower: each node refuses (its query reply is an error), no round trains."""
+    """As over Flower: each node refuses (its query reply is an error), and the run stops
+    after its first round with that error."""
     cfg = RunConfig.from_mapping({**_settings(data_dir, tmp_path, "x"),
                                   "min-available-nodes": 2})
     nodes = simulated_nodes(cfg, 3)
     assert all(n.keep_ratio is None and "num-partitions=4" in str(n.keep_ratio_error)
                for n in nodes)
-    with pytest.raises(RuntimeError, match="No round trained"):
+    with pytest.raises(StopRun, match=r"Round 1: every one of the 3 connected nodes answered "
+                                      r"the capability query with the same error.*"
+                                      r"num-partitions=4"):
         run_engine(cfg, 3)
 
 

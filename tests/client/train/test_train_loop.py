@@ -278,7 +278,7 @@ def test_train_logs_each_epoch(caplog: pytest.LogCaptureFixture) -> None:
     ("field", "value", "pattern"),
     [
         ("local_epochs", 0, r"LocalTraining.*\n  - local_epochs=0: expected an integer ≥ 1"),
-        ("lr", -0.1, r"lr=-0\.1: expected > 0 \(a finite number"),
+        ("lr", -0.1, r"lr=-0\.1: expected a finite number ≥ 1\.2e-38"),
         ("momentum", 1.0, r"momentum=1\.0: expected in \[0, 1\)"),
         ("frobenius_decay", -1.0, r"frobenius_decay=-1\.0: expected a finite number ≥ 0"),
         ("clip_lr_tau", 0.0, r"clip_lr_tau=0\.0: expected τ ≥ 1 \(the paper uses 10\), or None"),
