@@ -500,7 +500,7 @@ def likely_fix(reason: str) -> str:
                 "layers): build it with model = receive(msg, Net()).model (fedshard.receive) "
                 "instead of loading msg.content['arrays'] into your dense model, and make sure "
                 "server and nodes build the same model.")
-    if "num-partitions" in reason:
+    if "run config num-partitions=" in reason:
         return ("the run config's num-partitions disagrees with the number of simulated nodes. "
                 "Leave num-partitions out (its default 0 gives one partition per simulated "
                 "node, whatever their number), or set it equal to the federation's "

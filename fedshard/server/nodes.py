@@ -180,17 +180,20 @@ class NodeDirectory:
         return node_ids
 
     def sample(self, grid: Grid, server_round: int, fraction: float,
-               minimum: int, *, training: bool = False) -> dict[int, P.Capabilities]:
+               minimum: int, *, training: bool = False,
+               stop_if_all_fail: bool = False) -> dict[int, P.Capabilities]:
         """Wait for enough nodes, learn the capabilities of new ones, then sample
         ``max(⌊fraction·K⌋, minimum)`` of the K connected among those with a keep ratio,
         returned in the canonical order (by stable key).
 
         With ``training``, nodes whose keep ratio is below the policy's ``min_keep_ratio``
-        are idle: they are neither sampled nor counted in K."""
+        are idle: they are neither sampled nor counted in K. With ``stop_if_all_fail``, the
+        run's first training round raises :class:`~fedshard.server.callbacks.NoRoundTrainedError`
+        when every connected node answered the capability query with the same error."""
         node_ids = self.wait(grid, max(self.min_available_nodes, minimum))
         for gone in set(self.capabilities) - set(node_ids):
             del self.capabilities[gone]
-        first = training and not self._asked_to_train
+        first = training and stop_if_all_fail and not self._asked_to_train
         failures = self.query(grid, node_ids, defer_errors=first)
         if first:
             self._asked_to_train = True
@@ -231,7 +234,7 @@ class NodeDirectory:
 
     def _stop_if_all_failed(self, server_round: int, node_ids: list[int],
                             failures: dict[int, str]) -> None:
-        """At the run's first training round: stop the run (:class:`StopRun`, one ERROR line
+        """At the run's first training round: stop the run (one ERROR line
         with the error and the likely fix) when every connected node answered the capability
         query with the same error. That error would come back every round; nodes that fail
         differently, or only some nodes, are asked again next round as usual."""
@@ -240,16 +243,17 @@ class NodeDirectory:
         reasons = set(failures.values())
         if len(reasons) != 1 or not (reason := next(iter(reasons))).startswith("error reply"):
             return
-        from fedshard.server.callbacks import StopRun, likely_fix  # callbacks import rounds
+        from fedshard.server.callbacks import NoRoundTrainedError, likely_fix  # (a cycle)
 
-        message = (f"Round {server_round}: every one of the {len(node_ids)} connected nodes "
-                   f"answered the capability query with the same error, so every round would: "
-                   f"the run stops here. The error: {one_line(reason, 2000)}")
+        message = (f"No round trained: in round {server_round} every one of the "
+                   f"{len(node_ids)} connected nodes answered the capability query with the "
+                   f"same error, so every round would: the run stops here. The error: "
+                   f"{one_line(reason, 2000)}")
         hint = likely_fix(reason)
         if hint:
             message += f" Likely fix: {hint}"
         log(ERROR, "%s", message)
-        stop = StopRun(message)
+        stop = NoRoundTrainedError(message)
         stop.logged = True
         raise stop
 

@@ -384,8 +384,12 @@ class SpectralSharding(FedAvg):
         self._round, self._configured, self.current_arrays = None, server_round, arrays
         if self.fraction_train == 0.0:
             return []
+        # a first round whose nodes all fail alike is a run that cannot train: it stops with
+        # StopWhenUntrained's error, and only where that check is one of the callbacks
         nodes = self.nodes.sample(grid, server_round, self.fraction_train, self.min_train_nodes,
-                                  training=True)
+                                  training=True, stop_if_all_fail=any(
+                                      isinstance(c, cb.StopWhenUntrained)
+                                      for c in self.callbacks))
         if not nodes:
             log(WARNING, "Round %d: no connected node declared a keep ratio; no training.",
                 server_round)

@@ -79,7 +79,8 @@ def test_an_explicit_partition_count_that_disagrees_stops_the_run_after_round_on
     cfg = app_run_config(ROOT, settings)
     grid = InProcessGrid(client_app.app, _flower_nodes(2), cfg.as_dict())
     with caplog.at_level(logging.INFO), pytest.raises(
-            StopRun, match=r"Round 1: every one of the 2 connected nodes answered the capability "
+            StopRun, match=r"No round trained: in round 1 every one of the 2 connected nodes "
+                           r"answered the capability "
                            r"query with the same error"):
         run_server(grid, cfg)
     queries = [m for m in grid.sent if m.metadata.message_type == "query"]

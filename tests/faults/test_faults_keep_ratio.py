@@ -12,6 +12,7 @@ from flwr.app import ConfigRecord
 
 from fedshard.app.config import RunConfig
 from fedshard.app.task import declared_keep_ratio
+from fedshard.server.callbacks import NoRoundTrainedError
 from fedshard.server.nodes import load_keep_ratio_table
 
 CFG = RunConfig(keep_ratios="0.2:0.5,0.4:0.5")
@@ -33,18 +34,31 @@ def test_the_deployed_nodes_refusal_reaches_the_server_log(
 
     import client_app
 
+    # beside a node that declares its ratio, the refusing node is skipped and asked again
     g = InProcessGrid(client_app.app, [{"data-dir": "/nowhere", "partition-id": 0,
-                                        "num-partitions": 1}], {"keep-ratios": "0.5"})
+                                        "num-partitions": 1}, {"keep-ratio": 0.5}],
+                      {"keep-ratios": "0.5"})
     logging.getLogger("flwr").addHandler(caplog.handler)
     try:
         s = strategy()
-        assert list(s.configure_train(1, initial(), ConfigRecord(), g)) == []
-        assert list(s.configure_train(2, initial(), ConfigRecord(), g)) == []  # asked again
+        assert len(list(s.configure_train(1, initial(), ConfigRecord(), g))) == 1
+        assert len(list(s.configure_train(2, initial(), ConfigRecord(), g))) == 1
     finally:
         logging.getLogger("flwr").removeHandler(caplog.handler)
     assert "gave no usable keep ratio (error reply: ValueError('This deployed node declares no " \
         "keep-ratio" in caplog.text
-    assert [m.metadata.message_type for m in g.sent] == ["query", "query"]
+    # (configure_train builds the train messages; it sends only the queries)
+    assert [m.metadata.message_type for m in g.sent] == ["query", "query", "query"]
+    # alone, it is a run that cannot train: the first round stops it, naming the error once
+    caplog.clear()
+    g = InProcessGrid(client_app.app, [{"data-dir": "/nowhere", "partition-id": 0,
+                                        "num-partitions": 1}], {"keep-ratios": "0.5"})
+    with caplog.at_level(logging.ERROR), pytest.raises(
+            NoRoundTrainedError, match=r"(?s)in round 1 every one of the 1 connected nodes .*"
+                                       r"This deployed node declares no keep-ratio.*"
+                                       r"Likely fix: every node must declare a keep ratio"):
+        strategy().configure_train(1, initial(), ConfigRecord(), g)
+    assert [m.metadata.message_type for m in g.sent] == ["query"]
 
 
 def test_a_ratio_above_the_cap_is_clipped_to_it() -> None:

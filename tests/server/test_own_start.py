@@ -76,6 +76,14 @@ def ten_simulated_nodes(app: ClientApp = user_client) -> InProcessGrid:
 
 no_ratio_client = ClientApp()  # a project that forgot ShardingClientApp: queries fail
 
+# nodes that fail each in its own way (a stop at round 1 needs one error from every node)
+varied_client = ClientApp()
+
+
+@varied_client.query()
+def _varied_query(msg: Message, context: Context) -> Message:
+    raise RuntimeError(f"node {context.node_id} is not ready")
+
 
 def user_strategy(**kw: Any) -> BestModelSharding:
     args: dict = dict(num_rounds=None, lr=None, fraction_evaluate=0.0, min_train_nodes=1,
@@ -160,25 +168,32 @@ def test_schedule_length_without_start(caplog: pytest.LogCaptureFixture) -> None
 
 def test_a_run_that_trains_nothing_raises_whoever_wrote_start(
         caplog: pytest.LogCaptureFixture) -> None:
+    # every node failing the same way: round 1 stops the run, whoever drives it
+    for s in (user_strategy(num_rounds=2), user_strategy()):
+        with caplog.at_level(logging.ERROR), pytest.raises(
+                NoRoundTrainedError, match=r"No round trained: in round 1 every one of the 10 "
+                                           r"connected nodes .*No query function registered"):
+            s.start(ten_simulated_nodes(no_ratio_client), initial(), num_rounds=2)
     # the user's start(), length known from the constructor: raises at the last round
     s = user_strategy(num_rounds=2)
+    caplog.clear()
     with caplog.at_level(logging.ERROR), \
             pytest.raises(RuntimeError, match=r"No round trained: none of the 2 round\(s\) .*"
                                               r"declare no keep ratio.*The run stops here"):
-        s.start(ten_simulated_nodes(no_ratio_client), initial(), num_rounds=2)
+        s.start(ten_simulated_nodes(varied_client), initial(), num_rounds=2)
     assert any(r.levelno == logging.ERROR and "No round trained" in r.message
                for r in caplog.records)
     # length unknown: raises after NO_TRAINING_PATIENCE untrained rounds, not later
     s = user_strategy()
     with pytest.raises(RuntimeError, match=rf"stops after {NO_TRAINING_PATIENCE} untrained"):
-        s.start(ten_simulated_nodes(no_ratio_client), initial(), num_rounds=10)
+        s.start(ten_simulated_nodes(varied_client), initial(), num_rounds=10)
     assert max(s.history, default=0) <= NO_TRAINING_PATIENCE
     # our own start(): every round runs, then NoRoundTrainedError with the result
     ours = SpectralSharding.from_model(make_net(), example_input=torch.zeros(1, 1, 8, 8),
                                        fraction_evaluate=0.0, min_train_nodes=1,
                                        min_available_nodes=1, query_timeout=5)
     with pytest.raises(NoRoundTrainedError, match=r"none of the 2 round") as err:
-        ours.start(ten_simulated_nodes(no_ratio_client), initial(), num_rounds=2)
+        ours.start(ten_simulated_nodes(varied_client), initial(), num_rounds=2)
     assert isinstance(err.value.result, Result)
 
 

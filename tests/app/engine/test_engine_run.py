@@ -107,7 +107,8 @@ def test_a_node_count_other_than_num_partitions_gives_error_replies(
     nodes = simulated_nodes(cfg, 3)
     assert all(n.keep_ratio is None and "num-partitions=4" in str(n.keep_ratio_error)
                for n in nodes)
-    with pytest.raises(StopRun, match=r"Round 1: every one of the 3 connected nodes answered "
+    with pytest.raises(StopRun, match=r"No round trained: in round 1 every one of the 3 "
+                                      r"connected nodes answered "
                                       r"the capability query with the same error.*"
                                       r"num-partitions=4"):
         run_engine(cfg, 3)
