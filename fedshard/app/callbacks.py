@@ -23,13 +23,14 @@ from torch import nn
 from fedshard.app.checkpoint import Checkpoint
 from fedshard.app.config import RunConfig
 from fedshard.app.results import RunRecorder
-from fedshard.app.task import width_family
+from fedshard.app.task import example_input, width_family
 from fedshard.client.train.batches import batches_for
 from fedshard.data import load_test_set
 from fedshard.protocol import decode_array
 from fedshard.server.callbacks import RoundCallback
 from fedshard.server.side_jobs import CentralEvaluation
 from fedshard.server.strategy import SpectralSharding
+from fedshard.spectral import sharded_layer_names
 from fedshard.spectral.truncation import truncate_state
 
 __all__ = ["Checkpointing", "MetricsLog", "budget_models", "central_evaluation"]
@@ -49,7 +50,11 @@ def central_evaluation(cfg: RunConfig, model: nn.Module, sharded_layers: Sequenc
     (:func:`budget_models`; ``width_of``: a width-slicing run's width for a keep ratio)."""
     test = load_test_set(cfg.dataset, data_dir=cfg.data_dir or None,
                          max_examples=cfg.test_max_examples or None, download=cfg.download)
-    budgets = budget_models(cfg, model, sharded_layers, width_of) if cfg.eval_at_budgets else {}
+    # without sharding (method = "none") no layer is sharded, but a weak device would still
+    # run the truncation of the paper's default layers
+    truncated = sharded_layers or (sharded_layer_names(model, example_input=example_input(cfg))
+                                   if cfg.eval_at_budgets and width_of is None else ())
+    budgets = budget_models(cfg, model, truncated, width_of) if cfg.eval_at_budgets else {}
     return CentralEvaluation(model, batches_for(test, 256, device=device),
                              eval_every=cfg.eval_every, num_rounds=cfg.num_server_rounds,
                              device=device,
