@@ -225,7 +225,8 @@ class NodeDirectory:
                 log(INFO, "Node %d declares keep ratio %g, below min-keep-ratio=%g: it stays "
                     "idle (never sampled for training).", node,
                     self.capabilities[node].keep_ratio, floor)
-        busy = [n for n in node_ids if n not in set(idle)]
+        skipped = set(idle)
+        busy = [n for n in node_ids if n not in skipped]
         if idle and not busy:
             log(WARNING, "Round %d: all %d connected node(s) declare a keep ratio below "
                 "min-keep-ratio=%g, so no node trains this round; lower min-keep-ratio or "
