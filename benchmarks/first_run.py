@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import flwr  # noqa: E402
-from machine import cpu_name  # noqa: E402
+from machine import cpu_name, emit  # noqa: E402
 
 from fedshard.experiments.launch import run_simulation  # noqa: E402
 
@@ -115,11 +115,7 @@ def main() -> None:
     record = {"machine": cpu_name(), "torch": torch.__version__, "flwr": flwr.__version__,
               "date": datetime.date.today().isoformat(),
               **measure(args.nodes, args.cpus, overrides)}
-    text = json.dumps(record, indent=1)
-    print(text)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(record, args.out)
 
 
 if __name__ == "__main__":

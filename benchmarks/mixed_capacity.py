@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from machine import cpu_name  # noqa: E402
+from machine import cpu_name, emit  # noqa: E402
 
 from fedshard.experiments.suite import load_suite  # noqa: E402
 
@@ -199,11 +199,7 @@ def main() -> None:
               "date": datetime.date.today().isoformat(), "suite": str(args.suite.name),
               "statistics": statistics_of(found["cells"]),
               **({"costs": costs()} if args.costs else {})}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":
