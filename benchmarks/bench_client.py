@@ -42,28 +42,24 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import gc
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
-from torch.utils.data import DataLoader, TensorDataset
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import client_cost
 from machine import cpu_name
 
-from fedshard.client.train import EagerStep, TrainConfig, train
+from fedshard.client.train import EagerStep, TrainConfig
 from fedshard.client.train.fast import FastOptions, TrainStep, configure_convolutions
 from fedshard.models import resnet18
 from fedshard.settings import LocalTraining
@@ -74,6 +70,8 @@ from fedshard.spectral import (
     sharded_layer_names,
 )
 
+#: one input's shape: CIFAR-sized images
+INPUT = (3, 32, 32)
 
 def config(device: str, channels_last: bool, compile: bool = False,
            cuda_graph: bool = False) -> TrainConfig:
@@ -157,10 +155,7 @@ def build(width: int, ratio: float | None) -> nn.Module:
 
 
 def loader(batch: int, steps: int) -> DataLoader[tuple[torch.Tensor, ...]]:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(batch * steps, 3, 32, 32, generator=g)
-    y = torch.randint(0, 10, (batch * steps,), generator=g)
-    return DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=False)
+    return client_cost.loader(INPUT, batch, steps)
 
 
 def state_bytes(model: nn.Module) -> int:
@@ -168,80 +163,19 @@ def state_bytes(model: nn.Module) -> int:
 
 
 def step_flops(model: nn.Module, batch: int) -> int:
-    model = copy.deepcopy(model)
-    x = torch.randn(batch, 3, 32, 32)
-    counter = FlopCounterMode(display=False)
-    with counter:
-        model(x).sum().backward()
-    return int(counter.get_total_flops())
-
-
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not found in /proc/self/status")
-
-
-def rss_worker(path: str, batch: int, steps: int, cfg: TrainConfig) -> int:
-    """In a fresh subprocess: peak memory (bytes) of ``steps`` steps of the model in ``path``."""
-    data = loader(batch, steps)
-    next(iter(data))  # touch the data set before the baseline
-    cuda = torch.device(cfg.device).type == "cuda"
-    base = torch.cuda.memory_allocated() if cuda else _status_kib("VmRSS") * 1024
-    model = torch.load(path, weights_only=False)  # the only model ever allocated here
-    gc.collect()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-    train(model, data, cfg)
-    peak = torch.cuda.max_memory_allocated() if cuda else _status_kib("VmHWM") * 1024
-    return peak - base
+    return round(client_cost.train_flops(model, INPUT, batch) * batch)
 
 
 def rss_peak(model: nn.Module, args: argparse.Namespace) -> int:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = str(Path(tmp) / "model.pt")
-        torch.save(model, path)
-        cmd = [sys.executable, __file__, "--rss-worker", path, "--batch", str(args.batch),
-               "--steps", str(args.steps), "--device", args.device]
-        if args.channels_last:
-            cmd.append("--channels-last")
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return int(out)
+    return client_cost.rss_peak(model, INPUT, args.batch, args.steps, args.device,
+                                args.channels_last)
 
 
 def tensor_peak_and_split(
     model: nn.Module, batch: int, cfg: TrainConfig
 ) -> tuple[int, dict[str, float]]:
     """Peak live-tensor bytes of two steps, and one step's time split (ms), via torch.profiler."""
-    model = copy.deepcopy(model)
-    data = loader(batch, 2)
-    train(model, data, cfg)  # momentum buffers exist from here on, as in a running client
-    device = torch.device(cfg.device)
-    activities = [ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities, profile_memory=True, record_shapes=True,
-                 with_stack=True) as prof:
-        train(model, data, cfg)
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # deprecated, still the CPU-capable API
-        path = Path(tmp) / "timeline.json"
-        dev = "cpu" if device.type == "cpu" else f"cuda:{device.index or 0}"
-        prof.export_memory_timeline(str(path), device=dev)
-        _, sizes = json.loads(path.read_text())
-    peak = max(sum(row) for row in sizes)
-    split = {"conv_mm": 0.0, "other": 0.0}
-    for event in prof.key_averages():
-        if event.key.startswith(("ProfilerStep", "enumerate(DataLoader)", "[memory]")):
-            continue
-        cuda = device.type == "cuda"
-        time_us = event.self_device_time_total if cuda else event.self_cpu_time_total
-        kind = "conv_mm" if any(k in event.key for k in ("conv", "mm", "matmul")) else "other"
-        split[kind] += time_us / 1e3 / 2  # two steps profiled
-    return int(peak), {k: round(v, 1) for k, v in split.items()}
+    return client_cost.tensor_peak(model, INPUT, batch, cfg)
 
 
 def kernel_table(model: nn.Module, cfg: TrainConfig,
@@ -314,12 +248,8 @@ def main() -> None:
     ap.add_argument("--kernels", type=int, default=0,
                     help="with --quick: profile one eager step per model, list its N costliest "
                          "kernels and count all of them")
-    ap.add_argument("--rss-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     cfg = config(args.device, args.channels_last)
-    if args.rss_worker is not None:
-        print(rss_worker(args.rss_worker, args.batch, args.steps, cfg))
-        return
 
     configs: dict[str, float | None] = {"dense": None}
     configs.update({f"r{r:g}": r for r in args.ratios})

@@ -12,10 +12,14 @@ paired difference to the column's best baseline, and each method's cost per budg
   each cell's difference to the column's best baseline (the width rows, the small model and the
   strong-only row) is taken seed by seed; its mean ± std and whether the mean exceeds the std
   (``beyond-spread``) say which differences the seeds support.
-- **Cost per budget** (``--costs``): the forward FLOPs per example, the bytes a node receives
-  and sends per round and what one training step of batch 32 holds (parameters, gradients,
-  momentum, saved activations) for the spectral sub-model at r and the width of equal forward
-  FLOPs, counted from the model (``benchmarks/width_budget.py``'s measure).
+- **Cost per budget** (``--costs``): for the dense model, the spectral sub-model at r and the
+  width of equal forward FLOPs (the width rows' slice, and the small model at the weakest r):
+  forward and training (forward + backward) FLOPs per example, the bytes a node receives and
+  sends per round, what one training step of batch 32 holds (parameters, gradients, momentum,
+  saved activations, counted from the model), and client peak memory measured while
+  fedshard's training step runs: live tensors (torch.profiler) and process RSS (a fresh
+  subprocess's high-water mark); ``benchmarks/width_budget.py`` and
+  ``benchmarks/client_cost.py``.
 
 Prints one JSON object (machine, torch, date, the suite, the cells and the costs) and, with
 ``--markdown``, the table. Usage::
@@ -150,7 +154,7 @@ def costs(ratios: tuple[float, ...] = (0.1, 0.2, 0.4, 1.0)) -> dict[str, Any]:
     from width_budget import FAMILIES, measure
 
     family, shape = FAMILIES["resnet18-16"]
-    return measure(family, shape, list(ratios), 32)
+    return measure(family, shape, list(ratios), 32, client=True)
 
 
 def markdown(result: dict[str, Any]) -> str:

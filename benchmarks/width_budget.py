@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import client_cost  # noqa: E402
 from machine import cpu_name  # noqa: E402
 
 from fedshard.models import mlp, resnet18  # noqa: E402
@@ -61,33 +62,43 @@ FAMILIES = {"mlp-256": (WidthFamily(_mlp, 256), (1, 28, 28)),
 
 
 def _costs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, received: int,
-           sent: int) -> dict[str, Any]:
+           sent: int, client: bool = False) -> dict[str, Any]:
     memory = training_memory(model, x, y)
-    return {"forward-flops": forward_flops(model, x[:1]), "bytes-received": received,
-            "bytes-sent": sent, "train-memory-bytes": memory["total"],
-            "activation-bytes": memory["activations"]}
+    out = {"forward-flops": forward_flops(model, x[:1]), "bytes-received": received,
+           "bytes-sent": sent, "train-memory-bytes": memory["total"],
+           "activation-bytes": memory["activations"]}
+    if client:  # what a client really runs: fedshard's train() with its rules
+        shape, batch = tuple(x.shape[1:]), len(x)
+        out["train-flops-per-example"] = client_cost.train_flops(model, shape, batch)
+        out["tensor-peak-bytes"] = client_cost.tensor_peak(model, shape, batch)[0]
+        out["rss-peak-bytes"] = client_cost.rss_peak(model, shape, batch)
+    return out
 
 
 def measure(family: WidthFamily, shape: tuple[int, ...], ratios: list[float],
-            batch: int) -> dict[str, Any]:
+            batch: int, client: bool = False) -> dict[str, Any]:
+    """Costs of the dense model, and per ratio of the spectral sub-model and the widths of
+    equal forward FLOPs and of equal bytes; ``client``: also the training FLOPs per example
+    and the peak memory of fedshard's training step (tensors and process RSS,
+    ``client_cost.py``)."""
     torch.manual_seed(0)
     dense = family(family.width)
     x, y = torch.randn(batch, *shape), torch.randint(0, 10, (batch,))
     layers = sharded_layer_names(dense, example_input=x[:1])
     dense_bytes = state_bytes(family.shapes(family.width), dense)
-    out: dict[str, Any] = {"dense": _costs(dense, x, y, dense_bytes, dense_bytes),
+    out: dict[str, Any] = {"dense": _costs(dense, x, y, dense_bytes, dense_bytes, client),
                            "sharded-layers": len(layers), "ratios": {}}
     for r in ratios:
         budget = sharding_budget(dense, layers, [r]).at(r)
         spectral = _costs(submodel_at(dense, layers, r), x, y, budget.received_bytes,
-                          budget.sent_bytes)
+                          budget.sent_bytes, client)
         row: dict[str, Any] = {"spectral": spectral}
         for how in ("flops", "bytes"):
             m = match_width(family, r, how, model=dense, sharded_layers=layers,
                             example_input=x[:1])
             narrow = family(m.width)
             entry = {"width": m.width, "width-ratio": m.width_ratio,
-                     **_costs(narrow, x, y, m.bytes, m.bytes)}
+                     **_costs(narrow, x, y, m.bytes, m.bytes, client and how == "flops")}
             if how == "flops":  # ordered dropout: a width of the grid per batch, uniformly
                 grid = od_widths(family, m.width, 5)
                 entry["ordered-dropout-widths"] = list(grid)

@@ -28,6 +28,10 @@ its numbers from a committed file, and says which in its caption on the pages.
   accuracy against round of every row of ``experiments/width-table.toml`` (one panel per
   budget) and of ``experiments/width-resnet.toml`` (with its compared spectral rows), mean ± 1
   std over the seeds, drawn by the report's :func:`plot_accuracy` from ``results/``.
+- ``mixed-capacity.png`` (Which method for my devices): per mix of strong and weak devices,
+  test accuracy against round of every row, and each final model's accuracy against the
+  forward FLOPs of the model a device of each budget runs, from ``results/mixed-capacity/``
+  (runs and ``table.json``).
 """
 
 from __future__ import annotations
@@ -499,6 +503,95 @@ def figure_sharding(out: Path) -> Path:
     return path
 
 
+#: Rows of the mixed-capacity suite: (colour, line style, marker). Spectral rows in colour,
+#: width rows in blues and greens with dashes, the baselines a team would try without any
+#: method in black and grey.
+MIXED_STYLES: dict[str, tuple[str, Any, str]] = {
+    "Collective": ("tab:red", "-", "o"),
+    "Unbiased": ("tab:pink", ":", "o"),
+    "Top-n, low-rank start": ("tab:orange", "-.", "o"),
+    "PriSM + Wallenius + ClipLR": ("tab:brown", (0, (5, 1.5, 1, 1.5)), "o"),
+    "HeteroFL": ("tab:blue", "--", "s"),
+    "FedRolex": ("tab:cyan", "--", "s"),
+    "Ordered dropout": ("tab:green", "--", "s"),
+    "Small model": ("black", "-", "^"),
+    "Strong devices only": ("0.45", "-", "v"),
+    "Whole model, every node": ("0.7", (0, (1, 1.5)), "D"),
+}
+SPECTRAL_ROWS = ("Collective", "Unbiased", "Top-n, low-rank start", "PriSM + Wallenius + ClipLR",
+                 "Strong devices only", "Whole model, every node")
+
+
+def _deployed_flops(table: dict[str, Any], label: str, budget: str, weakest: float) -> float:
+    """Forward FLOPs per example of the model a device of ``budget`` runs for ``label``."""
+    costs = table["costs"]
+    if label == "Small model":  # one narrow model, the width of the weakest device's budget
+        return float(costs["ratios"][f"{weakest:g}"]["width-same-flops"]["forward-flops"])
+    if budget == "full":
+        return float(costs["dense"]["forward-flops"])
+    at = costs["ratios"][budget.removeprefix("r")]
+    kind = "spectral" if label in SPECTRAL_ROWS else "width-same-flops"
+    return float(at[kind]["forward-flops"])
+
+
+def figure_mixed_capacity(out: Path) -> Path:
+    """Where spectral sharding pays: test accuracy per round of every row of each mix (full
+    size, mean over the finished seeds), and each model's final accuracy against the forward
+    FLOPs of the model a device of each budget runs (``results/mixed-capacity/table.json``,
+    written by ``benchmarks/mixed_capacity.py``)."""
+    from fedshard.experiments import collect, load_suite
+    from fedshard.experiments.plots import _matplotlib
+
+    table_path = ROOT / "results" / "mixed-capacity" / "table.json"
+    if not table_path.is_file():
+        raise SystemExit(f"{table_path} is missing: write it with `python "
+                         "benchmarks/mixed_capacity.py results/mixed-capacity --costs --out "
+                         f"{table_path.relative_to(ROOT)}`")
+    table = json.loads(table_path.read_text())
+    suite = load_suite(ROOT / "experiments" / "mixed-capacity.toml", app_dir=ROOT)
+    cells = [c for c in collect(suite) if c.runs]
+    columns = list(dict.fromkeys(c.column for c in cells if c.column is not None))
+    _, Figure, FigureCanvasAgg = _matplotlib()
+    fig = Figure(figsize=(5.0 * len(columns), 9.0), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, len(columns), squeeze=False)
+    for k, column in enumerate(columns):
+        ax = axes[0][k]
+        for cell in (c for c in cells if c.column == column):
+            colour, style, _ = MIXED_STYLES[cell.label]
+            rounds, mean, _ = _seed_mean([r.curve for r in cell.runs])
+            ax.plot(rounds, mean, color=colour, ls=style, lw=1.8,
+                    label=f"{cell.label} ({len(cell.runs)} seed{'s' * (len(cell.runs) > 1)})")
+        ax.set_title(f"{column}: full-size model", fontsize="medium")
+        ax.set_xlabel("round")
+        ax.set_ylabel("test accuracy (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="x-small", loc="lower right")
+        ax = axes[1][k]
+        budgets = table["statistics"].get(column, {})
+        ratios = [float(b.removeprefix("r")) for b in budgets if b != "full"]
+        weakest = min(ratios, default=1.0)
+        for label, (colour, _, marker) in MIXED_STYLES.items():
+            points = sorted((_deployed_flops(table, label, budget, weakest),
+                             100 * entries[label]["mean"])
+                            for budget, entries in budgets.items() if label in entries)
+            if points:
+                ax.plot([p[0] / 1e6 for p in points], [p[1] for p in points], color=colour,
+                        marker=marker, lw=1.0, label=label)
+        ax.set_xscale("log")
+        ax.set_title(f"{column}: final accuracy of the model each device runs",
+                     fontsize="medium")
+        ax.set_xlabel("forward MFLOPs per example of that model (log)")
+        ax.set_ylabel("test accuracy (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="x-small", loc="lower right")
+    fig.suptitle("Fashion-MNIST, ResNet-18 (GroupNorm, width 16), 100 nodes,\n"
+                 f"{suite.runs[0].num_rounds} rounds: mean over the finished seeds")
+    path = out / "mixed-capacity.png"
+    fig.savefig(path, dpi=100)
+    return path
+
+
 FIGURES: dict[str, Callable[[Path], Path]] = {
     "accuracy": figure_accuracy,
     "strategies": figure_strategies,
@@ -507,6 +600,7 @@ FIGURES: dict[str, Callable[[Path], Path]] = {
     "performance": figure_performance,
     "sharding": figure_sharding,
     "width": figure_width,
+    "mixed-capacity": figure_mixed_capacity,
 }
 
 
