@@ -34,7 +34,7 @@ from fedshard import (
 from fedshard import protocol as P
 from fedshard.client.train import TrainConfig, train
 from fedshard.client.width import OrderedDropout, Scaler, attach_scaler, handle_width_train
-from fedshard.protocol.slices import SliceOrder
+from fedshard.protocol.slices import SLICE_ORDER_KEYS, SliceOrder
 from fedshard.server.width import od_widths
 
 
@@ -334,13 +334,46 @@ def test_slice_order_checks_what_it_reads():
     cfg = SliceOrder(4, 10, od_widths=(2, 4)).to_record(P.TrainSettings.of(
         LocalTraining(lr=0.1), lr=0.1, server_round=1, keep_ratio=0.4, method="heterofl",
         train_seed=1).to_record())
+    assert {k: cfg[k] for k in SLICE_ORDER_KEYS} == {
+        "slice-width": 4, "model-width": 10, "slice-scaler": False, "od-batch-widths": [2, 4],
+        "od-distill": False}
     assert SliceOrder.from_record(cfg) == SliceOrder(4, 10, False, (2, 4), False)
-    with pytest.raises(ValueError, match=r"model-width=11: expected an integer in \[1, "):
-        SliceOrder(11, 10)
-    with pytest.raises(ValueError, match="od-widths"):
+    # every problem at once, named by its wire key
+    with pytest.raises(ValueError, match=r"\(2 problem\(s\)\); the node cannot build its narrow "
+                                         r"model(.|\n)*slice-scaler='yes': expected True or "
+                                         r"False(.|\n)*slice-width=11 with model-width=10: "
+                                         r"expected the narrow width to be at most the global"):
+        SliceOrder(11, 10, scaler="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"od-batch-widths=\(4, 2\): expected ascending"):
         SliceOrder(4, 10, od_widths=(4, 2))
-    with pytest.raises(ValueError, match="missing"):
+    with pytest.raises(ValueError, match=r"od-batch-widths=\(2, 3\) with slice-width=4: "
+                                         r"expected ordered dropout's widths to end with"):
+        SliceOrder(4, 10, od_widths=(2, 3))
+    with pytest.raises(ValueError, match=r"missing \['slice-width', 'model-width'\]"):
         SliceOrder.from_record({})
+    # a message without the optional keys is a method without scaler and ordered dropout
+    assert SliceOrder.from_record({"slice-width": 3, "model-width": 10}) == SliceOrder(3, 10)
+
+
+def test_slice_order_keys_are_declared_once_and_mean_one_thing():
+    """The wire keys come from the fields' declarations (settings.setting(wire=...)); a key
+    that is also a run-config key means the same there (the global width, self-distillation
+    on); the narrow width, the node's scaler and the batch widths, which mean something else
+    than the run config's model-width, width-scaler and od-widths, have keys of their own."""
+    from dataclasses import fields
+
+    from fedshard.app.config import RunConfig
+    from fedshard.settings import Slicing, run_key, wire_key
+
+    declared = tuple(wire_key(f) for f in fields(SliceOrder))
+    assert declared == SLICE_ORDER_KEYS and len(set(declared)) == len(declared)
+    assert not set(declared) & set(P.TRAIN_CONFIG_KEYS)  # no clash with the recipe's keys
+    run_keys = {run_key(f) for f in fields(Slicing)} | {"model-width"}
+    assert set(declared) & run_keys == {"model-width", "od-distill"}
+    cfg = RunConfig.from_mapping({"model": "mlp", "model-width": 10, "method": "heterofl",
+                                  "od-distill": True})
+    assert cfg.model_width == SliceOrder.from_record({"slice-width": 4, "model-width": 10}
+                                                     ).full_width
 
 
 def test_the_trained_model_learns(caplog):
