@@ -51,7 +51,7 @@ from fedshard.client.shard import (  # re-exported
     submodel_from_record,
 )
 from fedshard.client.train.batches import TensorBatches, batches_for
-from fedshard.client.train.config import FastPath
+from fedshard.client.train.config import FastPath, StepFactory
 from fedshard.client.train.loop import (
     evaluate,
     train,
@@ -189,6 +189,7 @@ def handle_train(
     target_key: str | None = None,
     submodels: SubmodelCache | None = None,
     fast: FastPath | None = None,
+    step: StepFactory | None = None,
     **options: Any,
 ) -> Message:
     """Train the received shard of ``model`` with fedshard's loop; reply with the factors.
@@ -221,6 +222,10 @@ def handle_train(
     fast : FastOptions, optional
         This node's fast path (:class:`fedshard.client.train.fast.FastOptions`, e.g.
         ``FastOptions(compile=True, cuda_graph=True)``); ``None``: the eager step.
+    step : StepFactory, optional
+        A step of another loss in place of the eager one
+        (:attr:`~fedshard.client.train.TrainConfig.step`, e.g. ordered dropout's); not with an
+        enabled ``fast`` (a ``ValueError`` says so).
     **options
         This node's own :class:`~fedshard.client.train.TrainConfig` fields: how it trains
         (``log_every_epoch``, ``channels_last``, ``max_grad_norm``), not what (the recipe is
@@ -238,13 +243,14 @@ def handle_train(
     # train() attaches the client rules to the optimizer of its step
     shard = Shard.from_message(msg, model, device=device, cache=submodels)
     s = shard.settings
-    cfg = shard.train_config(input_key=input_key, target_key=target_key, fast=fast, **options)
+    cfg = shard.train_config(input_key=input_key, target_key=target_key, fast=fast, step=step,
+                             **options)
     loader = _loader(data, s.batch_size, s.train_seed, shard.device)
     result = train(shard.model, loader, cfg)
     metrics = {P.TRAIN_LOSS: result.loss, P.TRAIN_ACCURACY: result.accuracy}
     if dense is None:
         reply = shard.reply(result.num_examples, metrics, rules=result.rules)
-        if submodels is not None and not cfg.fast_enabled():  # the fast step may reshape it
+        if submodels is not None and not cfg.fast_enabled() and step is None:  # eager only
             submodels.give(shard.model)
         return reply
     record = msg.content.array_records[P.REFERENCE]

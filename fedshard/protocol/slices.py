@@ -129,7 +129,7 @@ class SliceOrder(Settings):
                              "names the width to build, so this round is not trained (the "
                              "server and this node speak different versions of the fedshard "
                              "protocol)")
-        values = {}
+        values: dict[str, Any] = {}
         for f in _WIRE:
             value = cfg.get(_key(f), missing_on_wire(f)[1])
             values[f.name] = tuple(value) if isinstance(value, list) else value

@@ -194,11 +194,11 @@ def test_ordered_dropout_trains_the_leading_slice_of_the_drawn_width():
     start = copy.deepcopy(own.state_dict())
     od = OrderedDropout(FAMILY, (2, 4, 8), seed=11)
     cfg = TrainConfig(recipe=LocalTraining(lr=0.1, momentum=0.0, local_epochs=1, batch_size=5),
-                      fast=od, log_every_epoch=False)
-    with od.open_step(own, cfg) as step:
-        x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
-        step(x, y)
-        w = step.drawn[0]
+                      step=od, log_every_epoch=False)
+    step = od(own, cfg)
+    x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
+    step(x, y)
+    w = step.drawn[0]
     # the drawn width's sub-model, built on its own from the leading slices, is what trained
     sub = FAMILY(w)
     sub.load_state_dict({k: v[tuple(slice(0, s) for s in sub.state_dict()[k].shape)]
@@ -219,10 +219,9 @@ def test_ordered_dropout_draws_its_widths_uniformly_and_reproducibly():
     cfg = TrainConfig(recipe=LocalTraining(lr=1e-9, momentum=0.0), log_every_epoch=False)
     draws = []
     for _ in range(2):
-        od = OrderedDropout(FAMILY, (2, 4, 8), seed=5)
-        with od.open_step(own, cfg) as step:
-            for _ in range(600):
-                step.loss(torch.randn(2, 6), torch.zeros(2, dtype=torch.long))
+        step = OrderedDropout(FAMILY, (2, 4, 8), seed=5)(own, cfg)
+        for _ in range(600):
+            step.loss(torch.randn(2, 6), torch.zeros(2, dtype=torch.long))
         draws.append(step.drawn)
     assert draws[0] == draws[1]
     counts = Counter(draws[0])
@@ -235,11 +234,11 @@ def test_ordered_dropout_distillation_adds_kl_to_the_own_widths_labels():
     od = OrderedDropout(FAMILY, (4, 8), seed=0, distill=True)
     cfg = TrainConfig(recipe=LocalTraining(lr=1e-9, momentum=0.0), log_every_epoch=False)
     x, y = torch.randn(6, 6), torch.randint(0, 3, (6,))
-    with od.open_step(own, cfg) as step:
-        while True:
-            loss, loss_sum, _, count = step.loss(x, y)
-            if step.drawn[-1] == 4:
-                break
+    step = od(own, cfg)
+    while True:
+        loss, loss_sum, _, count = step.loss(x, y)
+        if step.drawn[-1] == 4:
+            break
     sub = FAMILY(4)
     sub.load_state_dict({k: v[tuple(slice(0, s) for s in sub.state_dict()[k].shape)]
                          for k, v in own.state_dict().items()})

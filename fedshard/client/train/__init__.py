@@ -26,7 +26,14 @@ from fedshard.client.train.batches import (
     dataset_size,
     unpack_batch,
 )
-from fedshard.client.train.config import EvalResult, FastPath, TrainConfig, TrainResult
+from fedshard.client.train.config import (
+    EvalResult,
+    FastPath,
+    Step,
+    StepFactory,
+    TrainConfig,
+    TrainResult,
+)
 from fedshard.client.train.loop import evaluate, train
 from fedshard.client.train.optim import build_optimizer, frobenius_penalty, parameter_groups
 from fedshard.client.train.precondition import dense_factor_gradient
@@ -42,6 +49,8 @@ __all__ = [
     "FastPath",
     "RulesHandle",
     "RulesReport",
+    "Step",
+    "StepFactory",
     "TensorBatches",
     "TrainConfig",
     "TrainResult",
