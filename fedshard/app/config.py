@@ -299,6 +299,13 @@ class RunConfig:
                  f"aggregation={self.replies.aggregation!r} with method="
                  f"{self.sharding.method!r}: width slicing averages each element over the "
                  "nodes that trained it; expected 'mean'")
+            fast_on = [f"{run_key(f)}=true" for f in fields(FastOptions)
+                       if run_key(f) and getattr(self.fast, f.name) is True]
+            need(self.sharding.method != "ordered-dropout" or not fast_on,
+                 f"{' and '.join(fast_on)} with method='ordered-dropout': ordered dropout "
+                 "trains with its own step (a width drawn per batch), which the fast path "
+                 "cannot run; expected them off for this method (HeteroFL and FedRolex "
+                 "train with them)")
         need(not self.keep_ratio_file or Path(self.keep_ratio_file).expanduser().is_file(),
              f"keep-ratio-table={self.keep_ratio_file!r}: no such file (expected a TOML file "
              "of '\"<node key>\" = <ratio>' lines, or empty for no table)")

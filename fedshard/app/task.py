@@ -20,17 +20,14 @@ from flwr.common.logger import log
 from torch import nn
 from torch.utils.data import Dataset
 
-from fedshard import protocol as P
 from fedshard.app.config import RunConfig
-from fedshard.client.handlers import handle_train
 from fedshard.client.keep_ratios import (  # re-exported: the library's rule
     SIMULATION_NODE_CONFIG,
     is_simulated_node,
     node_keep_ratio,
 )
-from fedshard.client.width import handle_width_train
+from fedshard.client.node import handle_node_train
 from fedshard.data import ImageDataset, dataset_info, load_partition
-from fedshard.settings import WIDTH_METHODS
 from fedshard.width import WidthFamily
 
 __all__ = [
@@ -147,17 +144,14 @@ def _resnet_at(num_classes: int, in_channels: int, width: int) -> nn.Module:
 
 def train_node(msg: Message, cfg: RunConfig, data: Dataset[Any], *, device: str,
                model: nn.Module | None = None, **options: Any) -> Message:
-    """One node's training reply to ``msg``: the narrow model of width slicing
-    (:func:`~fedshard.client.width.handle_width_train`) when the message's method is one of
-    its, else the received shard of the run's model (:func:`~fedshard.client.handle_train`;
-    ``model``: the process's template, :func:`template_model` if not given)."""
-    config = msg.content.config_records.get(P.CONFIG)
-    if config is not None and config.get("method") in WIDTH_METHODS:
-        options.pop("fast", None)
-        options.pop("submodels", None)
-        return handle_width_train(msg, width_family(cfg), data, device=device, **options)
-    return handle_train(msg, model if model is not None else template_model(cfg), data,
-                        device=device, **options)
+    """One node's training reply to ``msg`` (:func:`fedshard.client.node.handle_node_train`):
+    the received shard of the run's model (``model``: the process's template,
+    :func:`template_model` if not given) or, for width slicing, the narrow model of the run's
+    width family (:func:`width_family`). ``options`` (``fast``, ``submodels``, ...) as
+    :func:`~fedshard.client.node.handle_node_train` takes them."""
+    return handle_node_train(
+        msg, data, model=model if model is not None else functools.partial(template_model, cfg),
+        family=functools.partial(width_family, cfg), device=device, **options)
 
 
 def _need_images(cfg: RunConfig, info: Any) -> None:

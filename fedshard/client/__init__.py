@@ -11,6 +11,8 @@ fedshard's), reply.
   glue for an existing project.
 - :mod:`~fedshard.client.width` - :func:`handle_width_train`: a node of width slicing
   (HeteroFL's scaler, ordered dropout's step).
+- :mod:`~fedshard.client.node` - :func:`handle_node_train`: whichever of the two a ``train``
+  message asks for (:func:`train_kind`), the dispatch fedshard's ClientApp and engines share.
 - :mod:`~fedshard.client.train` - local training: the plain loop and the client rules (SGD-m,
   Frobenius decay, ClipLR) for any optimizer.
 """
@@ -24,6 +26,7 @@ from fedshard.client.handlers import (
     node_key_of,
 )
 from fedshard.client.keep_ratios import KeepRatioMixture, node_keep_ratio
+from fedshard.client.node import handle_node_train, train_kind
 from fedshard.client.shard import (
     Shard,
     SubmodelCache,
@@ -54,6 +57,7 @@ __all__ = [
     "TrainResult",
     "frobenius_penalty",
     "handle_evaluate",
+    "handle_node_train",
     "handle_query",
     "handle_train",
     "handle_width_train",
@@ -64,4 +68,5 @@ __all__ = [
     "shard_reply",
     "sharding_mod",
     "submodel_from_record",
+    "train_kind",
 ]

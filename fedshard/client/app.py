@@ -11,7 +11,7 @@ from flwr.clientapp import ClientApp
 from fedshard import protocol as P
 from fedshard.client.handlers import handle_query, keep_ratio_of, node_key_of
 from fedshard.client.keep_ratios import KeepRatioMixture, KeepRatios, node_keep_ratio
-from fedshard.client.shard import following, receipt_of, rules_metrics, shard_reply
+from fedshard.client.shard import receipt_of, receiving, rules_metrics, shard_reply
 
 __all__ = ["ShardingClientApp", "sharding_mod"]
 
@@ -19,14 +19,18 @@ __all__ = ["ShardingClientApp", "sharding_mod"]
 def sharding_mod(msg: Message, context: Context, call_next: Any) -> Message:
     """A Flower mod that turns a ``train`` handler written for FedAvg into a fedshard one.
 
-    Your handler loads the sub-model with ``model = receive(msg, Net()).model``, trains it and
+    Your handler loads the sub-model with ``shard = receive(msg, Net())``, attaches the client
+    rules to its optimizer (``shard.rules.attach(optimizer)``), trains ``shard.model`` and
     replies as for FedAvg (``ArrayRecord(model.state_dict())`` and a ``MetricRecord`` with
     ``num-examples``); the mod re-encodes that reply in the wire format (ω left out, the term
-    indices echoed) with the same checks as :meth:`Shard.reply`, and the metric
-    ``clip-lr-terms`` (with a WARNING when no optimizer step applied the client rules). Other
-    replies pass unchanged.
+    indices echoed) with the same checks as :meth:`Shard.reply`, the metric ``clip-lr-terms``
+    (with a WARNING when no optimizer step applied the client rules) and the receipt of what
+    the node trained with. It learns what the rules did from the shards the handler received
+    while the mod waited for it (:func:`fedshard.client.shard.receiving`). Other replies pass
+    unchanged.
     """
-    reply = call_next(msg, context)
+    with receiving() as received:
+        reply = call_next(msg, context)
     if msg.metadata.message_type != "train" or reply.has_error():
         return reply
     sent = msg.content.array_records.get(P.ARRAYS)
@@ -36,7 +40,12 @@ def sharding_mod(msg: Message, context: Context, call_next: Any) -> Message:
         return reply  # not a shard, or already encoded (Shard.reply)
     metrics = dict(reply.content.metric_records.get(P.METRICS, {}))
     num_examples = metrics.pop(P.NUM_EXAMPLES, None)
-    rules = following(msg)  # the rules receive() made follow this shard
+    # the shards of this message the handler received; of several (a handler that receives
+    # it twice), the last one whose rules applied to an optimizer step
+    mine = [s for s in received if s.message is msg or (
+        msg.metadata.message_id and s.message.metadata.message_id == msg.metadata.message_id)]
+    stepped = [s for s in mine if s.rules.steps]
+    rules = (stepped or mine)[-1].rules if mine else None
     receipt = None
     if rules is not None:
         report = rules.report()

@@ -6,6 +6,7 @@ Two ways to train, one implementation:
 
       shard = receive(msg, Net(), device="cuda")      # your model, sharded layers swapped
       opt = torch.optim.SGD(shard.model.parameters(), lr=shard.settings.lr, momentum=0.9)
+      shard.rules.attach(opt)                         # the paper's client rules, on its steps
       for x, y in my_loader:                          # (or shard.optimizer(): the server's SGD)
           loss = F.cross_entropy(shard.model(x), y)
           opt.zero_grad(); loss.backward(); opt.step()
@@ -15,10 +16,11 @@ Two ways to train, one implementation:
   (:func:`fedshard.client.train.loop.train`) on a ``Dataset`` or a ``DataLoader`` you built.
 
 The paper's client rules (Sec. 3.3, :class:`~fedshard.client.train.rules.ClientRules`) come
-with the received factors: Frobenius decay ``γ Σ_L ‖U Ω Vᵀ‖²_F`` (it replaces weight decay on
-the factors) is added to their gradients before each optimizer step, and ClipLR scales what
-the step moved term i by ``min(1, τ/ω_i)``, so a large multiplier ω_i cannot blow up that
-term's effective learning rate, whichever optimizer steps.
+with the received factors (``shard.rules``) and act on the optimizer they are attached to:
+Frobenius decay ``γ Σ_L ‖U Ω Vᵀ‖²_F`` (it replaces weight decay on the factors) is added to
+their gradients before each of its steps, and ClipLR scales what the step moved term i by
+``min(1, τ/ω_i)``, so a large multiplier ω_i cannot blow up that term's effective learning
+rate, whichever optimizer steps.
 
 The wire format is :mod:`fedshard.protocol`'s; the model is any torch model whose dense
 ``state_dict`` the strategy was started with.
@@ -49,7 +51,7 @@ from fedshard.client.shard import (  # re-exported
     submodel_from_record,
 )
 from fedshard.client.train.batches import TensorBatches, batches_for
-from fedshard.client.train.config import FastPath
+from fedshard.client.train.config import FastPath, StepFactory
 from fedshard.client.train.loop import (
     evaluate,
     train,
@@ -187,6 +189,7 @@ def handle_train(
     target_key: str | None = None,
     submodels: SubmodelCache | None = None,
     fast: FastPath | None = None,
+    step: StepFactory | None = None,
     **options: Any,
 ) -> Message:
     """Train the received shard of ``model`` with fedshard's loop; reply with the factors.
@@ -219,6 +222,10 @@ def handle_train(
     fast : FastOptions, optional
         This node's fast path (:class:`fedshard.client.train.fast.FastOptions`, e.g.
         ``FastOptions(compile=True, cuda_graph=True)``); ``None``: the eager step.
+    step : StepFactory, optional
+        A step of another loss in place of the eager one
+        (:attr:`~fedshard.client.train.TrainConfig.step`, e.g. ordered dropout's); not with an
+        enabled ``fast`` (a ``ValueError`` says so).
     **options
         This node's own :class:`~fedshard.client.train.TrainConfig` fields: how it trains
         (``log_every_epoch``, ``channels_last``, ``max_grad_norm``), not what (the recipe is
@@ -233,16 +240,17 @@ def handle_train(
         and sent back under that name (its ``fedavg-train-loss`` in the metrics).
     """
     dense = copy.deepcopy(model) if P.REFERENCE in msg.content.array_records else None
-    # train() applies the client rules
-    shard = Shard.from_message(msg, model, device=device, client_rules=False, cache=submodels)
+    # train() attaches the client rules to the optimizer of its step
+    shard = Shard.from_message(msg, model, device=device, cache=submodels)
     s = shard.settings
-    cfg = shard.train_config(input_key=input_key, target_key=target_key, fast=fast, **options)
+    cfg = shard.train_config(input_key=input_key, target_key=target_key, fast=fast, step=step,
+                             **options)
     loader = _loader(data, s.batch_size, s.train_seed, shard.device)
     result = train(shard.model, loader, cfg)
     metrics = {P.TRAIN_LOSS: result.loss, P.TRAIN_ACCURACY: result.accuracy}
     if dense is None:
         reply = shard.reply(result.num_examples, metrics, rules=result.rules)
-        if submodels is not None and not cfg.fast_enabled():  # the fast step may reshape it
+        if submodels is not None and not cfg.fast_enabled() and step is None:  # eager only
             submodels.give(shard.model)
         return reply
     record = msg.content.array_records[P.REFERENCE]

@@ -2,16 +2,19 @@
 
 :func:`receive` turns a ``train`` message into a :class:`Shard`: the user's own model class
 with the sharded layers swapped for ``U·diag(ω)·Vᵀ`` (:mod:`fedshard.spectral`), the round's
-settings and the checked reply (:meth:`Shard.reply`).
+settings, the paper's client rules for it and the checked reply (:meth:`Shard.reply`).
 
-**The paper's client rules travel with the sub-model** (Sec. 3.3): by default
-(:class:`~fedshard.client.train.rules.ClientRules`, ``follow``) any torch optimizer that steps
-the received factors applies Frobenius decay ``γ ∂‖UΩVᵀ‖²_F`` before its step and ClipLR's
-per-term lr scale ``min(1, τ/ω_i)`` to what the step moved, whoever built the optimizer (your
-loop, or a framework such as PyTorch Lightning); with the server's ``factor_step="dense"``
-they also make each step move ``W = UΩVᵀ`` as a dense step would
-(:mod:`fedshard.client.train.precondition`), so the dense model's lr works. The reply says
-how many terms ClipLR scaled (``clip-lr-terms``), and a round in which no optimizer step
+**The paper's client rules come with the shard** (Sec. 3.3,
+:class:`~fedshard.client.train.rules.ClientRules`, ``shard.rules``): attach them to the
+optimizer that trains ``shard.model`` (``shard.rules.attach(optimizer)``; a framework that
+builds its own optimizer: ``shard.rules.attaching(build)``), and each of its steps applies
+Frobenius decay ``γ ∂‖UΩVᵀ‖²_F`` before the step and ClipLR's per-term lr scale
+``min(1, τ/ω_i)`` to what the step moved; with the server's ``factor_step="dense"`` they also
+make each step move ``W = UΩVᵀ`` as a dense step would
+(:mod:`fedshard.client.train.precondition`), so the dense model's lr works.
+:meth:`Shard.optimizer` (the server's SGD) and fedshard's own loop attach them themselves. The
+rules act on the optimizers they are attached to and on nothing else in the process. The reply
+says how many terms ClipLR scaled (``clip-lr-terms``), and a round in which no optimizer step
 applied the rules logs a WARNING.
 """
 
@@ -19,8 +22,9 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -35,7 +39,7 @@ from fedshard.client.train.optim import build_optimizer
 from fedshard.client.train.rules import ClientRules, RulesReport
 from fedshard.spectral import LayerFactors, build_submodel
 
-__all__ = ["CLIP_LR_TERMS", "Shard", "SubmodelCache", "following", "receipt_of", "receive",
+__all__ = ["CLIP_LR_TERMS", "Shard", "SubmodelCache", "receipt_of", "receive", "receiving",
            "rules_metrics", "shard_reply", "submodel_from_record"]
 
 logger = logging.getLogger(__name__)
@@ -44,12 +48,10 @@ logger = logging.getLogger(__name__)
 #: round; 0 when it scaled none, or when no optimizer step applied the rules.
 CLIP_LR_TERMS = "clip-lr-terms"
 
-#: The rules that follow a received shard, by the id of the message that carried it, from
-#: receive() to the reply (so that :func:`fedshard.client.sharding_mod` can say what they did
-#: in a FedAvg-style reply, after the user's handler has dropped the sub-model). The reply
-#: takes its entry out; at most :data:`_KEPT` are kept.
-_FOLLOWING: OrderedDict[str, ClientRules] = OrderedDict()
-_KEPT = 8
+#: The list a :func:`receiving` block collects the shards of :func:`receive` in; ``None``
+#: outside such a block. A context variable: each thread (and asyncio task) sees only the block
+#: it runs in, and nothing outlives the block.
+_RECEIVED: ContextVar[list[Shard] | None] = ContextVar("fedshard_received", default=None)
 
 #: A sub-model's shape: ``(layer, u's shape, v's shape)`` of each sharded layer, sorted.
 SubmodelShape = tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]
@@ -169,8 +171,9 @@ class Shard:
     device : torch.device
         Where ``model`` lives.
     rules : ClientRules
-        The client rules of the received recipe on ``model``'s factors; with
-        :func:`receive`'s ``client_rules=True`` they follow any optimizer that steps them.
+        The client rules of the received recipe on ``model``'s factors: attach them to the
+        optimizer that trains ``model`` (``shard.rules.attach(optimizer)``); they act on no
+        other optimizer.
     """
 
     model: nn.Module
@@ -182,26 +185,15 @@ class Shard:
 
     @classmethod
     def from_message(cls, msg: Message, model: nn.Module, *,
-                     device: str | torch.device = "cpu", client_rules: bool = True,
+                     device: str | torch.device = "cpu",
                      cache: SubmodelCache | None = None) -> Shard:
-        """Same as :func:`receive` (``cache``: a :class:`SubmodelCache` of ``model``)."""
-        if not isinstance(client_rules, bool):
-            raise TypeError(f"receive(client_rules={client_rules!r}): expected True (any "
-                            "optimizer that steps the factors applies the client rules) or "
-                            "False; nothing was received.")
+        """Same as :func:`receive` (``cache``: a :class:`SubmodelCache` of ``model``), without
+        telling an enclosing :func:`receiving` block."""
         settings = P.TrainSettings.from_record(msg.content.config_records[P.CONFIG])
         sub, layers = submodel_from_record(model, msg.content.array_records[P.ARRAYS], cache)
         dev = torch.device(device)
         sub = sub.to(dev)
-        rules = ClientRules.of(sub, settings)
-        if client_rules:
-            rules.follow()
-            vars(sub)["_fedshard_rules"] = rules  # they follow the sub-model while it lives
-            if msg.metadata.message_id:
-                _FOLLOWING[msg.metadata.message_id] = rules
-                while len(_FOLLOWING) > _KEPT:
-                    _FOLLOWING.popitem(last=False)
-        return cls(sub, settings, tuple(layers), msg, dev, rules)
+        return cls(sub, settings, tuple(layers), msg, dev, ClientRules.of(sub, settings))
 
     def train_config(self, **overrides: Any) -> TrainConfig:
         """fedshard's :class:`~fedshard.client.train.TrainConfig` for the received recipe,
@@ -214,8 +206,8 @@ class Shard:
     def optimizer(self, **overrides: Any) -> torch.optim.SGD:
         """SGD with the server's lr, momentum and weight decay (none on the factors), the
         client rules attached (:func:`~fedshard.client.train.build_optimizer`);
-        ``overrides`` replace :class:`TrainConfig` fields. Optional: any optimizer you build
-        over ``shard.model.parameters()`` gets the rules too (:func:`receive`).
+        ``overrides`` replace :class:`TrainConfig` fields. Optional: an optimizer you build
+        over ``shard.model.parameters()`` gets the rules with ``shard.rules.attach(it)``.
 
         A plain ``torch.optim.SGD``: call ``zero_grad()``, ``loss.backward()``, ``step()`` on
         it as on any optimizer, and use it with learning-rate schedulers and
@@ -242,17 +234,28 @@ class Shard:
             For a non-numeric metric or ``num_examples`` ≤ 0.
         """
         state = {k: v.detach().cpu().numpy() for k, v in self.model.state_dict().items()}
-        following(self.message)  # this reply is the shard's: the registry lets go of it
         report = rules if rules is not None else self.rules.report()
         values = {**(metrics or {}), **rules_metrics(report, self.rules.active)}
         return shard_reply(self.message, state, num_examples, values, self.settings.base_lr,
                            receipt_of(report))
 
 
-def following(msg: Message) -> ClientRules | None:
-    """The rules that :func:`receive` made follow the shard of ``msg``, taken out of the
-    registry (the reply to ``msg`` is being built), or ``None``."""
-    return _FOLLOWING.pop(msg.metadata.message_id, None) if msg.metadata.message_id else None
+@contextmanager
+def receiving() -> Iterator[list[Shard]]:
+    """Collect the shards :func:`receive` builds inside this block (in this thread or asyncio
+    task), in order.
+
+    How :func:`fedshard.client.sharding_mod` learns what the client rules did in a handler
+    that replies FedAvg-style (``ArrayRecord(model.state_dict())``) after dropping its
+    :class:`Shard`: the mod holds the list for the one message it handles; nothing is kept
+    once the block ends. Blocks nest: an inner block collects what is received inside it.
+    """
+    shards: list[Shard] = []
+    token = _RECEIVED.set(shards)
+    try:
+        yield shards
+    finally:
+        _RECEIVED.reset(token)
 
 
 def receipt_of(report: RulesReport) -> P.Receipt:
@@ -275,11 +278,11 @@ def rules_metrics(report: RulesReport, active: bool) -> dict[str, float]:
         if report.factor_step == "dense":
             off.append("the dense factor step")
         logger.warning(
-            "The client rules were not applied this round: %s. No torch optimizer step moved "
-            "the received factors (fedshard applies the rules around optimizer.step() of any "
-            "torch.optim.Optimizer that holds shard.model's parameters). Train shard.model with "
-            "a torch optimizer, or call shard.rules.before_step() / after_step() around your "
-            "own update.", ", ".join(off))
+            "The client rules were not applied this round: %s. No step of an optimizer they "
+            "were attached to moved the received factors. Attach them to the optimizer that "
+            "trains shard.model (shard.rules.attach(optimizer), or shard.optimizer() for the "
+            "server's SGD), or call shard.rules.before_step() / after_step() around your own "
+            "update.", ", ".join(off))
     return {CLIP_LR_TERMS: float(report.scaled_columns if report.steps else 0)}
 
 
@@ -312,8 +315,7 @@ def shard_reply(msg: Message, state: Mapping[str, np.ndarray], num_examples: Any
     return P.train_reply(msg, dict(state), int(num_examples), values, receipt)
 
 
-def receive(msg: Message, model: nn.Module, *, device: str | torch.device = "cpu",
-            client_rules: bool = True) -> Shard:
+def receive(msg: Message, model: nn.Module, *, device: str | torch.device = "cpu") -> Shard:
     """The shard of a ``train`` message as a ready sub-model of ``model`` (not modified).
 
     Parameters
@@ -324,23 +326,22 @@ def receive(msg: Message, model: nn.Module, *, device: str | torch.device = "cpu
         A fresh instance of the model the server was started with.
     device : str or torch.device
         Where the sub-model is put.
-    client_rules : bool
-        ``True`` (default): the paper's client rules (Frobenius decay, ClipLR, and the
-        server's factor step) with the server's γ and τ follow the sub-model: any torch
-        optimizer that steps its factors applies them, whoever built it (your loop, a
-        framework), with nothing else to add. ``False``: a plain sub-model; fedshard's own
-        loop (:func:`handle_train`) and :meth:`Shard.optimizer` attach them to the optimizer
-        they build.
 
     Returns
     -------
     Shard
-        ``shard.model``, ``shard.settings``, ``shard.optimizer()`` and
-        ``shard.reply(num_examples=..., metrics=...)``.
+        ``shard.model``, ``shard.settings``, ``shard.rules`` (the paper's client rules with
+        the server's γ, τ and factor step: ``shard.rules.attach(optimizer)`` makes every step
+        of ``optimizer`` apply them), ``shard.optimizer()`` (the server's SGD, rules attached)
+        and ``shard.reply(num_examples=..., metrics=...)``.
 
     Raises
     ------
     ValueError
         If the message's settings or arrays do not fit (the reply becomes an error).
     """
-    return Shard.from_message(msg, model, device=device, client_rules=client_rules)
+    shard = Shard.from_message(msg, model, device=device)
+    collecting = _RECEIVED.get()
+    if collecting is not None:  # a receiving() block (sharding_mod) asks what its handler got
+        collecting.append(shard)
+    return shard

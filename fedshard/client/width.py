@@ -10,13 +10,12 @@ scaler and FjORD's ordered dropout, both around fedshard's own training loop and
   first channels of each hidden dimension); with self-distillation (Sec. 3.3) the node's own
   width also learns the labels on the batch and teaches the drawn width (KL divergence to its
   softened outputs, temperature 1). Given to :func:`fedshard.client.train.train` as its step
-  (``TrainConfig(fast=...)``).
+  (``TrainConfig(step=...)``), in place of the eager one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -29,7 +28,7 @@ from torch.utils.data import Dataset
 
 from fedshard import protocol as P
 from fedshard.client.handlers import Loader, handle_train
-from fedshard.client.train.config import TrainConfig
+from fedshard.client.train.config import FastPath, TrainConfig
 from fedshard.client.train.step import EagerStep, cross_entropy_sums
 from fedshard.protocol.slices import SliceOrder
 from fedshard.width.slicing import WidthFamily
@@ -76,7 +75,8 @@ def attach_scaler(model: nn.Module, layers: Sequence[str], rate: float) -> list[
 
 
 class OrderedDropout:
-    """FjORD's ordered dropout as the training loop's step (``TrainConfig(fast=this)``).
+    """FjORD's ordered dropout as the training loop's step (``TrainConfig(step=this)``: a
+    :data:`~fedshard.client.train.StepFactory`).
 
     Parameters
     ----------
@@ -98,14 +98,13 @@ class OrderedDropout:
                              "distinct widths, the node's own last")
         self.family, self.widths, self.seed, self.distill = family, tuple(widths), seed, distill
 
-    def enabled(self) -> bool:
-        """Always: the loop takes its step from :meth:`open_step`."""
-        return True
+    def __call__(self, model: nn.Module, cfg: TrainConfig) -> OrderedDropoutStep:
+        """The step that trains ``model`` (the node's own width) under ``cfg``."""
+        return OrderedDropoutStep(model, cfg, self)
 
-    @contextmanager
-    def open_step(self, model: nn.Module, cfg: TrainConfig) -> Iterator[OrderedDropoutStep]:
-        """The step for ``model`` (the node's own width) under ``cfg``."""
-        yield OrderedDropoutStep(model, cfg, self)
+    def __repr__(self) -> str:
+        return (f"OrderedDropout(widths={list(self.widths)}, seed={self.seed}, "
+                f"distill={self.distill})")
 
 
 class OrderedDropoutStep(EagerStep):
@@ -156,14 +155,15 @@ class OrderedDropoutStep(EagerStep):
 
 
 def handle_width_train(msg: Message, family: WidthFamily, data: Dataset[Any] | Loader, *,
-                       device: str = "cpu", **options: Any) -> Message:
+                       device: str = "cpu", fast: FastPath | None = None,
+                       **options: Any) -> Message:
     """Train the narrow model a width-slicing ``train`` message describes; reply with it.
 
     Builds ``family(width)`` (the message's :class:`~fedshard.protocol.slices.SliceOrder`),
     attaches HeteroFL's scaler when the message asks for it, loads the received arrays
     (strictly: another model's arrays raise) and trains with
     :func:`~fedshard.client.handlers.handle_train` (fedshard's loop, the server's recipe),
-    taking ordered dropout's step when the message lists its widths.
+    taking ordered dropout's step (:class:`OrderedDropout`) when the message lists its widths.
 
     Parameters
     ----------
@@ -172,14 +172,18 @@ def handle_width_train(msg: Message, family: WidthFamily, data: Dataset[Any] | L
     family : WidthFamily
         The run's model at any width (the server's: same builder, same global width).
     data, device, **options
-        As in :func:`~fedshard.client.handlers.handle_train` (``fast`` is not taken: ordered
-        dropout brings its own step).
+        As in :func:`~fedshard.client.handlers.handle_train`.
+    fast : FastOptions, optional
+        The fast path, as in :func:`~fedshard.client.handlers.handle_train`: HeteroFL's and
+        FedRolex's narrow models train with it; ordered dropout trains with its own step,
+        which the fast path cannot run, so an enabled ``fast`` is refused for it.
 
     Raises
     ------
     ValueError
-        If the message's widths do not fit ``family`` or its config is invalid (the node's
-        reply becomes an error; the server drops it, logged).
+        If the message's widths do not fit ``family`` or its config is invalid, or for an
+        enabled ``fast`` or a ``step`` of yours with ordered dropout (the node's reply
+        becomes an error; the server drops it, logged).
     """
     cfg = msg.content.config_records[P.CONFIG]
     order = SliceOrder.from_record(cfg)
@@ -188,12 +192,20 @@ def handle_width_train(msg: Message, family: WidthFamily, data: Dataset[Any] | L
                          f"node's model family builds widths {family.multiple}..{family.width} "
                          f"in steps of {family.multiple}; server and node must use the same "
                          "model, so this round is not trained")
+    if order.od_widths:
+        asked = [f"{k}={v!r}" for k, v in (("fast", fast), ("step", options.get("step")))
+                 if v is not None and (k != "fast" or v.enabled())]
+        if asked:
+            raise ValueError(
+                f"handle_width_train({', '.join(asked)}): this message asks for ordered "
+                "dropout, which trains with its own step (a width drawn per batch); the fast "
+                "path cannot run that step, and a step of yours would replace it. Expected "
+                "neither (fast=None, or every fast option off: compile, cuda-graph, "
+                "merge-terms in a run config); this round is not trained.")
+        options["step"] = OrderedDropout(family, order.od_widths,
+                                         P.TrainSettings.from_record(cfg).train_seed,
+                                         order.od_distill)
     model = family(order.width)
     if order.scaler:
         attach_scaler(model, family.hidden_layers(order.width), order.ratio)
-    fast = None
-    if order.od_widths:
-        seed = P.TrainSettings.from_record(cfg).train_seed
-        fast = OrderedDropout(family, order.od_widths, seed, order.od_distill)
-    options.pop("fast", None)
     return handle_train(msg, model, data, device=device, fast=fast, **options)

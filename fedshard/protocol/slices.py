@@ -12,7 +12,7 @@ the full width, HeteroFL's scaler and ordered dropout's widths. The reply is the
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import MISSING, Field, dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -20,66 +20,93 @@ from flwr.app import ArrayRecord, ConfigRecord
 
 from fedshard.protocol.arrays import array_record, encode_array
 from fedshard.protocol.shards import SentShard
+from fedshard.settings import (
+    BOOL,
+    Problem,
+    Settings,
+    SettingsError,
+    missing_on_wire,
+    rule,
+    setting,
+    wire_key,
+)
 
-__all__ = ["FULL_WIDTH", "OD_DISTILL", "OD_WIDTHS", "SCALER", "WIDTH", "SliceOrder",
-           "encode_slices"]
+__all__ = ["SLICE_ORDER_KEYS", "SliceOrder", "encode_slices"]
 
-WIDTH = "model-width"  # the width the node builds its narrow model with
-FULL_WIDTH = "full-width"  # the global model's width
-SCALER = "width-scaler"  # HeteroFL's scaler on (bool)
-OD_WIDTHS = "od-widths"  # ordered dropout: the widths a batch may take (list of int)
-OD_DISTILL = "od-distill"  # ordered dropout: self-distillation on (bool)
+
+def _whole(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _widths(v: Any) -> bool:
+    return isinstance(v, tuple) and all(_whole(w) and w >= 1 for w in v) \
+        and list(v) == sorted(set(v))
 
 
 @dataclass(frozen=True)
-class SliceOrder:
+class SliceOrder(Settings):
     """What a node of width slicing builds and how it trains it this round.
+
+    Each field is declared with its wire key (:func:`fedshard.settings.setting`'s ``wire``),
+    the ``train`` config key it travels under; the keys are :data:`SLICE_ORDER_KEYS`.
 
     Attributes
     ----------
     width : int
         The width of the narrow model (its family's width argument, e.g. the MLP's hidden
-        units or ResNet's first-stage channels), ``1 ≤ width ≤ full_width``.
+        units or ResNet's first-stage channels), ``1 ≤ width ≤ full_width``; ``slice-width``
+        on the wire.
     full_width : int
-        The global model's width.
+        The global model's width; ``model-width`` on the wire, as in the run config.
     scaler : bool
-        HeteroFL's scaler: divide each hidden layer's output by ``width / full_width`` while
-        training.
+        HeteroFL's scaler for this node: divide each hidden layer's output by
+        ``width / full_width`` while training; ``slice-scaler`` on the wire (the run config's
+        ``width-scaler`` is the run's switch, which ordered dropout ignores).
     od_widths : tuple of int
         Ordered dropout: the widths a batch may train (ascending, the last is ``width``);
-        empty for the other methods.
+        empty for the other methods; ``od-batch-widths`` on the wire (the run config's
+        ``od-widths`` is the grid size D they are drawn from).
     od_distill : bool
-        Ordered dropout's self-distillation.
+        Ordered dropout's self-distillation; ``od-distill`` on the wire, as in the run config.
+
+    Raises
+    ------
+    ValueError
+        (:class:`~fedshard.settings.SettingsError`) naming every field that breaks its rule,
+        by its wire key: the node cannot build its narrow model, so the round is not trained.
     """
 
-    width: int
-    full_width: int
-    scaler: bool = False
-    od_widths: tuple[int, ...] = ()
-    od_distill: bool = False
+    width: int = setting(MISSING, rule(lambda v: _whole(v) and v >= 1,
+                                       "expected an integer ≥ 1"), run=False,
+                         wire="slice-width")
+    full_width: int = setting(MISSING, rule(lambda v: _whole(v) and v >= 1,
+                                            "expected an integer ≥ 1"), run=False,
+                              wire="model-width")
+    scaler: bool = setting(False, BOOL, run=False, wire="slice-scaler", wire_missing=False)
+    od_widths: tuple[int, ...] = setting(
+        (), rule(_widths, "expected ascending distinct integers ≥ 1"), run=False,
+        wire="od-batch-widths", wire_missing=())
+    od_distill: bool = setting(False, BOOL, run=False, wire="od-distill", wire_missing=False)
 
     def __post_init__(self) -> None:
-        def whole(v: Any) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
+        found = self.problems()
+        if found:  # named by their wire keys: what a node reads, and what it logs
+            keys = {f.name: _key(f) for f in _WIRE}
+            raise SettingsError(
+                "train config of width slicing",
+                [Problem(tuple((keys.get(n, n), v) for n, v in p.about), p.expected)
+                 for p in found],
+                "the node cannot build its narrow model, so this round is not trained")
 
-        problems = []
-        if not (whole(self.full_width) and self.full_width >= 1):
-            problems.append(f"{FULL_WIDTH}={self.full_width!r}: expected an integer ≥ 1")
-        elif not (whole(self.width) and 1 <= self.width <= self.full_width):
-            problems.append(f"{WIDTH}={self.width!r}: expected an integer in "
-                            f"[1, {FULL_WIDTH}={self.full_width}]")
-        if not isinstance(self.scaler, bool):
-            problems.append(f"{SCALER}={self.scaler!r}: expected true or false")
-        if not isinstance(self.od_distill, bool):
-            problems.append(f"{OD_DISTILL}={self.od_distill!r}: expected true or false")
-        widths = self.od_widths
-        if widths and not (all(whole(w) for w in widths) and list(widths) == sorted(set(widths))
-                           and widths[0] >= 1 and widths[-1] == self.width):
-            problems.append(f"{OD_WIDTHS}={list(widths)!r}: expected ascending distinct "
-                            f"integers ≥ 1 ending with {WIDTH}={self.width!r}")
-        if problems:
-            raise ValueError("train config: " + "; ".join(problems) + "; the node cannot build "
-                             "its narrow model, so this round is not trained")
+    def _combinations(self) -> list[Problem]:
+        out = []
+        if _whole(self.width) and _whole(self.full_width) and self.width > self.full_width:
+            out.append(Problem((("width", self.width), ("full_width", self.full_width)),
+                               "expected the narrow width to be at most the global one"))
+        if self.od_widths and _widths(self.od_widths) and self.od_widths[-1] != self.width:
+            out.append(Problem((("od_widths", self.od_widths), ("width", self.width)),
+                               "expected ordered dropout's widths to end with the node's own"))
+        return out
 
     @property
     def ratio(self) -> float:
@@ -88,22 +115,39 @@ class SliceOrder:
 
     def to_record(self, cfg: ConfigRecord) -> ConfigRecord:
         """``cfg`` with these keys set (``cfg`` is the node's own fresh record)."""
-        cfg[WIDTH], cfg[FULL_WIDTH], cfg[SCALER] = self.width, self.full_width, self.scaler
-        if self.od_widths:
-            cfg[OD_WIDTHS], cfg[OD_DISTILL] = list(self.od_widths), self.od_distill
+        for f in _WIRE:
+            value = getattr(self, f.name)
+            cfg[_key(f)] = list(value) if isinstance(value, tuple) else value
         return cfg
 
     @classmethod
     def from_record(cls, cfg: Mapping[str, Any]) -> SliceOrder:
         """Read a ``train`` config; a missing or invalid entry raises ``ValueError``."""
-        missing = [k for k in (WIDTH, FULL_WIDTH) if k not in cfg]
+        missing = [_key(f) for f in _WIRE if _key(f) not in cfg and not missing_on_wire(f)[0]]
         if missing:
             raise ValueError(f"train config: missing {missing}; a width-slicing message "
-                             "names the width to build, so this round is not trained")
-        widths = cfg.get(OD_WIDTHS, [])
-        return cls(cfg[WIDTH], cfg[FULL_WIDTH], cfg.get(SCALER, False),
-                   tuple(widths) if isinstance(widths, list) else widths,
-                   cfg.get(OD_DISTILL, False))
+                             "names the width to build, so this round is not trained (the "
+                             "server and this node speak different versions of the fedshard "
+                             "protocol)")
+        values: dict[str, Any] = {}
+        for f in _WIRE:
+            value = cfg.get(_key(f), missing_on_wire(f)[1])
+            values[f.name] = tuple(value) if isinstance(value, list) else value
+        return cls(**values)
+
+
+def _key(f: Field[Any]) -> str:
+    key = wire_key(f)
+    assert key is not None
+    return key
+
+
+#: The fields of :class:`SliceOrder`, in the order they are written.
+_WIRE: tuple[Field[Any], ...] = tuple(f for f in fields(SliceOrder) if wire_key(f))
+
+#: The ``train`` config keys of width slicing (:class:`SliceOrder`), next to
+#: :data:`fedshard.protocol.TRAIN_CONFIG_KEYS`.
+SLICE_ORDER_KEYS: tuple[str, ...] = tuple(_key(f) for f in _WIRE)
 
 
 def encode_slices(sliced: Mapping[str, np.ndarray], keep_ratio: float,

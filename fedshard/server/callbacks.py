@@ -451,8 +451,9 @@ def _receipt_text(kind: tuple[Any, ...], count: int, nodes: int) -> str:
                 f"lr={used:g}, lr_schedule='constant')).")
     if kind[0] == "rules":
         return (f"{count} of {nodes} nodes trained without the client rules (Frobenius decay, "
-                "ClipLR): no torch optimizer step moved their received factors. Train "
-                "receive(msg, model).model with a torch optimizer (any), or call "
+                "ClipLR): no step of an optimizer the rules were attached to moved their "
+                "received factors. Attach them to the optimizer that trains the received "
+                "model (shard = receive(msg, model); shard.rules.attach(optimizer)), or call "
                 "shard.rules.before_step()/after_step() around your own update.")
     return (f"{count} of {nodes} nodes sent a receipt (what they trained with) that cannot be "
             f"read ({kind[1]}); their arrays are used as usual.")

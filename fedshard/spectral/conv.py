@@ -1,5 +1,11 @@
 """The factorized 2-D convolution: a ``k x k`` conv to ``n`` channels, then a ``1 x 1`` conv.
 
+The same function in two other forms, which the fast path of local training selects
+(:func:`fedshard.client.train.fast.configure_convolutions`): the ``n`` channels padded with
+zero terms (:attr:`SpectralConv2d.pad_terms_to`), or one dense convolution of
+``U diag(ω) Vᵀ`` (:attr:`SpectralConv2d.merge_terms`), as PEFT's LoRA layers keep a merged
+and an unmerged form of one layer.
+
 State-dict names as every :class:`~fedshard.spectral.layers.SpectralLayer`: ``<layer>.u``
 ``(c_out, n)``, ``<layer>.v`` ``(c_in*k_h*k_w, n)``, ``<layer>.omega`` ``(n,)`` (a buffer) and
 ``<layer>.bias`` ``(c_out,)`` or absent.
@@ -49,6 +55,20 @@ class SpectralConv2d(SpectralLayer):
     kernel_size, stride, padding, dilation, padding_mode
         As in ``nn.Conv2d``; the first conv uses them, the ``1 x 1`` conv has stride 1 and no
         padding. ``groups`` is always 1.
+
+    Attributes
+    ----------
+    pad_terms_to : int
+        The form of the forward pass: pad the ``n`` intermediate channels with zero terms to
+        a multiple of this (1, the default: no padding). Exact: zero terms add nothing to the
+        output and get zero gradients; only the ``n`` real columns are parameters, so what is
+        trained and sent is unchanged. cuDNN runs thin convolutions whose channel count is not
+        a multiple of 8 on slower kernels (figures in ``benchmarks/README.md``).
+    merge_terms : bool
+        The form of the forward pass: one dense ``k x k`` convolution with the kernel
+        ``U diag(ω) Vᵀ`` built at each call instead of the two thin ones (``False``, the
+        default): the same map and gradients of ``u``, ``v`` up to rounding (autograd through
+        the product), fewer and larger kernels for the dense FLOPs.
 
     Notes
     -----
@@ -110,11 +130,25 @@ class SpectralConv2d(SpectralLayer):
             assert isinstance(self.padding, tuple)
             self._pad = (self.padding[1], self.padding[1], self.padding[0], self.padding[0])
 
+    pad_terms_to: int = 1
+    merge_terms: bool = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the layer to ``x`` of shape ``(B, in_channels, H, W)``."""
+        """Apply the layer to ``x`` of shape ``(B, in_channels, H, W)`` (in the form
+        :attr:`pad_terms_to` and :attr:`merge_terms` select: the same function)."""
+        v: torch.Tensor = self.v
         u = self.u * self.omega  # ω folded into the 1x1 conv's (c_out, n) weight
+        if self.merge_terms:
+            # (c_out, n) @ (n, c_in·k_h·k_w), reshaped as decompose() flattens W
+            weight = (u @ v.mT).reshape(u.shape[0], self.in_channels, *self.kernel_size)
+            return self._spatial_conv(x, weight, self.bias)
+        rank = self.rank
+        pad = -rank % self.pad_terms_to
+        if pad:
+            v, u = F.pad(v, (0, pad)), F.pad(u, (0, pad))  # zero columns n .. n+pad-1
+            rank += pad
         # (n, c_in, k_h, k_w): row-major reshape matches W.reshape(c_out, -1) in decompose().
-        kernel = self.v.mT.reshape(self.rank, self.in_channels, *self.kernel_size)
+        kernel = v.mT.reshape(rank, self.in_channels, *self.kernel_size)
         hidden = self._spatial_conv(x, kernel, None)
         # hidden: (B, n, H', W'); 1x1 conv with U diag(ω): (c_out, n, 1, 1).
         return F.conv2d(hidden, u[:, :, None, None], self.bias)
@@ -167,4 +201,6 @@ class SpectralConv2d(SpectralLayer):
             f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
             f"stride={self.stride}, padding={self.padding}, dilation={self.dilation}, "
             f"padding_mode={self.padding_mode}, rank={self.rank}, bias={self.bias is not None}"
+            + (f", pad_terms_to={self.pad_terms_to}" if self.pad_terms_to != 1 else "")
+            + (", merge_terms=True" if self.merge_terms else "")
         )

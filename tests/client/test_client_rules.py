@@ -1,7 +1,7 @@
-"""The paper's client rules travel with the sub-model: any torch optimizer that steps
-``receive()``'s factors applies Frobenius decay and ClipLR, so a plain loop trains as
-fedshard's own loop does, and no rule is applied twice; and keep ratios of a user project in
-one line."""
+"""The paper's client rules come with the sub-model and act on the optimizer they are attached
+to, and on nothing else: a plain loop whose optimizer has ``shard.rules`` attached trains as
+fedshard's own loop does, no rule is applied twice, two shards trained in one process keep
+two independent rule sets; and keep ratios of a user project in one line."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(x[i:i + 8], y[i:i + 8]) for i in range(0, 32, 8)]
 
 
-def message(gamma: float = 0.05, tau: float | None = 1.0) -> Message:
+def message(gamma: float = 0.05, tau: float | None = 1.0, seed: int = 3) -> Message:
     """A real train message (Unbiased r = 0.5: ω up to ~1/π > τ, so ClipLR acts)."""
     app = ClientApp()
 
@@ -60,17 +60,19 @@ def message(gamma: float = 0.05, tau: float | None = 1.0) -> Message:
     s = SpectralSharding(sharded_layers=["2", "4"], sharding=Sharding(method="unbiased"),
                          training=LocalTraining(lr=0.1, momentum=0.9, frobenius_decay=gamma,
                                                 clip_lr_tau=tau),
-                         num_rounds=2, seed=3, min_train_nodes=1, min_available_nodes=1,
+                         num_rounds=2, seed=seed, min_train_nodes=1, min_available_nodes=1,
                          nodes=NodePolicy(query_timeout=5, node_wait_timeout=5))
     return next(iter(s.configure_train(1, ArrayRecord(net().float().state_dict()),
                                        ConfigRecord(), InProcessGrid(app, [{}]))))
 
 
-def plain_loop(model: nn.Module, lr: float, *, extra: Any = None) -> dict[str, torch.Tensor]:
-    """A user's loop: any torch optimizer over all parameters, nothing of fedshard's."""
+def plain_loop(model: nn.Module, lr: float, *, rules: Any = None) -> dict[str, torch.Tensor]:
+    """A user's loop: a torch optimizer over all parameters, with ``rules`` attached if given."""
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    if rules is not None:
+        rules.attach(opt)
     for x, y in batches():
-        loss = F.cross_entropy(model(x), y) + (extra() if extra else 0)
+        loss = F.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -80,8 +82,8 @@ def plain_loop(model: nn.Module, lr: float, *, extra: Any = None) -> dict[str, t
 def test_a_plain_loop_gets_the_rules_of_fedshards_train_in_float64() -> None:
     msg = message()
     hooked = receive(msg, net())
-    mine = plain_loop(hooked.model, hooked.settings.lr)
-    bare = receive(msg, net(), client_rules=False)
+    mine = plain_loop(hooked.model, hooked.settings.lr, rules=hooked.rules)
+    bare = receive(msg, net())
     loader = DataLoader(TensorDataset(torch.cat([x for x, _ in batches()]),
                                       torch.cat([y for _, y in batches()])), batch_size=8)
     train(bare.model, loader, bare.train_config())  # fedshard's loop: SGD-m, FD, ClipLR
@@ -89,7 +91,7 @@ def test_a_plain_loop_gets_the_rules_of_fedshards_train_in_float64() -> None:
     for key, value in mine.items():
         torch.testing.assert_close(value, ref[key], rtol=1e-12, atol=1e-12, msg=key)
     # ... and the rules did something: without them the same loop ends elsewhere
-    plain = plain_loop(receive(msg, net(), client_rules=False).model, hooked.settings.lr)
+    plain = plain_loop(receive(msg, net()).model, hooked.settings.lr)  # nothing attached
     assert not torch.allclose(plain["2.u"], mine["2.u"], rtol=1e-6, atol=1e-9)
     omega = msg.content[P.ARRAYS]["2.omega"].numpy()
     assert omega.max() > 1.0  # τ = 1 clips those columns
@@ -103,13 +105,14 @@ def test_each_rule_against_its_formula() -> None:
     shard = receive(msg, net())
     layer = shard.model[2]
     x, y = batches()[0]
-    bare = receive(msg, net(), client_rules=False)
+    bare = receive(msg, net())
     F.cross_entropy(bare.model(x), y).backward()
     g_data = bare.model[2].u.grad.numpy()
     u, v, w = (layer.u.detach().numpy().copy(), layer.v.detach().numpy().copy(),
                layer.omega.numpy().copy())
     expected = (g_data + 2 * 0.05 * u @ (np.outer(w, w) * (v.T @ v))) * np.minimum(1, 1.0 / w)
     opt = torch.optim.SGD(shard.model.parameters(), lr=0.1)
+    shard.rules.attach(opt)
     F.cross_entropy(shard.model(x), y).backward()
     opt.step()
     np.testing.assert_allclose(layer.u.detach().numpy(), u - 0.1 * expected, rtol=1e-10,
@@ -119,13 +122,19 @@ def test_each_rule_against_its_formula() -> None:
 
 
 def test_shard_helpers_and_fedshards_loop_do_not_apply_the_rules_twice() -> None:
-    """A followed shard trained by Shard.optimizer() or by fedshard's own loop (optimizers
-    with the rules attached) ends where a plain SGD loop over it does: the rules once."""
+    """A shard trained by Shard.optimizer() or by fedshard's own loop (optimizers they attach
+    the rules to) ends where a plain SGD loop with the rules attached once does; attaching
+    them twice to one optimizer, or to another model's optimizer, is refused."""
     msg = message()
-    plain = plain_loop(receive(msg, net()).model, 0.1)
+    mine = receive(msg, net())
+    plain = plain_loop(mine.model, 0.1, rules=mine.rules)
     hooked = receive(msg, net())
     opt = hooked.optimizer()
     assert (len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks)) == (1, 1)
+    with pytest.raises(ValueError, match=r"already attached to this SGD optimizer; a second "
+                                         r"attachment would apply every rule twice"):
+        hooked.rules.attach(opt)
+    assert len(opt._optimizer_step_pre_hooks) == 1  # nothing was added
     helpers = user_loop_with(hooked.model, opt)
     looped = receive(msg, net())
     loader = DataLoader(TensorDataset(torch.cat([x for x, _ in batches()]),
@@ -135,8 +144,100 @@ def test_shard_helpers_and_fedshards_loop_do_not_apply_the_rules_twice() -> None
         torch.testing.assert_close(helpers[key], value, rtol=1e-12, atol=1e-12, msg=key)
         torch.testing.assert_close(looped.model.state_dict()[key], value, rtol=1e-12,
                                    atol=1e-12, msg=key)
-    with pytest.raises(TypeError, match=r"receive\(client_rules='yes'\): expected True"):
-        receive(msg, net(), client_rules="yes")  # type: ignore[arg-type]
+    other = torch.optim.SGD(receive(msg, net()).model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"the SGD optimizer steps none of the factors \(u, v\) "
+                                         r"of the 2 sharded layer\(s\) these rules were made for"):
+        mine.rules.attach(other)
+    assert not other._optimizer_step_pre_hooks
+
+
+def _step_moves(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+                y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One step of ``opt`` on ``model``'s loss; what it moved each factor by."""
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    return {k: v.detach() - before[k] for k, v in model.state_dict().items()
+            if k.endswith((".u", ".v"))}
+
+
+def test_two_shards_in_one_process_keep_two_independent_rule_sets() -> None:
+    """Two shards of different ω (another seed) and τ, trained in one process, each with its
+    own optimizer: each factor column moves min(1, τ/ω_i) times what the same plain SGD step
+    moves it (τ and ω read from the messages, the scale computed here with numpy); a third
+    model trained alongside without rules moves exactly as plain SGD; each rule set counts
+    only its own optimizer's steps; and one optimizer over both models with both rule sets
+    attached scales each model's columns by its own rule."""
+    msgs = {"a": message(gamma=0.0, tau=1.0, seed=3), "b": message(gamma=0.0, tau=2.5, seed=11)}
+    taus = {"a": 1.0, "b": 2.5}
+    omegas = {name: {layer: m.content[P.ARRAYS][f"{layer}.omega"].numpy().astype(np.float64)
+                     for layer in ("2", "4")} for name, m in msgs.items()}
+    assert not np.array_equal(omegas["a"]["2"], omegas["b"]["2"])  # different ω
+    for name, tau in taus.items():  # ClipLR acts, and not on every column
+        w = np.concatenate(list(omegas[name].values()))
+        assert (w > tau).any() and (w <= tau).any(), (name, w)
+
+    def scale(name: str, layer: str) -> torch.Tensor:  # (n,): min(1, τ/ω_i), by hand
+        return torch.from_numpy(np.minimum(1.0, taus[name] / omegas[name][layer]))
+
+    shards = {name: receive(m, net()) for name, m in msgs.items()}
+    twins = {name: receive(m, net()) for name, m in msgs.items()}  # plain: no rules attached
+    bystander = receive(msgs["a"], net())  # a third model trained alongside, no rules
+    bystander_twin = receive(msgs["a"], net())
+    opts = {name: torch.optim.SGD(sh.model.parameters(), lr=0.1) for name, sh in shards.items()}
+    plain_opts = {name: torch.optim.SGD(tw.model.parameters(), lr=0.1)
+                  for name, tw in twins.items()}
+    handles = {name: shards[name].rules.attach(opts[name]) for name in shards}
+    assert all(h.attached and h.layers == 2 for h in handles.values())
+    by_opt = torch.optim.SGD(bystander.model.parameters(), lr=0.1)
+    by_twin_opt = torch.optim.SGD(bystander_twin.model.parameters(), lr=0.1)
+    steps = {"a": 0, "b": 0}
+    for i, (x, y) in enumerate(batches()):
+        name = "a" if i % 2 == 0 else "b"  # the two models' steps interleave
+        # the same state for the twin as for the shard: copy, then one step of each
+        twins[name].model.load_state_dict(shards[name].model.state_dict())
+        moved = _step_moves(shards[name].model, opts[name], x, y)
+        plain = _step_moves(twins[name].model, plain_opts[name], x, y)
+        steps[name] += 1
+        for key, move in moved.items():
+            layer = key.split(".")[0]
+            torch.testing.assert_close(move, plain[key] * scale(name, layer), rtol=1e-12,
+                                       atol=1e-15, msg=f"{name} {key}")
+        bystander_twin.model.load_state_dict(bystander.model.state_dict())
+        by_moved = _step_moves(bystander.model, by_opt, x, y)
+        by_plain = _step_moves(bystander_twin.model, by_twin_opt, x, y)
+        for key, move in by_moved.items():  # neither rule set acts on it
+            torch.testing.assert_close(move, by_plain[key], rtol=0, atol=0, msg=key)
+    assert {n: sh.rules.report().steps for n, sh in shards.items()} == steps == {"a": 2, "b": 2}
+    assert bystander.rules.report().steps == 0
+
+    # one optimizer over both models, each model's rules attached to it: its own scales each
+    both = {name: receive(m, net()) for name, m in msgs.items()}
+    both_twins = {name: receive(m, net()) for name, m in msgs.items()}
+    joint = torch.optim.SGD([*both["a"].model.parameters(), *both["b"].model.parameters()],
+                            lr=0.1)
+    joint_plain = torch.optim.SGD([*both_twins["a"].model.parameters(),
+                                   *both_twins["b"].model.parameters()], lr=0.1)
+    for sh in both.values():
+        sh.rules.attach(joint)
+    x, y = batches()[0]
+
+    def joint_moves(models: dict[str, Any], opt: torch.optim.Optimizer) -> dict[str, Any]:
+        before = {n: {k: v.detach().clone() for k, v in m.model.state_dict().items()}
+                  for n, m in models.items()}
+        opt.zero_grad()
+        sum(F.cross_entropy(m.model(x), y) for m in models.values()).backward()
+        opt.step()
+        return {n: {k: v.detach() - before[n][k] for k, v in m.model.state_dict().items()
+                    if k.endswith((".u", ".v"))} for n, m in models.items()}
+
+    moved, plain = joint_moves(both, joint), joint_moves(both_twins, joint_plain)
+    for name in both:
+        for key, move in moved[name].items():
+            torch.testing.assert_close(move, plain[name][key] * scale(name, key.split(".")[0]),
+                                       rtol=1e-12, atol=1e-15, msg=f"joint {name} {key}")
+        assert both[name].rules.report().steps == 1
 
 
 def user_loop_with(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -201,9 +302,10 @@ def test_run_config_keep_ratios_work_in_a_user_project(caplog: pytest.LogCapture
 
 def test_a_round_without_an_optimizer_step_says_the_rules_were_not_applied(
         caplog: pytest.LogCaptureFixture) -> None:
-    """A loop that updates the parameters by hand (no torch optimizer) trains without the
-    rules: the reply says ClipLR scaled nothing and the node logs which rules were skipped;
-    with an optimizer the reply counts the terms ClipLR scaled."""
+    """A loop that updates the parameters by hand (no torch optimizer), or with an optimizer
+    the rules were not attached to, trains without the rules: the reply says ClipLR scaled
+    nothing and the node logs which rules were skipped and how to attach them; with the rules
+    attached the reply counts the terms ClipLR scaled."""
     msg = message(gamma=0.05, tau=1.0)
     shard = receive(msg, net())
     for x, y in batches():
@@ -218,8 +320,14 @@ def test_a_round_without_an_optimizer_step_says_the_rules_were_not_applied(
     assert "The client rules were not applied this round: Frobenius decay (γ=0.05), ClipLR " \
            "(τ=1" in caplog.text
     caplog.clear()
+    forgot = receive(msg, net())  # an optimizer the rules were never attached to
+    plain_loop(forgot.model, 0.1)
+    assert forgot.reply(num_examples=32).content[P.METRICS]["clip-lr-terms"] == 0.0
+    assert "Attach them to the optimizer that trains shard.model " \
+           "(shard.rules.attach(optimizer)" in caplog.text
+    caplog.clear()
     stepped = receive(msg, net())
-    plain_loop(stepped.model, 0.1)
+    plain_loop(stepped.model, 0.1, rules=stepped.rules)
     reply = stepped.reply(num_examples=32)
     omegas = [msg.content[P.ARRAYS][f"{layer}.omega"].numpy() for layer in ("2", "4")]
     assert reply.content[P.METRICS]["clip-lr-terms"] == sum(int((w > 1.0).sum()) for w in omegas)
@@ -240,8 +348,10 @@ def test_a_users_mod_that_reads_the_round_config_sees_only_its_messages() -> Non
 
     @app.train()
     def _train(msg: Message, context: Context) -> Message:
-        model = receive(msg, net().float()).model
+        shard = receive(msg, net().float())
+        model = shard.model
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        shard.rules.attach(opt)
         for x, y in batches():
             opt.zero_grad()
             F.cross_entropy(model(x.float()), y).backward()
@@ -271,8 +381,10 @@ def test_receipts_tell_the_server_what_the_nodes_trained_with(
 
     @app.train()
     def _train(msg: Message, context: Context) -> Message:
-        model = receive(msg, net().float()).model
+        shard = receive(msg, net().float())
+        model = shard.model
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        shard.rules.attach(opt)
         for x, y in batches():
             opt.zero_grad()
             F.cross_entropy(model(x.float()), y).backward()

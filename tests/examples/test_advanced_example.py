@@ -1,6 +1,7 @@
 """examples/advanced-pytorch: a Flower project with its own FedAvg subclass (own ``start()``,
 lr halving in ``configure_train``), a personal classification head in ``context.state`` and
-flwr-datasets Dirichlet partitions, adopted in at most 10 changed lines of Python.
+flwr-datasets Dirichlet partitions, adopted in at most 13 changed lines of Python (5 of them
+hand the project's own SGD to the client rules: its ``train()`` builds the optimizer).
 
 ``after/`` runs on 10 simulated nodes (in-process grid, the first 3000 training and test
 examples of local Fashion-MNIST, 3 rounds) at the project's own lr 0.1; the checks are
@@ -28,7 +29,7 @@ from flwr.app import Context, RecordDict
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "advanced-pytorch"
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
-MAX_CHANGED_LINES = 10
+MAX_CHANGED_LINES = 13
 HEAD = "classification-head"
 
 
@@ -108,10 +109,11 @@ def test_after_example_trains_at_its_own_lr_with_its_start_schedule_and_personal
     calls: list[dict] = []  # what the project's own train() was given and left
     real_train = client.train_fn
 
-    def spy(net, trainloader, epochs, lr, device):  # type: ignore[no-untyped-def]
+    def spy(net, trainloader, epochs, lr, device, attach=None):  # type: ignore[no-untyped-def]
         entry = net.head.weight.detach().clone()
-        loss = real_train(net, trainloader, epochs, lr, device)
-        calls.append({"lr": lr, "entry": entry, "exit": net.head.weight.detach().clone()})
+        loss = real_train(net, trainloader, epochs, lr, device, attach)
+        calls.append({"lr": lr, "entry": entry, "exit": net.head.weight.detach().clone(),
+                      "attach": attach})
         return loss
 
     monkeypatch.setattr(client, "train_fn", spy)
@@ -143,6 +145,10 @@ def test_after_example_trains_at_its_own_lr_with_its_start_schedule_and_personal
     # the heads stay personal: a node trains from its own head, never the averaged one
     nodes = [m.metadata.dst_node_id for m in train_msgs]
     assert len(calls) == len(nodes)  # every sampled node trained
+    # ... with its own shard's client rules handed the project's SGD (one rule set each)
+    owners = [getattr(c["attach"], "__self__", None) for c in calls]
+    assert all(type(o).__name__ == "ClientRules" and o.report().steps > 0 for o in owners)
+    assert len({id(o) for o in owners}) == len(owners)
     again = [i for i, n in enumerate(nodes) if n in nodes[:i]]
     assert again, "no node was sampled twice; the check needs one"
     for i in again:

@@ -60,9 +60,15 @@ def test_adoption_changes_at_most_ten_lines_through_the_public_api() -> None:
     fedshard_imports = [line for line in added if "fedshard" in line and "import" in line]
     assert fedshard_imports and all(line.startswith("from fedshard import ") for line in
                                     fedshard_imports), fedshard_imports
-    # the Lightning parts are untouched: the module, its Adam, the Trainer
+    # the Lightning parts are untouched: the module and its Adam (task.py), the Trainer; the
+    # one line that names the optimizer wraps the module's own configure_optimizers
+    before, after = python_files(EXAMPLE / "before"), python_files(EXAMPLE / "after")
+    assert before["pytorchlightning_example/task.py"] == after["pytorchlightning_example/task.py"]
     assert not any("lightning" in line.lower() or "Trainer" in line or "optim" in line
-                   for line in removed | added)
+                   for line in removed)
+    assert [line for line in added if "lightning" in line.lower() or "Trainer" in line
+            or "optim" in line] == ["model.configure_optimizers = "
+                                    "shard.rules.attaching(model.configure_optimizers)"]
     readme = (EXAMPLE / "README.md").read_text()
     block = re.search(r"```diff\n(.*?)```", readme, re.S).group(1)  # type: ignore[union-attr]
     lines = block.splitlines()  # the diff shown is the real one, line for line

@@ -4,7 +4,9 @@ over the same local files feeding dict samples to handle_train."""
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import re
 import sys
 from pathlib import Path
 
@@ -14,10 +16,39 @@ import torch
 from flower_grid import InProcessGrid
 from flwr.app import Context, RecordDict
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "quickstart-pytorch" / "after"
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "quickstart-pytorch" / "after"
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
-pytestmark = pytest.mark.skipif(not (FMNIST / "t10k-labels-idx1-ubyte.gz").exists(),
-                                reason=f"Fashion-MNIST idx files not in {FMNIST}")
+needs_fmnist = pytest.mark.skipif(not (FMNIST / "t10k-labels-idx1-ubyte.gz").exists(),
+                                  reason=f"Fashion-MNIST idx files not in {FMNIST}")
+
+
+def test_the_diffs_shown_are_the_real_change() -> None:
+    """The adoption diff in the example's README, on the integration page and in the
+    repository's README is before/ -> after/, line for line, and the count they give is it
+    (a line replaced by one counts once: per difflib opcode, the longer side)."""
+    trees = [{str(q.relative_to(t)): q.read_text().splitlines() for q in sorted(t.rglob("*.py"))
+              if "__pycache__" not in q.parts} for t in (EXAMPLE.parent / "before", EXAMPLE)]
+    before, after = trees
+    assert before.keys() == after.keys(), "the adoption adds or removes no Python file"
+    changed, removed, added = 0, set(), set()
+    for name in before:
+        a, b = before[name], after[name]
+        for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b).get_opcodes():
+            if tag != "equal":
+                changed += max(i2 - i1, j2 - j1)
+                removed.update(line.strip() for line in a[i1:i2])
+                added.update(line.strip() for line in b[j1:j2])
+    pages = {"example README": (EXAMPLE.parent / "README.md").read_text(),
+             "integration.md": (ROOT / "docs" / "integration.md").read_text(),
+             "README.md": (ROOT / "README.md").read_text()}
+    for name, text in pages.items():
+        block = re.search(r"```diff\n(.*?)```", text, re.S).group(1)  # type: ignore[union-attr]
+        lines = block.splitlines()
+        assert {x[1:].strip() for x in lines if x.startswith("-")} == removed, name
+        assert {x[1:].strip() for x in lines if x.startswith("+")} == added, name
+    for name in ("example README", "integration.md"):
+        assert f"{changed} changed lines" in pages[name].replace("\n", " "), name
 
 
 @pytest.fixture
@@ -31,6 +62,7 @@ def example(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):  # type: ignore[no
     return task
 
 
+@needs_fmnist
 def test_after_example_trains_two_rounds_at_the_projects_lr(example) -> None:  # type: ignore[no-untyped-def]
     import tomllib
 
@@ -42,11 +74,21 @@ def test_after_example_trains_two_rounds_at_the_projects_lr(example) -> None:  #
     assert run_config["lr"] == 0.01  # the project's own learning rate, unchanged
     grid = InProcessGrid(client.app, [{"partition-id": i, "num-partitions": 4} for i in range(4)],
                          run_config=run_config)
+    replies: list = []
+    grid.tamper = dict.fromkeys(grid.contexts, lambda r: replies.append(r) or r)
     torch.manual_seed(0)
     initial = example.Net()
     torch.manual_seed(0)
     server.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
                               run_config=run_config))
+    # every node's own SGD applied the client rules it was handed (the nodes' receipts: the
+    # optimizer that stepped the factors, at the project's lr, and how many steps)
+    trained = [r for r in replies if r.metadata.message_type == "train"]
+    assert trained and not any(r.has_error() for r in trained)
+    sent = {m.content["config"]["lr"] for m in grid.sent if m.metadata.message_type == "train"}
+    assert {r.content["config"]["trained-optimizer"] for r in trained} == {"SGD"}
+    assert {r.content["config"]["trained-lr"] for r in trained} == sent
+    assert all(r.content["config"]["trained-steps"] > 0 for r in trained)
     final = example.Net()
     final.load_state_dict(torch.load("final_model.pt"))
     test = example.load_centralized_dataset(2000)
@@ -55,6 +97,7 @@ def test_after_example_trains_two_rounds_at_the_projects_lr(example) -> None:  #
     assert acc2 > acc0 + 0.2, (acc0, acc2)
 
 
+@needs_fmnist
 def test_flwr_datasets_partitioner_over_local_files() -> None:
     datasets = pytest.importorskip("datasets", reason="flwr-datasets extra not installed")
     partitioner_mod = pytest.importorskip("flwr_datasets.partitioner",

@@ -34,7 +34,7 @@ from fedshard import (
 from fedshard import protocol as P
 from fedshard.client.train import TrainConfig, train
 from fedshard.client.width import OrderedDropout, Scaler, attach_scaler, handle_width_train
-from fedshard.protocol.slices import SliceOrder
+from fedshard.protocol.slices import SLICE_ORDER_KEYS, SliceOrder
 from fedshard.server.width import od_widths
 
 
@@ -194,11 +194,11 @@ def test_ordered_dropout_trains_the_leading_slice_of_the_drawn_width():
     start = copy.deepcopy(own.state_dict())
     od = OrderedDropout(FAMILY, (2, 4, 8), seed=11)
     cfg = TrainConfig(recipe=LocalTraining(lr=0.1, momentum=0.0, local_epochs=1, batch_size=5),
-                      fast=od, log_every_epoch=False)
-    with od.open_step(own, cfg) as step:
-        x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
-        step(x, y)
-        w = step.drawn[0]
+                      step=od, log_every_epoch=False)
+    step = od(own, cfg)
+    x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
+    step(x, y)
+    w = step.drawn[0]
     # the drawn width's sub-model, built on its own from the leading slices, is what trained
     sub = FAMILY(w)
     sub.load_state_dict({k: v[tuple(slice(0, s) for s in sub.state_dict()[k].shape)]
@@ -219,10 +219,9 @@ def test_ordered_dropout_draws_its_widths_uniformly_and_reproducibly():
     cfg = TrainConfig(recipe=LocalTraining(lr=1e-9, momentum=0.0), log_every_epoch=False)
     draws = []
     for _ in range(2):
-        od = OrderedDropout(FAMILY, (2, 4, 8), seed=5)
-        with od.open_step(own, cfg) as step:
-            for _ in range(600):
-                step.loss(torch.randn(2, 6), torch.zeros(2, dtype=torch.long))
+        step = OrderedDropout(FAMILY, (2, 4, 8), seed=5)(own, cfg)
+        for _ in range(600):
+            step.loss(torch.randn(2, 6), torch.zeros(2, dtype=torch.long))
         draws.append(step.drawn)
     assert draws[0] == draws[1]
     counts = Counter(draws[0])
@@ -235,11 +234,11 @@ def test_ordered_dropout_distillation_adds_kl_to_the_own_widths_labels():
     od = OrderedDropout(FAMILY, (4, 8), seed=0, distill=True)
     cfg = TrainConfig(recipe=LocalTraining(lr=1e-9, momentum=0.0), log_every_epoch=False)
     x, y = torch.randn(6, 6), torch.randint(0, 3, (6,))
-    with od.open_step(own, cfg) as step:
-        while True:
-            loss, loss_sum, _, count = step.loss(x, y)
-            if step.drawn[-1] == 4:
-                break
+    step = od(own, cfg)
+    while True:
+        loss, loss_sum, _, count = step.loss(x, y)
+        if step.drawn[-1] == 4:
+            break
     sub = FAMILY(4)
     sub.load_state_dict({k: v[tuple(slice(0, s) for s in sub.state_dict()[k].shape)]
                          for k, v in own.state_dict().items()})
@@ -334,13 +333,46 @@ def test_slice_order_checks_what_it_reads():
     cfg = SliceOrder(4, 10, od_widths=(2, 4)).to_record(P.TrainSettings.of(
         LocalTraining(lr=0.1), lr=0.1, server_round=1, keep_ratio=0.4, method="heterofl",
         train_seed=1).to_record())
+    assert {k: cfg[k] for k in SLICE_ORDER_KEYS} == {
+        "slice-width": 4, "model-width": 10, "slice-scaler": False, "od-batch-widths": [2, 4],
+        "od-distill": False}
     assert SliceOrder.from_record(cfg) == SliceOrder(4, 10, False, (2, 4), False)
-    with pytest.raises(ValueError, match=r"model-width=11: expected an integer in \[1, "):
-        SliceOrder(11, 10)
-    with pytest.raises(ValueError, match="od-widths"):
+    # every problem at once, named by its wire key
+    with pytest.raises(ValueError, match=r"\(2 problem\(s\)\); the node cannot build its narrow "
+                                         r"model(.|\n)*slice-scaler='yes': expected True or "
+                                         r"False(.|\n)*slice-width=11 with model-width=10: "
+                                         r"expected the narrow width to be at most the global"):
+        SliceOrder(11, 10, scaler="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"od-batch-widths=\(4, 2\): expected ascending"):
         SliceOrder(4, 10, od_widths=(4, 2))
-    with pytest.raises(ValueError, match="missing"):
+    with pytest.raises(ValueError, match=r"od-batch-widths=\(2, 3\) with slice-width=4: "
+                                         r"expected ordered dropout's widths to end with"):
+        SliceOrder(4, 10, od_widths=(2, 3))
+    with pytest.raises(ValueError, match=r"missing \['slice-width', 'model-width'\]"):
         SliceOrder.from_record({})
+    # a message without the optional keys is a method without scaler and ordered dropout
+    assert SliceOrder.from_record({"slice-width": 3, "model-width": 10}) == SliceOrder(3, 10)
+
+
+def test_slice_order_keys_are_declared_once_and_mean_one_thing():
+    """The wire keys come from the fields' declarations (settings.setting(wire=...)); a key
+    that is also a run-config key means the same there (the global width, self-distillation
+    on); the narrow width, the node's scaler and the batch widths, which mean something else
+    than the run config's model-width, width-scaler and od-widths, have keys of their own."""
+    from dataclasses import fields
+
+    from fedshard.app.config import RunConfig
+    from fedshard.settings import Slicing, run_key, wire_key
+
+    declared = tuple(wire_key(f) for f in fields(SliceOrder))
+    assert declared == SLICE_ORDER_KEYS and len(set(declared)) == len(declared)
+    assert not set(declared) & set(P.TRAIN_CONFIG_KEYS)  # no clash with the recipe's keys
+    run_keys = {run_key(f) for f in fields(Slicing)} | {"model-width"}
+    assert set(declared) & run_keys == {"model-width", "od-distill"}
+    cfg = RunConfig.from_mapping({"model": "mlp", "model-width": 10, "method": "heterofl",
+                                  "od-distill": True})
+    assert cfg.model_width == SliceOrder.from_record({"slice-width": 4, "model-width": 10}
+                                                     ).full_width
 
 
 def test_the_trained_model_learns(caplog):

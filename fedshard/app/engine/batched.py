@@ -43,11 +43,11 @@ from torch.utils.data import Dataset
 from fedshard import protocol as P
 from fedshard.app.config import RunConfig
 from fedshard.app.engine.grid import SequentialTrainer, TrainJob
-from fedshard.client.shard import Shard, receive
+from fedshard.client.node import train_kind
+from fedshard.client.shard import Shard
 from fedshard.client.train.batches import TensorBatches, batches_for
 from fedshard.client.train.config import TrainConfig
 from fedshard.client.train.rules import ClientRules, RulesReport
-from fedshard.settings import WIDTH_METHODS
 from fedshard.spectral.layers import SpectralLayer
 from fedshard.spectral.selection import BATCH_NORMS
 
@@ -126,11 +126,10 @@ class BatchedTrainer:
 
     def _member(self, msg: Message, data: Dataset[Any]) -> tuple[Shard, TensorBatches] | None:
         """The received shard and its batches, or ``None`` for the sequential path."""
-        config = msg.content.config_records.get(P.CONFIG)
         if (self.refused or P.REFERENCE in msg.content.array_records
-                or (config is not None and config.get("method") in WIDTH_METHODS)):
+                or train_kind(msg) != "shard"):
             return None  # (a narrow model of width slicing is trained alone)
-        shard = receive(msg, self.model, device=self.device, client_rules=False)
+        shard = Shard.from_message(msg, self.model, device=self.device)
         if _uncovered(shard.train_config()):
             return None
         s = shard.settings
@@ -173,7 +172,8 @@ def train_together(shards: Sequence[Shard], loaders: Sequence[TensorBatches]
     Parameters
     ----------
     shards : sequence of Shard
-        Received with ``client_rules=False``; their models are trained in place.
+        Received (:meth:`Shard.from_message`; their own rules are not attached: the stacked
+        factors get one set); their models are trained in place.
     loaders : sequence of TensorBatches
         Client c's batches, in its own order (the round's seed).
 

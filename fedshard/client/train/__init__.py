@@ -4,7 +4,8 @@ Sec. 3.3), on batches held on the training device.
 - :mod:`~fedshard.client.train.config` - :class:`TrainConfig`, :class:`TrainResult`,
   :class:`EvalResult`.
 - :mod:`~fedshard.client.train.rules` - :class:`ClientRules`: Frobenius decay, the dense
-  factor step and ClipLR (per-term lr ``min(1, τ/ω_i)``), once, for any optimizer.
+  factor step and ClipLR (per-term lr ``min(1, τ/ω_i)``), once, for any optimizer they are
+  attached to (:class:`RulesHandle`).
 - :mod:`~fedshard.client.train.optim` - :func:`build_optimizer` (SGD with momentum, the rules
   attached) and :func:`frobenius_penalty`.
 - :mod:`~fedshard.client.train.precondition` - the dense factor step's transform: factor
@@ -25,11 +26,18 @@ from fedshard.client.train.batches import (
     dataset_size,
     unpack_batch,
 )
-from fedshard.client.train.config import EvalResult, FastPath, TrainConfig, TrainResult
+from fedshard.client.train.config import (
+    EvalResult,
+    FastPath,
+    Step,
+    StepFactory,
+    TrainConfig,
+    TrainResult,
+)
 from fedshard.client.train.loop import evaluate, train
 from fedshard.client.train.optim import build_optimizer, frobenius_penalty, parameter_groups
 from fedshard.client.train.precondition import dense_factor_gradient
-from fedshard.client.train.rules import ClientRules, RulesReport
+from fedshard.client.train.rules import ClientRules, RulesHandle, RulesReport
 from fedshard.client.train.step import EagerStep, cross_entropy_sums
 
 __all__ = [
@@ -39,7 +47,10 @@ __all__ = [
     "EagerStep",
     "EvalResult",
     "FastPath",
+    "RulesHandle",
     "RulesReport",
+    "Step",
+    "StepFactory",
     "TensorBatches",
     "TrainConfig",
     "TrainResult",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -16,7 +17,16 @@ if TYPE_CHECKING:
 
     from fedshard.client.train.rules import RulesReport
 
-__all__ = ["EvalResult", "FastPath", "TrainConfig", "TrainResult"]
+__all__ = ["EvalResult", "FastPath", "Step", "StepFactory", "TrainConfig", "TrainResult"]
+
+#: A training step: one batch ``(inputs, targets)`` in, device sums (loss, correct
+#: predictions, counted targets) out (:class:`~fedshard.client.train.step.EagerStep` is the
+#: reference one). A step that keeps the client rules it applied has them as ``rules``.
+Step = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+#: What :attr:`TrainConfig.step` takes: ``make(model, cfg)`` -> the :data:`Step` that trains
+#: ``model`` under ``cfg`` (ordered dropout's :class:`~fedshard.client.width.OrderedDropout`).
+StepFactory = Callable[["nn.Module", "TrainConfig"], Step]
 
 
 class FastPath(Protocol):
@@ -67,13 +77,21 @@ class TrainConfig:
         Ignored for ``(inputs, targets)`` pairs.
     fast : FastPath or None
         The fast path (:class:`fedshard.client.train.fast.FastOptions`: ``torch.compile``,
-        CUDA graphs, padded or merged convolutions, a pooled step); ``None``: the eager step.
+        CUDA graphs, padded or merged convolutions, a pooled step); ``None`` (or every option
+        off): the eager step.
+    step : StepFactory or None
+        A step of another loss in place of the eager one (:data:`StepFactory`:
+        ``make(model, cfg)`` -> the step; ordered dropout's
+        :class:`~fedshard.client.width.OrderedDropout`); ``None``: the eager step. It cannot
+        be combined with an enabled ``fast`` (the fast path compiles and captures the eager
+        step, not another one).
 
     Raises
     ------
     ValueError
         On any out-of-range value (the recipe checks its own fields by the rules of
-        :mod:`fedshard.settings`, the same as the server's).
+        :mod:`fedshard.settings`, the same as the server's), or for a ``step`` with an
+        enabled ``fast``.
     """
 
     recipe: LocalTraining = field(default_factory=_paper_recipe)
@@ -85,6 +103,7 @@ class TrainConfig:
     input_key: str | None = None
     target_key: str | None = None
     fast: FastPath | None = None
+    step: StepFactory | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, value: object, expected: str) -> ValueError:
@@ -106,6 +125,14 @@ class TrainConfig:
             raise bad("torch_seed", self.torch_seed, "an int")
         if self.fast is not None and not callable(getattr(self.fast, "open_step", None)):
             raise bad("fast", self.fast, "a fedshard.client.train.fast.FastOptions (or None)")
+        if self.step is not None and not callable(self.step):
+            raise bad("step", self.step, "a function (model, cfg) -> step (or None)")
+        if self.step is not None and self.fast_enabled():
+            raise ValueError(
+                f"TrainConfig(step={self.step!r}, fast={self.fast!r}): expected one of them; "
+                "the fast path compiles and captures fedshard's eager step, and cannot run "
+                "another step. Turn the fast options off (fast=None) to train with this "
+                "step; no training was started.")
         try:
             torch.device(self.device)
         except (RuntimeError, TypeError) as err:

@@ -5,13 +5,14 @@ Torch only. Each batch goes through one :class:`~fedshard.client.train.step.Eage
 ``min(1, τ/ω_i)`` per factor column, weight decay only on the other parameters; paper,
 Sec. 3.3). Only when the :class:`TrainConfig` carries fast options
 (:class:`fedshard.client.train.fast.FastOptions`) does the loop take its step from them
-instead; this module does not import the fast path.
+instead (this module does not import the fast path), or, with a ``step`` of its own (ordered
+dropout's), from that.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -20,15 +21,12 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from fedshard.client.train.batches import TensorBatches, dataset_size, unpack_batch
-from fedshard.client.train.config import EvalResult, TrainConfig, TrainResult
+from fedshard.client.train.config import EvalResult, Step, TrainConfig, TrainResult
 from fedshard.client.train.step import EagerStep, cross_entropy_sums
 
 __all__ = ["evaluate", "train"]
 
 logger = logging.getLogger(__name__)
-
-#: A training step: one batch in, device sums (loss, correct, counted targets) out.
-Step = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def train(model: nn.Module, loader: DataLoader[Any] | TensorBatches,
@@ -78,6 +76,8 @@ def train(model: nn.Module, loader: DataLoader[Any] | TensorBatches,
     if cfg.fast is not None and cfg.fast.enabled():
         with cfg.fast.open_step(model, cfg) as step:
             return _epochs(step, loader, cfg, device)
+    if cfg.step is not None:
+        return _epochs(cfg.step(model, cfg), loader, cfg, device)
     return _epochs(EagerStep(model, cfg), loader, cfg, device)
 
 

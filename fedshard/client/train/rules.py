@@ -12,27 +12,28 @@ Around each step of the optimizer that moves the factors ``U``, ``V`` of the sha
   Adam, AdamW or RMSprop (an adaptive optimizer divides a scaled *gradient* by its own scaled
   magnitude, so scaling the gradient would do nothing there).
 
-fedshard's own step attaches the rules to the optimizer it builds (:meth:`ClientRules.attach`);
-:func:`fedshard.client.receive` makes them follow *any* torch optimizer that steps the
-received factors, the one your loop or your framework builds (:meth:`ClientRules.follow`,
-through torch's global optimizer step hooks); the batched engine uses them on its stacked
-factors. :meth:`ClientRules.report` tells what was applied.
+The rules act on the optimizers they are attached to, and on nothing else:
+:meth:`ClientRules.attach` registers a step pre- and post-hook on the optimizer it is given
+(that object's ``register_step_pre_hook`` / ``register_step_post_hook``) and returns a
+:class:`RulesHandle`; nothing is registered for the whole process, so two models trained in one
+process (or two shards received one after another) keep two independent rule sets.
+fedshard's own step attaches them to the optimizer it builds, a user's loop to its own
+(``shard.rules.attach(optimizer)``), a framework through the function that builds its
+optimizers (:meth:`ClientRules.attaching`), and the batched engine to the optimizer of its
+stacked factors. :meth:`ClientRules.report` tells what was applied.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
 from torch.utils.hooks import RemovableHandle
 
 from fedshard.client.train.hooks import before_step
@@ -40,7 +41,7 @@ from fedshard.client.train.precondition import DAMPING, dense_layer_gradients
 from fedshard.settings import LocalTraining, SettingsError, finite_real
 from fedshard.spectral.layers import SpectralLayer
 
-__all__ = ["ClientRules", "Factors", "RulesReport"]
+__all__ = ["ClientRules", "Factors", "RulesHandle", "RulesReport"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +93,53 @@ class RulesReport:
     lr: float | None = None
 
 
-#: Optimizers fedshard's rules were attached to directly: a followed model's rules leave them
-#: alone (they already apply their own rules), so no rule is applied twice.
-_ATTACHED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+Built = TypeVar("Built")
+
+
+class RulesHandle:
+    """The client rules attached to one optimizer (what :meth:`ClientRules.attach` returns).
+
+    Attributes
+    ----------
+    optimizer : torch.optim.Optimizer
+        The optimizer the rules act on.
+    layers : int
+        How many of the rules' sharded layers it steps (those whose ``u`` or ``v`` it holds).
+    attached : bool
+        Whether hooks were registered (``False`` when the rules have nothing to do, or after
+        :meth:`remove`).
+    """
+
+    def __init__(self, rules: ClientRules, optimizer: torch.optim.Optimizer, layers: int,
+                 hooks: Sequence[RemovableHandle]) -> None:
+        self._rules = weakref.ref(rules)
+        self.optimizer = optimizer
+        self.layers = layers
+        self._hooks = list(hooks)
+
+    @property
+    def attached(self) -> bool:
+        """Whether the rules act on :attr:`optimizer`'s steps now."""
+        return bool(self._hooks)
+
+    def remove(self) -> None:
+        """Detach the rules from :attr:`optimizer` (its later steps are plain); idempotent."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        rules = self._rules()
+        if rules is not None and rules._attached.get(self.optimizer) is self:
+            del rules._attached[self.optimizer]
+
+    def __enter__(self) -> RulesHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return (f"RulesHandle(optimizer={type(self.optimizer).__name__}, layers={self.layers}, "
+                f"attached={self.attached})")
 
 
 class ClientRules:
@@ -158,7 +203,9 @@ class ClientRules:
         self.optimizer = ""  # what the first step it applied to was, and its lr
         self.lr: float | None = None
         self._saved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self._held: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[Factors]] = \
+        # the optimizers these rules are attached to (each holds its handle): per object, so
+        # that attaching twice to one optimizer (every rule applied twice) is refused
+        self._attached: weakref.WeakKeyDictionary[torch.optim.Optimizer, RulesHandle] = \
             weakref.WeakKeyDictionary()
 
     @classmethod
@@ -221,65 +268,101 @@ class ClientRules:
                 factor.grad.add_(factor @ (gram * weight))  # stacked: (C, rows, n)
 
     # ------------------------------------------------------------------ where it runs
-    def attach(self, optimizer: torch.optim.Optimizer) -> list[RemovableHandle]:
-        """Apply the rules around every ``step()`` of ``optimizer`` (its step pre- and
-        post-hooks; ``step(closure)`` is supported, L-BFGS's repeated closures are not).
+    def attach(self, optimizer: torch.optim.Optimizer) -> RulesHandle:
+        """Apply the rules around every ``step()`` of ``optimizer``, and of no other optimizer.
 
-        Returns the two hook handles (``remove()`` detaches the rules); none when there is
-        nothing to do (:attr:`active`)."""
+        Registers a step pre-hook (Frobenius decay, the dense factor step, and the factors
+        kept for ClipLR) and a step post-hook (ClipLR) on ``optimizer`` itself, for the layers
+        whose factors it steps; ``step(closure)`` is supported, L-BFGS's repeated closures are
+        not. Attach the rules once to each optimizer that steps the factors (two optimizers,
+        e.g. one for ``U`` and one for ``V``, take one attachment each).
+
+        Parameters
+        ----------
+        optimizer : torch.optim.Optimizer
+            Any torch optimizer over (some of) the layers' factors, e.g.
+            ``torch.optim.SGD(shard.model.parameters(), ...)``.
+
+        Returns
+        -------
+        RulesHandle
+            ``handle.remove()`` (or leaving ``with rules.attach(opt):``) detaches the rules.
+            No hook is registered when there is nothing to do (:attr:`active` false).
+
+        Raises
+        ------
+        TypeError
+            If ``optimizer`` is not a ``torch.optim.Optimizer``.
+        ValueError
+            If it steps none of these rules' factors (an optimizer of another model), or if
+            these rules are already attached to it (they would apply twice).
+        """
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"ClientRules attach to a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}; nothing was attached.")
+        held = self._layers_of(optimizer)
+        if self.layers and not held:
+            raise ValueError(
+                f"ClientRules.attach: the {type(optimizer).__name__} optimizer steps none of "
+                f"the factors (u, v) of the {len(self.layers)} sharded layer(s) these rules "
+                "were made for; expected an optimizer over the model the rules came with "
+                "(e.g. torch.optim.SGD(shard.model.parameters(), ...)). Nothing was attached.")
+        if optimizer in self._attached:
+            raise ValueError(
+                f"ClientRules.attach: these rules are already attached to this "
+                f"{type(optimizer).__name__} optimizer; a second attachment would apply every "
+                "rule twice per step. Nothing was attached (remove the first handle to "
+                "attach again).")
         if not self.active:
-            return []
-        _ATTACHED.add(optimizer)
+            return RulesHandle(self, optimizer, len(held), [])
+
         def rewrite() -> None:
-            self._note(optimizer, self.layers)
-            self.before_step()
+            self._note(optimizer, held)
+            self.before_step(held)
 
         pre = optimizer.register_step_pre_hook(before_step(rewrite))
         post = optimizer.register_step_post_hook(lambda *_: self.after_step())
-        return [pre, post]
+        handle = RulesHandle(self, optimizer, len(held), [pre, post])
+        self._attached[optimizer] = handle
+        return handle
 
-    def follow(self) -> Callable[[], None]:
-        """Apply the rules around every step of any torch optimizer that holds some of the
-        layers' factors (the one a user's loop or a framework builds), except optimizers
-        the rules of fedshard's own step were attached to (:meth:`attach`).
+    def attaching(self, build: Callable[..., Built]) -> Callable[..., Built]:
+        """``build`` (a function that builds optimizers) with these rules attached to every
+        torch optimizer it returns: for a framework that builds the optimizer itself.
 
-        Uses torch's global optimizer step hooks. They stay registered while this object is
-        alive (keep it, e.g. on the model, as :func:`fedshard.client.receive` does); the
-        returned function removes them now.
+        The result of ``build`` is returned unchanged; the optimizers found in it (the result
+        itself, or inside a list, tuple or dict, as PyTorch Lightning's
+        ``configure_optimizers`` may return them) get :meth:`attach`. For example, with a
+        Lightning module::
+
+            model.configure_optimizers = shard.rules.attaching(model.configure_optimizers)
+
+        Raises
+        ------
+        TypeError
+            When called, if ``build`` returned no torch optimizer (nothing to attach to).
         """
-        if not self.active:
-            return lambda: None
-        ref = weakref.ref(self)
 
-        def pre(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
-                kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-            rules = ref()
-            if rules is None or optimizer in _ATTACHED:
-                return None
-            held = rules._layers_of(optimizer)
-            if not held:
-                return None
-            rules._note(optimizer, held)
-            return before_step(lambda: rules.before_step(held))(optimizer, args, kwargs)
+        @functools.wraps(build)
+        def built(*args: Any, **kwargs: Any) -> Built:
+            result = build(*args, **kwargs)
+            found = _optimizers_in(result)
+            if not found:
+                raise TypeError(
+                    f"ClientRules.attaching({getattr(build, '__qualname__', build)!r}): it "
+                    f"returned {type(result).__name__}, with no torch.optim.Optimizer in it; "
+                    "expected an optimizer (or a list, tuple or dict holding some). No rule "
+                    "was attached.")
+            for optimizer in found:
+                self.attach(optimizer)
+            return result
 
-        def post(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> None:
-            rules = ref()
-            if rules is not None and optimizer not in _ATTACHED and rules._layers_of(optimizer):
-                rules.after_step()
+        return built
 
-        handles = [register_optimizer_step_pre_hook(pre),
-                   register_optimizer_step_post_hook(post)]
-
-        def remove() -> None:
-            for handle in handles:
-                handle.remove()
-
-        weakref.finalize(self, remove)
-        return remove
+    def detach(self) -> None:
+        """Remove the rules from every optimizer they are attached to."""
+        for handle in list(self._attached.values()):
+            handle.remove()
 
     def _note(self, optimizer: torch.optim.Optimizer, layers: Sequence[Factors]) -> None:
         """Keep the optimizer of the first step and its lr (for the reply's receipt)."""
@@ -294,13 +377,9 @@ class ClientRules:
                 return
 
     def _layers_of(self, optimizer: torch.optim.Optimizer) -> list[Factors]:
-        """The layers whose factors ``optimizer`` steps (cached per optimizer)."""
-        held = self._held.get(optimizer)
-        if held is None:
-            ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
-            held = [m for m in self.layers if id(m.u) in ids or id(m.v) in ids]
-            self._held[optimizer] = held
-        return held
+        """The layers whose factors ``optimizer`` steps, in the rules' order."""
+        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        return [m for m in self.layers if id(m.u) in ids or id(m.v) in ids]
 
     # ------------------------------------------------------------------ what was applied
     @torch.no_grad()
@@ -318,3 +397,20 @@ class ClientRules:
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(layers={len(self.layers)}, frobenius_decay={self.gamma}, "
                 f"clip_lr_tau={self.tau}, factor_step={'dense' if self.dense else 'plain'!r})")
+
+
+def _optimizers_in(result: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers in what an optimizer-building function returned (itself, or in a
+    list, tuple or dict, nested), each once."""
+    found: list[torch.optim.Optimizer] = []
+    stack = [result]
+    while stack:
+        item = stack.pop(0)
+        if isinstance(item, torch.optim.Optimizer):
+            if not any(item is f for f in found):
+                found.append(item)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+    return found

@@ -1,6 +1,7 @@
 """``factor-step = "dense"``: each factor step moves ``W = U Ω Vᵀ`` as a dense SGD step would,
 checked against references computed here (numpy projections, a dense layer, a numpy step),
-with any torch optimizer, through ``receive()`` and fedshard's loop; switched off, the paper's
+with any torch optimizer the rules of ``receive()`` are attached to and fedshard's loop;
+switched off, the paper's
 step is unchanged; and at keep ratio 1 the dense model's lr no longer diverges."""
 
 from __future__ import annotations
@@ -238,9 +239,10 @@ def test_a_plain_sgd_loop_after_receive_trains_as_fedshards_loop() -> None:
     msg = message("dense")
     hooked = receive(msg, net())
     assert hooked.settings.factor_step == "dense"
-    mine = user_loop(hooked.model, torch.optim.SGD(hooked.model.parameters(),
-                                                   lr=hooked.settings.lr, momentum=0.9))
-    bare = receive(msg, net(), client_rules=False)
+    opt = torch.optim.SGD(hooked.model.parameters(), lr=hooked.settings.lr, momentum=0.9)
+    hooked.rules.attach(opt)
+    mine = user_loop(hooked.model, opt)
+    bare = receive(msg, net())
     loader = DataLoader(TensorDataset(torch.cat([x for x, _ in batches()]),
                                       torch.cat([y for _, y in batches()])), batch_size=8)
     cfg = bare.train_config()
@@ -250,8 +252,9 @@ def test_a_plain_sgd_loop_after_receive_trains_as_fedshards_loop() -> None:
         torch.testing.assert_close(mine[key], value, rtol=1e-11, atol=1e-12, msg=key)
     # ... and the option did something: the paper's step ends elsewhere
     paper = receive(message("plain"), net())
-    theirs = user_loop(paper.model, torch.optim.SGD(paper.model.parameters(), lr=0.1,
-                                                    momentum=0.9))
+    opt = torch.optim.SGD(paper.model.parameters(), lr=0.1, momentum=0.9)
+    paper.rules.attach(opt)
+    theirs = user_loop(paper.model, opt)
     assert not torch.allclose(theirs["2.u"], mine["2.u"], rtol=1e-4, atol=1e-6)
 
 
@@ -270,16 +273,17 @@ def _clip(layer: nn.Module, tau: float = 2.0) -> np.ndarray:
 
 
 def test_adam_steps_with_the_transformed_gradient() -> None:
-    """Any optimizer that steps a received shard applies the rules: Adam's step on the
-    followed sub-model is Adam's step on the gradient the rules give (numpy: decay, the dense
+    """Any optimizer the rules are attached to applies them: Adam's step on the received
+    sub-model is Adam's step on the gradient the rules give (numpy: decay, the dense
     transform), each column's move scaled by ClipLR's min(1, τ/ω_i)."""
     msg = message("dense")
     hooked = receive(msg, net())
-    bare = receive(msg, net(), client_rules=False)
+    bare = receive(msg, net())
     x, y = batches()[0]
     F.cross_entropy(bare.model(x), y).backward()
     g = _rule_gradient(bare.model[2], dense=True)
     opt = torch.optim.Adam(hooked.model.parameters(), lr=1e-3)
+    hooked.rules.attach(opt)
     F.cross_entropy(hooked.model(x), y).backward()
     before = hooked.model[2].u.detach().clone()
     opt.step()
@@ -294,20 +298,22 @@ def test_adam_steps_with_the_transformed_gradient() -> None:
 
 def test_switched_off_the_step_is_the_papers() -> None:
     """One plain SGD step (lr 1, no momentum): with the default recipe the rules move u by the
-    paper's gradient (decay, ClipLR); with the rules off (client_rules=False) by the raw one."""
+    paper's gradient (decay, ClipLR); with the rules not attached by the raw one."""
     x, y = batches()[0]
     plain = receive(message("plain"), net())  # the default recipe
     assert LocalTraining().factor_step == "plain"
-    off = receive(message("dense"), net(), client_rules=False)  # no rules at all
+    off = receive(message("dense"), net())  # its rules stay unattached: none at all
     moves = []
     for shard in (plain, off):
         before = shard.model[2].u.detach().clone()
         opt = torch.optim.SGD(shard.model.parameters(), lr=1.0)
+        if shard is plain:
+            shard.rules.attach(opt)
         F.cross_entropy(shard.model(x), y).backward()
         raw = shard.model[2].u.grad.clone()
         opt.step()
         moves.append((before - shard.model[2].u.detach(), raw))
-    bare = receive(message("plain"), net(), client_rules=False)
+    bare = receive(message("plain"), net())
     F.cross_entropy(bare.model(x), y).backward()
     paper = _rule_gradient(bare.model[2], dense=False) * _clip(bare.model[2])
     np.testing.assert_allclose(moves[0][0].numpy(), paper, rtol=1e-10, atol=1e-14)

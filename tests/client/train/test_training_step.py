@@ -83,7 +83,7 @@ def test_cliplr_in_a_user_loop_matches_the_rule_applied_by_hand() -> None:
     model, reference = _model(), _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rules = _rules(model)
-    assert len(rules.attach(opt)) == 2
+    assert rules.attach(opt).attached
     x, t = _data()[:8]
     nn.functional.cross_entropy(model(x), t).backward()
     nn.functional.cross_entropy(reference(x), t).backward()
@@ -176,14 +176,13 @@ def test_cliplr_with_a_closure_clips_the_closures_gradients() -> None:
 def test_rules_without_anything_to_do_or_removed_leave_the_plain_optimizer() -> None:
     model, removed, reference = _model(), _model(), _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    assert _rules(model, tau=None).attach(opt) == []  # γ = 0 and τ = None: nothing to do
+    assert not _rules(model, tau=None).attach(opt).attached  # γ = 0, τ = None: nothing to do
     dense = nn.Linear(4, 3)  # no spectral layer: nothing to scale, no hook on the optimizer
     dense_opt = torch.optim.SGD(dense.parameters(), lr=0.1)
-    assert _rules(dense, tau=1.0).attach(dense_opt) == []
+    assert not _rules(dense, tau=1.0).attach(dense_opt).attached
     assert not dense_opt._optimizer_step_pre_hooks
     opt_removed = torch.optim.SGD(removed.parameters(), lr=0.1, momentum=0.9)
-    for handle in _rules(removed, tau=1.0).attach(opt_removed):
-        handle.remove()
+    _rules(removed, tau=1.0).attach(opt_removed).remove()
     plain = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     for x, t in DataLoader(_data(), batch_size=8):
         for m, o in ((model, opt), (removed, opt_removed), (reference, plain)):
@@ -192,6 +191,53 @@ def test_rules_without_anything_to_do_or_removed_leave_the_plain_optimizer() -> 
             o.step()
     _assert_same(model, reference, rtol=0, atol=0)
     _assert_same(removed, reference, rtol=0, atol=0)
+
+
+def test_a_handle_detaches_and_a_builder_gets_the_rules_attached() -> None:
+    """attach() returns a handle: inside ``with`` the optimizer's steps apply the rules, after
+    it they are plain again (the same state as a reference optimizer without rules);
+    attaching() attaches to every optimizer a builder returns, in a list or dict as
+    Lightning's configure_optimizers may, and refuses a builder that returns none."""
+    model, reference = _model(), _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    rules = _rules(model)
+    x, t = _data()[:8]
+    with rules.attach(opt) as handle:
+        assert handle.attached and handle.layers == 1 and handle.optimizer is opt
+        for m, o in ((model, opt), (reference, ref_opt)):
+            o.zero_grad()
+            nn.functional.cross_entropy(m(x), t).backward()
+        opt.step()
+        _by_hand(reference, 0.1)  # the clipped step, by hand
+    assert not handle.attached and not opt._optimizer_step_pre_hooks
+    assert not opt._optimizer_step_post_hooks
+    _assert_same(model, reference)
+    for m, o in ((model, opt), (reference, ref_opt)):  # detached: a plain step on both
+        o.zero_grad()
+        nn.functional.cross_entropy(m(x), t).backward()
+        o.step()
+    _assert_same(model, reference)
+    assert rules.report().steps == 1
+    rules.attach(opt).remove()  # removed: it may be attached again
+
+    other = _model()
+    made: list[torch.optim.Optimizer] = []
+
+    def configure_optimizers() -> dict:
+        made.append(torch.optim.SGD(other.parameters(), lr=0.1))
+        return {"optimizer": made[-1], "lr_scheduler": None}
+
+    built = _rules(other).attaching(configure_optimizers)
+    result = built()
+    assert result["optimizer"] is made[0] and len(made[0]._optimizer_step_post_hooks) == 1
+    assert built.__name__ == "configure_optimizers"
+    listed = _rules(other).attaching(lambda: ([torch.optim.Adam(other.parameters())], []))
+    (adam,), _ = listed()
+    assert len(adam._optimizer_step_pre_hooks) == 1
+    with pytest.raises(TypeError, match=r"returned NoneType, with no torch\.optim\.Optimizer "
+                                        r"in it; expected an optimizer"):
+        _rules(other).attaching(lambda: None)()
 
 
 def test_cliplr_state_dict_round_trip_and_lr_scheduler() -> None:

@@ -36,7 +36,8 @@ def train(msg: Message, context: Context):
 
     # Load the model, initialize it with the received weights, then use the personal head
     model = Net()
-    model = receive(msg, model).model
+    shard = receive(msg, model)
+    model = shard.model
     load_personal_head(model, context)
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
 
@@ -47,7 +48,7 @@ def train(msg: Message, context: Context):
         trainloader,
         context.run_config["local-epochs"],
         msg.content["config"]["lr"],
-        device,
+        device, shard.rules.attach,
     )
 
     # Keep the trained head for this node's next rounds

@@ -90,11 +90,13 @@ def load_centralized_dataset():
     return DataLoader(fashion_mnist("test").with_transform(apply_transforms), batch_size=256)
 
 
-def train(net, trainloader, epochs, lr, device):
+def train(net, trainloader, epochs, lr, device, attach=None):
     """Train the model on the training set; return the mean training loss."""
     net.to(device)
     criterion = torch.nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
+    if attach is not None:  # e.g. fedshard's client rules, on this optimizer's steps
+        attach(optimizer)
     net.train()
     running_loss = 0.0
     for _ in range(epochs):

@@ -22,7 +22,9 @@ def train(msg: Message, context: Context):
 
     # Load the model and initialize it with the received weights
     model = LitAutoEncoder()
-    model = receive(msg, model).model
+    shard = receive(msg, model)
+    model = shard.model
+    model.configure_optimizers = shard.rules.attaching(model.configure_optimizers)
 
     # Load the data
     partition_id = context.node_config["partition-id"]

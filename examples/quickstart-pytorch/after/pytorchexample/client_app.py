@@ -18,7 +18,8 @@ def train(msg: Message, context: Context):
 
     # Load the model and initialize it with the received weights
     model = Net()
-    model = receive(msg, model).model
+    shard = receive(msg, model)
+    model = shard.model
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     model.to(device)
 
@@ -33,7 +34,7 @@ def train(msg: Message, context: Context):
         trainloader,
         context.run_config["local-epochs"],
         msg.content["config"]["lr"],
-        device,
+        device, shard.rules.attach,
     )
 
     # Construct and return reply Message

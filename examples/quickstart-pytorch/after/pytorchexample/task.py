@@ -76,11 +76,13 @@ def load_centralized_dataset(max_examples=None):
     return DataLoader(DictDataset(images[:max_examples], labels[:max_examples]), batch_size=256)
 
 
-def train(net, trainloader, epochs, lr, device):
+def train(net, trainloader, epochs, lr, device, attach=None):
     """Train the model on the training set."""
     net.to(device)
     criterion = torch.nn.CrossEntropyLoss().to(device)
     optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
+    if attach is not None:  # e.g. fedshard's client rules, on this optimizer's steps
+        attach(optimizer)
     net.train()
     running_loss = 0.0
     for _ in range(epochs):

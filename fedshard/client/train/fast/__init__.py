@@ -10,11 +10,7 @@ Everything here is opt-in through one object, :class:`FastOptions`, given to
 Where each option wins, measured: ``benchmarks/README.md``.
 """
 
-from fedshard.client.train.fast.convolutions import (
-    FastSpectralConv2d,
-    configure_convolutions,
-    conv_form,
-)
+from fedshard.client.train.fast.convolutions import configure_convolutions, conv_form
 from fedshard.client.train.fast.options import FastOptions
 from fedshard.client.train.fast.plug import STEP_POOL
 from fedshard.client.train.fast.pool import StepPool, model_signature
@@ -23,7 +19,6 @@ from fedshard.client.train.fast.step import TrainStep, conv_options
 __all__ = [
     "STEP_POOL",
     "FastOptions",
-    "FastSpectralConv2d",
     "StepPool",
     "TrainStep",
     "configure_convolutions",
