@@ -35,6 +35,7 @@ from flwr.common import logger as flwr_logger  # noqa: E402
 from torch.utils.data import TensorDataset  # noqa: E402
 
 from fedshard import (  # noqa: E402
+    Cohort,
     Sharding,
     SpectralSharding,
     handle_query,
@@ -70,8 +71,8 @@ def measure(num_nodes: int, sampled: int, rounds: int) -> dict[str, float]:
     strategy = SpectralSharding(
         sharded_layers=sharded_layer_names(net, example_input=torch.zeros(1, IN)),
         num_rounds=rounds, sharding=Sharding(method="collective"),
-        fraction_train=sampled / num_nodes,
-        min_available_nodes=num_nodes, fraction_evaluate=0.0, seed=0)
+        cohort=Cohort(fraction_train=sampled / num_nodes, min_available_nodes=num_nodes,
+                      fraction_evaluate=0.0), seed=0)
     times: dict[int, float] = {}
     peaks: list[float] = []
 

@@ -3,7 +3,8 @@
 Packages (data flows one way: sampling → spectral → client / server → app):
 
 - :mod:`fedshard.settings` - the settings, one frozen, validated dataclass per concern
-  (:class:`Sharding`, :class:`LocalTraining`, :class:`ReplyPolicy`, :class:`NodePolicy`),
+  (:class:`Sharding`, :class:`LocalTraining`, :class:`ReplyPolicy`, :class:`NodePolicy`,
+  :class:`Cohort`, :class:`Slicing`),
   shared by the run config, the strategy, the wire codec and the node's trainer.
 - :mod:`fedshard.sampling` - inclusion probabilities, multipliers, sampling designs, the
   annealed methods, the round's plan and the random streams (numpy only).
@@ -14,8 +15,9 @@ Packages (data flows one way: sampling → spectral → client / server → app)
 - :mod:`fedshard.client` - the client: message handlers, the received shard for your own loop,
   the ClientApp glue, and :mod:`fedshard.client.train` (the local-training recipe; the fast
   path fenced in :mod:`fedshard.client.train.fast`).
-- :mod:`fedshard.server` - the Flower strategy :class:`SpectralSharding`, its rounds, nodes,
-  lr schedule, metrics, the FedAvg-cosine analysis and the DP guard.
+- :mod:`fedshard.server` - the Flower strategy :class:`SpectralSharding` and its sibling
+  :class:`WidthSlicing` on their shared base (nodes, reply checks, the run's rounds,
+  callbacks), the rounds, lr schedule, metrics, the FedAvg-cosine analysis and the DP guard.
 - :mod:`fedshard.width` - width slicing (HeteroFL, FedRolex, ordered dropout), the
   alternative the paper's method is compared with: model families, slices, their average and
   the width of equal cost; its strategy is :class:`WidthSlicing`.
@@ -76,6 +78,7 @@ from fedshard.client.train import evaluate, train
 from fedshard.logs import route_to_flower
 from fedshard.server import SHARDING_METHODS, SpectralSharding, WidthSlicing
 from fedshard.settings import (
+    Cohort,
     LocalTraining,
     NodePolicy,
     ReplyPolicy,
@@ -92,6 +95,7 @@ route_to_flower()  # fedshard's log lines with Flower's format and level (fedsha
 
 __all__ = [
     "SHARDING_METHODS",
+    "Cohort",
     "LocalTraining",
     "NodePolicy",
     "ReplyPolicy",

@@ -6,6 +6,8 @@
   epochs, batch size, momentum, Frobenius decay, ClipLR's τ, weight decay).
 - :class:`ReplyPolicy` - what a node's reply may hold and how the replies are combined.
 - :class:`NodePolicy` - which keep ratios nodes may declare and how long to wait for them.
+- :class:`Cohort` - which nodes a round is sent to (Flower's ``FedAvg`` sampling: the shares
+  and the fewest nodes).
 - :class:`Slicing` - width slicing, the alternative to spectral sharding (HeteroFL, FedRolex,
   ordered dropout): how a keep ratio becomes a width, HeteroFL's scaler, ordered dropout's
   widths and distillation.
@@ -46,6 +48,7 @@ __all__ = [
     "UPDATE_POLICIES",
     "WIDTH_MATCHES",
     "WIDTH_METHODS",
+    "Cohort",
     "LocalTraining",
     "NodePolicy",
     "Problem",
@@ -575,6 +578,36 @@ class NodePolicy(Settings):
         return out
 
 
+_FRACTION = rule(lambda v: finite_real(v) and 0 <= v <= 1, "expected a share in [0, 1]")
+_COUNT = rule(lambda v: _integer(v) and v >= 0, "expected an integer ≥ 0")
+
+
+@dataclass(frozen=True)
+class Cohort(Settings):
+    """Which nodes a round is sent to: Flower's ``FedAvg`` sampling, with ``FedAvg``'s defaults.
+
+    Attributes
+    ----------
+    fraction_train : float
+        Share in ``[0, 1]`` of the connected nodes that may train (see
+        :attr:`NodePolicy.min_keep_ratio`) sampled for each training round; 0: no training.
+    fraction_evaluate : float
+        Share in ``[0, 1]`` of the connected nodes sampled for each round's evaluation on the
+        nodes; 0: none.
+    min_train_nodes, min_evaluate_nodes : int
+        Fewest nodes (≥ 0) a training / evaluation round samples when the share gives fewer.
+    min_available_nodes : int
+        Nodes (≥ 0) that must be connected before a round starts (the wait is bounded by
+        :attr:`NodePolicy.node_wait_timeout`).
+    """
+
+    fraction_train: float = setting(1.0, _FRACTION, run=False)
+    fraction_evaluate: float = setting(1.0, _FRACTION, run=False)
+    min_train_nodes: int = setting(2, _COUNT, run=False)
+    min_evaluate_nodes: int = setting(2, _COUNT, run=False)
+    min_available_nodes: int = setting(2, _COUNT, run=False)
+
+
 @dataclass(frozen=True)
 class Slicing(Settings):
     """Width slicing (:class:`~fedshard.server.width.WidthSlicing`): how a node's keep ratio
@@ -613,7 +646,7 @@ class Slicing(Settings):
 
 CONCERNS: dict[str, type[Settings]] = {
     "sharding": Sharding, "training": LocalTraining, "replies": ReplyPolicy,
-    "nodes": NodePolicy, "slicing": Slicing,
+    "nodes": NodePolicy, "cohort": Cohort, "slicing": Slicing,
 }
 """Argument name -> settings class, as :class:`~fedshard.server.strategy.SpectralSharding`
 takes them."""

@@ -86,7 +86,7 @@ def one_round(s: SpectralSharding, g: InProcessGrid, server_round: int = 1,
     statistics live in ``history``; Flower gets only the client-side aggregates)."""
     msgs = list(s.configure_train(server_round, arrays or initial(), ConfigRecord(), g))
     new, _ = s.aggregate_train(server_round, g.send_and_receive(msgs))
-    return new, dict(s.history.get(server_round + s.round_offset, {}))
+    return new, dict(s.history.get(server_round + s.run_rounds.completed, {}))
 
 
 def scale_arrays(factor: float, keys: Callable[[str], bool] = lambda k: True

@@ -2,18 +2,22 @@
 use is listed here and pinned by a test that fails naming the installed Flower and what moved.
 
 Public: ``flwr.app``, ``flwr.clientapp``, ``flwr.common`` (its ``__all__``), ``flwr.serverapp``
-and ``flwr.serverapp.strategy``. The rest, by module:
+and ``flwr.serverapp.strategy``. The rest, by module, with the public API that would replace
+it (:data:`PINNED`, :data:`ALTERNATIVES`):
 
 - ``flwr.supercore.task_identity`` (``fedshard/app/engine/grid.py``): the in-process engine
   gives its process the task identity ``Message(...)`` reads, as Flower's runtimes do;
-- ``Metadata``'s stored message id and sender (same file): set on the messages the engine
-  routes, as Flower's in-memory grid does;
+- ``Metadata``'s stored message id and sender (same file, ``_route``, the one place the
+  library writes into a Flower object's ``__dict__``): set on the messages the engine routes,
+  as Flower's in-memory grid does;
 - ``flwr.common.constant.ErrorCode`` (same file): the code of a ClientApp that raised;
-- ``flwr.superlink.grid`` (``fedshard/app/task.py``): the grids of Flower's simulation and
-  deployment runtimes, which tell the ServerApp where it runs;
 - ``flwr.common.logger`` (the library's logging): the module ``flwr.common.log`` comes from;
 - ``flwr.common.config.parse_config_args`` (``fedshard/app/engine/__main__.py``): the engine's
   ``--run-config`` parsed as ``flwr run`` parses it.
+
+Where the ServerApp runs (``fedshard/app/task.py``, ``grid_runtime``) is told by the class
+names of the grids Flower's runtimes give it, duck-typed: no Flower module is imported for it;
+the names are pinned below.
 """
 
 from __future__ import annotations
@@ -41,9 +45,24 @@ PUBLIC = {"flwr", "flwr.app", "flwr.clientapp", "flwr.common", "flwr.serverapp",
 PINNED: dict[str, set[str] | None] = {
     "flwr.supercore.task_identity": {"fedshard/app/engine/grid.py"},
     "flwr.common.constant": {"fedshard/app/engine/grid.py"},
-    "flwr.superlink.grid": {"fedshard/app/task.py"},
     "flwr.common.logger": None,
     "flwr.common.config": {"fedshard/app/engine/__main__.py"},
+}
+#: each use of Flower beyond its public API -> the public API that would replace it
+ALTERNATIVES: dict[str, str] = {
+    "flwr.supercore.task_identity": (
+        "none in flwr 1.42; a public way to build a Message outside a Flower runtime would "
+        "replace it, and the app run by `flwr run` (or flwr.simulation.run_simulation) needs "
+        "none"),
+    "Metadata.__dict__": (
+        "none in flwr 1.42 (Metadata has no setter for message_id or src_node_id); public "
+        "setters would replace it, and under `flwr run` the SuperLink sets both"),
+    "flwr.common.constant": (
+        "none in flwr 1.42; the code exported by a public module (flwr.app) would replace it"),
+    "flwr.common.logger": "flwr.common.log (public; the same function, pinned below)",
+    "flwr.common.config": (
+        "none in flwr 1.42; a public run-config parser would replace it, and `flwr run` "
+        "parses --run-config itself"),
 }
 
 
@@ -72,9 +91,30 @@ def test_the_library_uses_only_flowers_public_api_or_a_pinned_internal() -> None
     assert not unpinned, (
         f"these files import Flower modules outside its public API ({sorted(PUBLIC)}): "
         f"{unpinned}. Use the public API, or isolate the use in one function and pin it in "
-        "tests/test_flower_internals.py")
+        "tests/test_flower_internals.py, with the public API that would replace it")
     stale = sorted(set(PINNED) - {m for _, m in used})
     assert not stale, f"pinned but no longer imported by the library: {stale}; unpin them"
+    assert set(PINNED) <= set(ALTERNATIVES), "every pin names the public API that would replace it"
+
+
+def test_the_library_writes_into_flower_objects_in_one_place() -> None:
+    """Writes into an object's ``__dict__`` (how a Flower object's stored fields are set where
+    it has no setter) happen in the engine's ``_route`` only."""
+    found = []
+    for path in sorted((ROOT / "fedshard").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for func in ast.walk(tree):
+            if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(func):
+                if (isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store)
+                        and isinstance(node.value, ast.Attribute)
+                        and node.value.attr == "__dict__"):
+                    found.append((path.relative_to(ROOT).as_posix(), func.name))
+    assert sorted(set(found)) == [("fedshard/app/engine/grid.py", "_route")], (
+        f"{FLWR}: the library writes into objects' __dict__ in {sorted(set(found))}; keep such "
+        "writes in fedshard/app/engine/grid.py's _route, pinned here with the public API that "
+        f"would replace them ({ALTERNATIVES['Metadata.__dict__']})")
 
 
 # ---------------------------------------------------------------- the engine's task identity
@@ -85,14 +125,16 @@ def test_task_identity_is_where_the_engine_sets_it() -> None:
         pytest.fail(f"{FLWR}: flwr.supercore.task_identity.TaskIdentity is gone ({err}); "
                     "fedshard's in-process engine (_ensure_task_identity in "
                     "fedshard/app/engine/grid.py) sets it for Message(...): find where this "
-                    "Flower keeps the process's task identity")
+                    "Flower keeps the process's task identity. Public alternative: "
+                    f"{ALTERNATIVES['flwr.supercore.task_identity']}")
     for name in ("run_id", "node_id", "task_id"):
         prop = type(TaskIdentity).__dict__.get(name)
         if not (isinstance(prop, property) and prop.fset is not None):
             pytest.fail(f"{FLWR}: flwr.supercore.task_identity.TaskIdentity has no settable "
                         f"{name} (found {prop!r}); the in-process engine "
                         "(fedshard/app/engine/grid.py, _ensure_task_identity) sets run_id, "
-                        "node_id and task_id as flwr 1.42 has them")
+                        "node_id and task_id as flwr 1.42 has them. Public alternative: "
+                        f"{ALTERNATIVES['flwr.supercore.task_identity']}")
 
 
 _IDENTITY_SCRIPT = """
@@ -176,7 +218,7 @@ def test_a_routed_messages_id_and_sender_are_where_the_engine_sets_them() -> Non
         reply = Message(RecordDict(), reply_to=msg)
         _route(reply, src_node_id=1005)
     except RuntimeError as err:
-        pytest.fail(str(err))
+        pytest.fail(f"{err} Public alternative: {ALTERNATIVES['Metadata.__dict__']}")
     assert (msg.metadata.message_id, msg.metadata.src_node_id) == ("m-1", 0)
     assert reply.metadata.reply_to_message_id == "m-1"  # what the reply refers to
     assert (reply.metadata.src_node_id, reply.metadata.dst_node_id) == (1005, 0)
@@ -207,24 +249,28 @@ def test_the_error_code_of_a_clientapp_that_raised() -> None:
     except (ImportError, AttributeError) as err:
         pytest.fail(f"{FLWR}: flwr.common.constant.ErrorCode.CLIENT_APP_RAISED_EXCEPTION is "
                     f"gone ({err}); the in-process engine (fedshard/app/engine/grid.py) gives "
-                    "it to the error reply of a node whose handler raised")
+                    "it to the error reply of a node whose handler raised. Public alternative: "
+                    f"{ALTERNATIVES['flwr.common.constant']}")
     assert isinstance(code, int)
 
 
 # ------------------------------------------------------------------ the runtimes' grids
 def test_flowers_runtimes_give_the_serverapp_the_grids_grid_runtime_knows() -> None:
+    """``grid_runtime`` knows the runtimes by their grids' class names (no Flower module
+    imported): the names are those of the grids flwr's runtimes build, and each is told."""
+    from fedshard.app.task import RUNTIME_GRIDS, grid_runtime
+
     try:
         from flwr.superlink.grid import HttpGrid, InMemoryGrid
     except ImportError as err:
         pytest.fail(f"{FLWR}: flwr.superlink.grid has no HttpGrid and InMemoryGrid ({err}); "
-                    "fedshard.app.task.grid_runtime tells a ServerApp's runtime by them "
-                    "(and now logs that it cannot)")
+                    "fedshard.app.task.grid_runtime tells a ServerApp's runtime by these "
+                    f"names ({sorted(RUNTIME_GRIDS)}) and now logs that it cannot")
     assert issubclass(HttpGrid, Grid) and issubclass(InMemoryGrid, Grid)
     # the runtimes build them: the SuperLink's ServerApp runner and the simulation (modules
     # named as functions their packages export, hence import_module)
     run_serverapp = importlib.import_module("flwr.superlink.runtime.run_serverapp")
     run_simulation = importlib.import_module("flwr.simulation.run_simulation")
-
     if getattr(run_serverapp, "HttpGrid", None) is not HttpGrid:
         pytest.fail(f"{FLWR}: the SuperLink's ServerApp runner "
                     "(flwr.superlink.runtime.run_serverapp) no longer uses "
@@ -234,30 +280,40 @@ def test_flowers_runtimes_give_the_serverapp_the_grids_grid_runtime_knows() -> N
         pytest.fail(f"{FLWR}: Flower's simulation (flwr.simulation.run_simulation) no longer "
                     "uses flwr.superlink.grid.InMemoryGrid; grid_runtime (fedshard/app/task.py) "
                     "would not know a simulated ServerApp")
+    # instances without their runtime's state: only the class matters
+    assert grid_runtime(object.__new__(InMemoryGrid)) == "simulation"
+    assert grid_runtime(object.__new__(HttpGrid)) == "deployment"
+    assert grid_runtime(object()) is None
 
 
-def test_a_flower_without_those_grids_is_logged_once_and_the_run_goes_on(
+def test_a_flower_grid_it_does_not_know_is_logged_once_and_the_run_goes_on(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from flwr.common.logger import FLOWER_LOGGER
 
     from fedshard.app import task
 
-    monkeypatch.setitem(sys.modules, "flwr.superlink.grid", None)  # import fails
+    class RenamedGrid:  # a grid of a Flower that names its runtimes' grids otherwise
+        __module__ = "flwr.superlink.grid.renamed"
+
+    class TestGrid:  # a test's own grid: not Flower's, nothing to say
+        pass
+
     monkeypatch.setattr(task, "_RUNTIME_UNKNOWN", [])
     lines: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
     FLOWER_LOGGER.addHandler(handler)
     try:
-        assert task.grid_runtime(object()) is None
-        assert task.grid_runtime(object()) is None
+        assert task.grid_runtime(RenamedGrid()) is None
+        assert task.grid_runtime(RenamedGrid()) is None
+        assert task.grid_runtime(TestGrid()) is None
     finally:
         FLOWER_LOGGER.removeHandler(handler)
     assert len(lines) == 1, lines
     assert lines[0].startswith(
         f"fedshard cannot tell whether this ServerApp runs in Flower's simulation or on a "
-        f"SuperLink: flwr {flwr.__version__} has no flwr.superlink.grid.InMemoryGrid and "
-        "HttpGrid, the grids of flwr 1.42's two runtimes (")
+        f"SuperLink: flwr {flwr.__version__} gives it a flwr.superlink.grid.renamed.RenamedGrid, "
+        "which is neither of the grids of flwr 1.42's two runtimes (InMemoryGrid, HttpGrid)")
     assert lines[0].endswith("a deployed SuperNode that took a simulated node's settings "
                              "(only partition-id and num-partitions in its node config) is "
                              "not warned.")

@@ -27,9 +27,9 @@ from fedshard.app.task import example_input, width_family
 from fedshard.client.train.batches import batches_for
 from fedshard.data import load_test_set
 from fedshard.protocol import decode_array
+from fedshard.server.base import KeepRatioStrategy
 from fedshard.server.callbacks import RoundCallback
 from fedshard.server.side_jobs import CentralEvaluation
-from fedshard.server.strategy import SpectralSharding
 from fedshard.spectral import sharded_layer_names
 from fedshard.spectral.truncation import truncate_state
 
@@ -114,7 +114,7 @@ class MetricsLog(RoundCallback):
     def __init__(self, recorder: RunRecorder) -> None:
         self.recorder = recorder
 
-    def on_round(self, strategy: SpectralSharding, server_round: int, arrays: ArrayRecord,
+    def on_round(self, strategy: KeepRatioStrategy, server_round: int, arrays: ArrayRecord,
                  metrics: Mapping[str, float]) -> Mapping[str, float] | None:
         """Append the round's row."""
         self.recorder.record_round(server_round, metrics)
@@ -142,7 +142,7 @@ class Checkpointing(RoundCallback):
         self.directory = directory
         self.config = {k: v for k, v in config.items() if k not in _NOT_CHECKPOINTED}
 
-    def on_round(self, strategy: SpectralSharding, server_round: int, arrays: ArrayRecord,
+    def on_round(self, strategy: KeepRatioStrategy, server_round: int, arrays: ArrayRecord,
                  metrics: Mapping[str, float]) -> Mapping[str, float] | None:
         """Save the round's checkpoint (rounds ≥ 1); a non-finite model raises ``ValueError``
         (see :meth:`Checkpoint.save`)."""

@@ -36,15 +36,12 @@ from fedshard.app.task import (
     width_family,
 )
 from fedshard.data import dataset_info
-from fedshard.server.callbacks import (
-    NoRoundTrainedError,
-    RoundCallback,
-    TrainingReceipts,
-)
+from fedshard.server.base import KeepRatioStrategy
+from fedshard.server.callbacks import RoundCallback, TrainingReceipts
 from fedshard.server.side_jobs import TensorBoardLog
 from fedshard.server.strategy import SpectralSharding
 from fedshard.server.width import WidthSlicing
-from fedshard.settings import WIDTH_METHODS
+from fedshard.settings import WIDTH_METHODS, Cohort
 from fedshard.spectral import sharded_layer_names
 from fedshard.spectral.truncation import truncate_
 
@@ -53,7 +50,7 @@ __all__ = ["build_strategy", "log_data_split", "run_server", "side_jobs"]
 logger = logging.getLogger(__name__)
 
 
-def build_strategy(cfg: RunConfig, model: nn.Module, device: str = "cpu") -> SpectralSharding:
+def build_strategy(cfg: RunConfig, model: nn.Module, device: str = "cpu") -> KeepRatioStrategy:
     """The strategy for ``cfg``: spectral sharding of the paper's default layers of ``model``
     (its SVD and rebuild run on ``device``), or width slicing (:class:`WidthSlicing`) for a
     width-slicing method."""
@@ -67,19 +64,19 @@ def build_strategy(cfg: RunConfig, model: nn.Module, device: str = "cpu") -> Spe
 
 
 def _common(cfg: RunConfig) -> dict[str, Any]:
-    """The strategy arguments both kinds take from ``cfg``."""
+    """The strategy arguments both kinds take from ``cfg``: its settings objects, the run's
+    rounds (the whole run's, a resumed launch's too) and its cohort (any round may go to a
+    single node)."""
     return dict(
         num_rounds=cfg.num_server_rounds,
         sharding=cfg.sharding,
         training=cfg.training,
         replies=cfg.replies,
         nodes=cfg.node_policy(),
+        cohort=Cohort(fraction_train=cfg.fraction_train,
+                      fraction_evaluate=cfg.fraction_evaluate, min_train_nodes=1,
+                      min_evaluate_nodes=1, min_available_nodes=cfg.min_available_nodes),
         seed=cfg.seed,
-        fraction_train=cfg.fraction_train,
-        fraction_evaluate=cfg.fraction_evaluate,
-        min_train_nodes=1,
-        min_evaluate_nodes=1,
-        min_available_nodes=cfg.min_available_nodes,
     )
 
 
@@ -145,10 +142,12 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
     if isinstance(strategy, WidthSlicing):  # a device of keep ratio r runs this width
         def width_of(r: float, s: WidthSlicing = strategy) -> int:
             return s.width_of(r).width
-    strategy.callbacks.extend(side_jobs(cfg, model, strategy.sharded_layers, recorder,
-                                        device=device, width_of=width_of))
-    untrained: NoRoundTrainedError | None = None
+    jobs = side_jobs(cfg, model, strategy.sharded_layers, recorder, device=device,
+                     width_of=width_of)
+    strategy.callbacks.extend(jobs)
     try:
+        # Flower's own start(): the strategy's hooks call the callbacks (the last round's
+        # on_end among them: a run that trained nothing raises there, its rounds recorded)
         result = strategy.start(
             grid=grid,
             initial_arrays=initial,
@@ -157,21 +156,16 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
             # where this ServerApp runs, so that a deployed node that looks simulated is warned
             train_config=ConfigRecord({RUNTIME_KEY: runtime} if runtime else {}),
         )
-    except NoRoundTrainedError as err:  # the files are written first; raised again below
-        if err.result is None:
-            _fail(recorder, strategy.current_arrays or initial, err)
-            raise
-        result, untrained = err.result, err
     except Exception as err:  # a stop, a timeout, a bug: the run's status says so first
         _fail(recorder, strategy.current_arrays or initial, err)
         raise
+    finally:  # a run stopped early calls no on_end: its files are closed here
+        for job in jobs:
+            if isinstance(job, TensorBoardLog):
+                job.close()
     # Flower's Result holds no arrays when no round produced an update, and then the model
     # is still the one the rounds started from.
     final = result.arrays if len(result.arrays) > 0 else initial
-    if untrained is not None:
-        _fail(recorder, final, untrained)
-        raise NoRoundTrainedError(f"{untrained} The run's results (the initial model among "
-                                  f"them) were written to {directory}.", result) from None
     receipts = [c.totals for c in strategy.callbacks if isinstance(c, TrainingReceipts)]
     summary = recorder.finish(final.to_torch_state_dict(),
                               {"status": "finished",
@@ -240,7 +234,7 @@ def _fail(recorder: RunRecorder, arrays: ArrayRecord, err: BaseException) -> Non
              recorder.directory / "summary.json")
 
 
-def _savings(cfg: RunConfig, model: nn.Module, strategy: SpectralSharding,
+def _savings(cfg: RunConfig, model: nn.Module, strategy: KeepRatioStrategy,
              rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """What sharding bought (:func:`~fedshard.app.savings.sharding_savings`), logged; ``None``
     (with a warning) where it cannot be counted: the run's results are written either way."""

@@ -32,6 +32,7 @@ from fedshard.width import WidthFamily
 
 __all__ = [
     "CLIENT_DATA_CACHE_BYTES",
+    "RUNTIME_GRIDS",
     "RUNTIME_KEY",
     "SIMULATION_NODE_CONFIG",
     "build_model",
@@ -290,40 +291,42 @@ def declared_keep_ratio(cfg: RunConfig, node_config: dict[str, Any]) -> float:
 RUNTIME_KEY = "fedshard-runtime"
 
 
+#: The grids Flower's two runtimes give a ServerApp (flwr 1.42: ``flwr.superlink.grid``), by
+#: class name -> where the ServerApp runs.
+RUNTIME_GRIDS = {"InMemoryGrid": "simulation", "HttpGrid": "deployment"}
+
+
 def grid_runtime(grid: object) -> str | None:
     """Where the ServerApp given ``grid`` runs: ``"simulation"`` (Flower's simulation
     runtime), ``"deployment"`` (a SuperLink), or ``None`` where it cannot tell (e.g. a test's
     own grid).
 
     Flower has no public API that says where a ServerApp runs, so the two runtimes are told
-    apart by the grids they give it: ``InMemoryGrid`` and ``HttpGrid`` of
-    ``flwr.superlink.grid`` (Flower 1.42). With a Flower that keeps them elsewhere this
-    returns ``None`` and logs once that deployed nodes with a simulated node's settings are
-    not warned (:func:`warn_if_looks_simulated`); the run itself is not affected.
+    apart by the grids they give it, by their class names (:data:`RUNTIME_GRIDS`: flwr 1.42's
+    ``InMemoryGrid`` and ``HttpGrid``, duck-typed: nothing of Flower's beyond its public API
+    is imported). A grid of Flower's own (its class defined in a ``flwr`` module) that is
+    neither is logged once: then deployed nodes with a simulated node's settings are not
+    warned (:func:`warn_if_looks_simulated`); the run itself is not affected.
     """
-    try:
-        from flwr.superlink.grid import HttpGrid, InMemoryGrid
-    except ImportError as err:  # another Flower layout: say so, rather than guess
-        if not _RUNTIME_UNKNOWN:
-            import flwr
+    names = [cls.__name__ for cls in type(grid).__mro__]
+    for name in names:
+        if name in RUNTIME_GRIDS:
+            return RUNTIME_GRIDS[name]
+    kind = type(grid)
+    if kind.__module__.split(".")[0] == "flwr" and kind.__name__ not in _RUNTIME_UNKNOWN:
+        import flwr
 
-            _RUNTIME_UNKNOWN.append(str(err))
-            log(WARNING, "fedshard cannot tell whether this ServerApp runs in Flower's "
-                "simulation or on a SuperLink: flwr %s has no flwr.superlink.grid.InMemoryGrid "
-                "and HttpGrid, the grids of flwr 1.42's two runtimes (%s). The run goes on, "
-                "but its nodes are not told where it runs, so a deployed SuperNode that took "
-                "a simulated node's settings (only partition-id and num-partitions in its "
-                "node config) is not warned.", flwr.__version__, err)
-        return None
-    if isinstance(grid, InMemoryGrid):
-        return "simulation"
-    if isinstance(grid, HttpGrid):
-        return "deployment"
+        _RUNTIME_UNKNOWN.append(kind.__name__)
+        log(WARNING, "fedshard cannot tell whether this ServerApp runs in Flower's "
+            "simulation or on a SuperLink: flwr %s gives it a %s.%s, which is neither of the "
+            "grids of flwr 1.42's two runtimes (%s). The run goes on, but its nodes are not "
+            "told where it runs, so a deployed SuperNode that took a simulated node's settings "
+            "(only partition-id and num-partitions in its node config) is not warned.",
+            flwr.__version__, kind.__module__, kind.__name__, ", ".join(RUNTIME_GRIDS))
     return None
 
 
-#: The import error that kept :func:`grid_runtime` from telling the runtimes apart (logged
-#: once per process).
+#: The Flower grids :func:`grid_runtime` did not know (each logged once per process).
 _RUNTIME_UNKNOWN: list[str] = []
 
 

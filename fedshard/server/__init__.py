@@ -1,26 +1,34 @@
 """The server side: the Flower strategy and what it is made of.
 
+- :mod:`~fedshard.server.base` - :class:`KeepRatioStrategy`, the base of the strategies: nodes
+  that declare a keep ratio, reply checks, the run's rounds, callbacks.
 - :mod:`~fedshard.server.strategy` - :class:`SpectralSharding`, the Flower strategy.
+- :mod:`~fedshard.server.width` - :class:`WidthSlicing`, its sibling (HeteroFL, FedRolex,
+  ordered dropout).
 - :mod:`~fedshard.server.rounds` - one training round: shard per keep-ratio group, check the
   replies, aggregate every term over its holders, rebuild W.
 - :mod:`~fedshard.server.robust` - what one dishonest node can do within the bounds, undone:
   terms re-signed and re-balanced, the spread bound, Flower's robust rules on dense replies.
 - :mod:`~fedshard.server.nodes` - waiting for nodes, their declared keep ratios, the rules
   that bound them, seeded node sampling.
-- :mod:`~fedshard.server.schedule` - the learning-rate schedule over rounds (cosine).
+- :mod:`~fedshard.server.schedule` - a run's rounds (resumed runs count on) and the
+  learning-rate schedule over them (cosine).
 - :mod:`~fedshard.server.metrics` - per-round metrics, client-metric aggregation, TensorBoard.
 - :mod:`~fedshard.server.fedavg_cosine` - the paper's post-gradient analysis (Sec. 4.4).
 - :mod:`~fedshard.server.callbacks` - what a run does around its rounds (:class:`RoundCallback`:
   the strategy's own checks and stops, yours); :mod:`~fedshard.server.side_jobs` - central
   evaluation and TensorBoard as callbacks.
-- :mod:`~fedshard.server.privacy` - Flower's DP wrappers refused (they assume dense replies).
+- :mod:`~fedshard.server.privacy` - Flower's DP wrappers and other strategies driving ours
+  refused (they assume dense replies).
 """
 
+from fedshard.server.base import KeepRatioStrategy
 from fedshard.server.callbacks import (
     NO_TRAINING_PATIENCE,
     CompoundingMultipliers,
     ConfigPrecedence,
     RoundCallback,
+    SettingsSummary,
     ShardingBudgetReport,
     SingleNodeGroups,
     SmallCohort,
@@ -30,6 +38,7 @@ from fedshard.server.callbacks import (
     StopWhenUntrained,
     TrainingReceipts,
     UnchangingModel,
+    UntrainedChannels,
     default_callbacks,
 )
 from fedshard.server.metrics import mean_client_metrics
@@ -52,8 +61,10 @@ __all__ = [
     "CentralEvaluation",
     "CompoundingMultipliers",
     "ConfigPrecedence",
+    "KeepRatioStrategy",
     "NoRoundTrainedError",
     "RoundCallback",
+    "SettingsSummary",
     "ShardingBudgetReport",
     "SingleNodeGroups",
     "SmallCohort",
@@ -66,6 +77,7 @@ __all__ = [
     "TrainingDivergedError",
     "TrainingReceipts",
     "UnchangingModel",
+    "UntrainedChannels",
     "WidthSlicing",
     "cosine_lr",
     "default_callbacks",

@@ -1,19 +1,25 @@
 """What a run does around its rounds, as callbacks the strategy composes: :class:`RoundCallback`.
 
-:class:`~fedshard.server.strategy.SpectralSharding` calls its callbacks, in order, at four
-points of a run: a round's train messages are built (:meth:`~RoundCallback.on_configure`), its
-replies aggregated (:meth:`~RoundCallback.on_aggregate`), the round is over and its model is
-the global one (:meth:`~RoundCallback.on_round`, where Flower calls ``evaluate_fn``), and the
-run is over (:meth:`~RoundCallback.on_end`). A callback can stop the run: it raises
-:class:`StopRun` (or a subclass), which ends ``start()`` with the reason.
+:class:`~fedshard.server.base.KeepRatioStrategy` (spectral sharding and width slicing) calls
+its callbacks from its round hooks, in order, at four points of a run: a round's train
+messages are built (:meth:`~RoundCallback.on_configure`), its replies aggregated
+(:meth:`~RoundCallback.on_aggregate`), the round is over and its model is the global one
+(:meth:`~RoundCallback.on_round`), and the last round is over (:meth:`~RoundCallback.on_end`).
+So they hold whoever drives the hooks: Flower's ``start()``, a subclass's own, a loop of one's
+own. A callback can stop the run: it raises :class:`StopRun` (or a subclass), which ends
+``start()`` with the reason.
 
 The strategy's own checks are callbacks too (:func:`default_callbacks`), so a user of the
 library gets them and can leave one out or add their own (pfl-research composes its
 callbacks in the same way, ``pfl/callback``):
 
+- :class:`SettingsSummary` - logs the strategy's settings once, and warns when a round's lr
+  falls back to the base lr because the cosine schedule has no length;
 - :class:`ShardingBudgetReport` - says, for every keep ratio when it first appears, what a node
   receives, sends and computes against the dense model, and warns when sharding saves less than
   it should (the largest layers left dense, factors that cost more than their layer);
+- :class:`UntrainedChannels` - warns once when width slicing's static slices leave channels
+  that no node trains;
 - :class:`ConfigPrecedence` - says once which of the round config's entries are sent as they
   are and which are replaced;
 - :class:`SingleNodeGroups` - warns when Collective meets a keep-ratio group of one node;
@@ -34,8 +40,8 @@ callbacks in the same way, ``pfl/callback``):
 
 Metrics flow one way through :meth:`~RoundCallback.on_round`: each callback sees the round's
 row (the strategy's statistics and the client aggregates) and what the callbacks before it
-added; what it returns is added for the ones after it (a test-set evaluation, then the file
-that records the row, then a checkpoint).
+added; what it returns is added to the round's row of the strategy's ``history``, for the
+ones after it (a test-set evaluation, then the file that records the row, then a checkpoint).
 """
 
 from __future__ import annotations
@@ -53,8 +59,7 @@ from fedshard import protocol as P
 from fedshard.spectral.budget import budget_summary, budget_warnings, sharding_budget
 
 if TYPE_CHECKING:
-    from flwr.serverapp.strategy import Result
-
+    from fedshard.server.base import KeepRatioStrategy
     from fedshard.server.rounds import RoundState
     from fedshard.server.strategy import SpectralSharding
 
@@ -64,6 +69,7 @@ __all__ = [
     "ConfigPrecedence",
     "NoRoundTrainedError",
     "RoundCallback",
+    "SettingsSummary",
     "ShardingBudgetReport",
     "SingleNodeGroups",
     "SmallCohort",
@@ -74,6 +80,7 @@ __all__ = [
     "TrainingDivergedError",
     "TrainingReceipts",
     "UnchangingModel",
+    "UntrainedChannels",
     "default_callbacks",
     "likely_fix",
     "no_round_trained",
@@ -81,9 +88,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: When the run's number of rounds is unknown (no ``num_rounds`` given to the strategy, and
-#: ``start()`` overridden without calling the strategy's), :class:`StopWhenUntrained` stops the
-#: run once this many configured rounds in a row, from the first, trained nothing.
+#: When the run's number of rounds is unknown (no ``num_rounds`` given to the strategy),
+#: :class:`StopWhenUntrained` stops the run once this many aggregated rounds in a row, from the
+#: first, trained nothing.
 NO_TRAINING_PATIENCE = 3
 
 
@@ -97,13 +104,7 @@ class StopRun(RuntimeError):
 
 
 class NoRoundTrainedError(StopRun):
-    """No round of the run changed the model; ``result`` is what ``start()`` would have
-    returned (its ``arrays`` are the initial ones), or ``None`` when the run stopped before
-    its last round."""
-
-    def __init__(self, message: str, result: Result | None = None) -> None:
-        super().__init__(message)
-        self.result = result
+    """No round of the run changed the model: the global model is the initial one."""
 
 
 class TrainingDivergedError(StopRun):
@@ -125,33 +126,74 @@ def no_round_trained(rounds: int) -> str:
 
 class RoundCallback:
     """One thing a run does around its rounds; override the hooks you need (each does nothing
-    by default). ``strategy`` is the :class:`~fedshard.server.strategy.SpectralSharding` that
-    calls it; every round is the run's (a resumed run counts on from its checkpoint)."""
+    by default). ``strategy`` is the :class:`~fedshard.server.base.KeepRatioStrategy` that
+    calls it (:class:`~fedshard.server.strategy.SpectralSharding` or
+    :class:`~fedshard.server.width.WidthSlicing`); every round is the run's (a resumed run
+    counts on from its checkpoint)."""
 
-    def on_configure(self, strategy: SpectralSharding, server_round: int,
+    def on_configure(self, strategy: KeepRatioStrategy, server_round: int,
                      config: ConfigRecord, messages: Sequence[Message]) -> None:
         """The round's train messages were built from the caller's ``config`` (not sent yet;
         the global model they were cut from is ``strategy.current_arrays``)."""
 
-    def on_aggregate(self, strategy: SpectralSharding, server_round: int,
+    def on_aggregate(self, strategy: KeepRatioStrategy, server_round: int,
                      metrics: Mapping[str, float], state: RoundState | None) -> None:
         """The round's replies were checked and aggregated; ``metrics`` is its row so far and
         ``state`` what it sent (``None``: the round sent nothing, e.g. no node had declared
         a keep ratio). Raise :class:`StopRun` to stop the run here."""
 
-    def on_round(self, strategy: SpectralSharding, server_round: int, arrays: ArrayRecord,
+    def on_round(self, strategy: KeepRatioStrategy, server_round: int, arrays: ArrayRecord,
                  metrics: Mapping[str, float]) -> Mapping[str, float] | None:
-        """The round is over and ``arrays`` is the global model (round 0: the initial one);
-        ``metrics`` the round's row and what earlier callbacks added (read only). Returns
-        metrics to add (``None``: none). Raise :class:`StopRun` to stop the run here."""
+        """The round is over and ``arrays`` is the global model (round 0: the initial one,
+        when round 1 is configured); ``metrics`` the round's row and what earlier callbacks
+        added (read only). Returns metrics to add to the row (``None``: none). Raise
+        :class:`StopRun` to stop the run here."""
         return None
 
-    def on_end(self, strategy: SpectralSharding, result: Result | None) -> None:
-        """The run is over (``result``: what ``start()`` returns; ``None`` when it failed or
-        was stopped). Release what the callback holds; raise to fail the run."""
+    def on_end(self, strategy: KeepRatioStrategy, arrays: ArrayRecord) -> None:
+        """The run's last round (the strategy's ``num_rounds``) is over and ``arrays`` is its
+        final model; every callback's ``on_round`` of that round ran. Not called when the
+        number of rounds is unknown, nor when the run stops early (an exception ends
+        ``start()``): whoever holds a resource releases it then (fedshard's app closes its
+        TensorBoard file). Release what the callback holds; raise to fail the run."""
 
 
 # ---------------------------------------------------------------------------- the strategy's own
+def _spectral(strategy: KeepRatioStrategy) -> SpectralSharding | None:
+    """``strategy`` where it sends factors (spectral sharding of at least one layer)."""
+    from fedshard.server.strategy import SpectralSharding  # (it imports this module)
+
+    return strategy if isinstance(strategy, SpectralSharding) and strategy.sharded_layers \
+        else None
+
+
+class SettingsSummary(RoundCallback):
+    """Logs the strategy's settings once, when the first round's messages are built
+    (:meth:`~fedshard.server.base.KeepRatioStrategy.describe`: what is sent and how, the
+    local-training recipe and its lr schedule), and warns once when a round's lr falls back to
+    the base lr: the cosine schedule needs the run's number of rounds, no ``num_rounds`` was
+    given to the strategy, and the round's config sets no lr of its own."""
+
+    def __init__(self) -> None:
+        self.logged = False
+        self.warned = False
+
+    def on_configure(self, strategy: KeepRatioStrategy, server_round: int,
+                     config: ConfigRecord, messages: Sequence[Message]) -> None:
+        if not self.logged:
+            self.logged = True
+            for line in strategy.describe():
+                logger.info("%s", line)
+        if (not self.warned and strategy.num_rounds is None
+                and strategy.training.lr_schedule == "cosine" and P.LR not in config):
+            self.warned = True
+            logger.warning(
+                "The cosine lr schedule needs the run's number of rounds, and none is known "
+                "(%s(num_rounds=...) was not given): every round's lr is the base lr=%g. Give "
+                "num_rounds to the strategy for the cosine schedule, or an lr in the round "
+                "config.", type(strategy).__name__, strategy.base_lr)
+
+
 class ShardingBudgetReport(RoundCallback):
     """What sharding buys, per keep ratio, logged when a ratio first appears in a round: the
     bytes a node receives and sends and (with the strategy's model and example input, which
@@ -164,9 +206,10 @@ class ShardingBudgetReport(RoundCallback):
     def __init__(self) -> None:
         self.reported: set[float] = set()
 
-    def on_configure(self, strategy: SpectralSharding, server_round: int,
+    def on_configure(self, strategy: KeepRatioStrategy, server_round: int,
                      config: ConfigRecord, messages: Sequence[Message]) -> None:
-        if not strategy.sharded_layers:
+        spectral = _spectral(strategy)
+        if spectral is None:
             return
         ratios = {float(r) for m in messages
                   if isinstance(r := m.content[P.CONFIG].get(P.KEEP_RATIO), (int, float))}
@@ -174,14 +217,14 @@ class ShardingBudgetReport(RoundCallback):
         if not new:
             return
         self.reported |= new
-        source = strategy.budget_model if strategy.budget_model is not None \
-            else strategy.current_arrays
+        source = spectral.budget_model if spectral.budget_model is not None \
+            else spectral.current_arrays
         if source is None:
             return
         try:
-            budget = sharding_budget(source, strategy.sharded_layers, new,
-                                     example_input=strategy.example_input
-                                     if strategy.budget_model is not None else None)
+            budget = sharding_budget(source, spectral.sharded_layers, new,
+                                     example_input=spectral.example_input
+                                     if spectral.budget_model is not None else None)
         except (TypeError, ValueError) as err:  # a report must not stop the run
             logger.warning("What sharding saves could not be counted (%s); the run goes on.",
                            err)
@@ -199,7 +242,7 @@ class ConfigPrecedence(RoundCallback):
     def __init__(self) -> None:
         self.told: set[str] = set()
 
-    def on_configure(self, strategy: SpectralSharding, server_round: int,
+    def on_configure(self, strategy: KeepRatioStrategy, server_round: int,
                      config: ConfigRecord, messages: Sequence[Message]) -> None:
         replaced = sorted(k for k in P.NODE_KEYS if k in config and k != P.SERVER_ROUND)
         mine = sorted(k for k in P.RECIPE_KEYS if k in config)
@@ -223,6 +266,40 @@ class ConfigPrecedence(RoundCallback):
         return first
 
 
+class UntrainedChannels(RoundCallback):
+    """Warns once, under width slicing's static slices (HeteroFL, ordered dropout), when no
+    node of a round trains beyond some width below the global one: the global model's other
+    channels keep their initial values, and the model at full width (what is evaluated and
+    saved) carries them. FedRolex's rolling window covers every channel."""
+
+    def __init__(self) -> None:
+        self.told = False
+
+    def on_configure(self, strategy: KeepRatioStrategy, server_round: int,
+                     config: ConfigRecord, messages: Sequence[Message]) -> None:
+        from fedshard.server.width import WidthSlicing  # (it imports this module)
+
+        if self.told or not isinstance(strategy, WidthSlicing) or not messages \
+                or strategy.sharding.method == "fedrolex":
+            return
+        ratios = {float(r) for m in messages
+                  if isinstance(r := m.content[P.CONFIG].get(P.KEEP_RATIO), (int, float))}
+        full = strategy.family.width
+        widest = max((strategy.width_of(r).width for r in ratios), default=full)
+        if widest >= full:
+            return
+        self.told = True
+        logger.warning(
+            "Width slicing (%s): no node trains beyond width %d of %d, so the global model's "
+            "other channels keep their initial values and the model at full width (what is "
+            "evaluated and saved) carries them (HeteroFL's ResNet-18 of width 6 of 16 on "
+            "Fashion-MNIST: 13 %% at full width, 83 %% at width 6). Evaluate and deploy the "
+            "narrow model of width %d with the leading channels (fedshard.width.take of "
+            "slice_indices(..., 'heterofl', 0); benchmarks/width_eval.py), or let some nodes "
+            "train the full width, or use 'fedrolex', whose window covers every channel.",
+            strategy.sharding.method, widest, full, widest)
+
+
 #: Collective's multipliers need C ≥ 2 nodes per keep-ratio group: with C = 1 Theorem 2 gives
 #: ω = 1 and the n largest terms (Top-n). The annealed Collective is the same on λ^γ.
 _GROUP_SIZE_METHODS = ("collective", "anneal-collective")
@@ -241,7 +318,7 @@ class SingleNodeGroups(RoundCallback):
     def __init__(self) -> None:
         self.warned: set[float] = set()  # the groups already named in a WARNING
 
-    def on_configure(self, strategy: SpectralSharding, server_round: int,
+    def on_configure(self, strategy: KeepRatioStrategy, server_round: int,
                      config: ConfigRecord, messages: Sequence[Message]) -> None:
         method = strategy.sharding.method
         if method not in _GROUP_SIZE_METHODS or not strategy.sharded_layers:
@@ -281,7 +358,7 @@ class SmallCohort(RoundCallback):
     def __init__(self) -> None:
         self.told = False
 
-    def on_configure(self, strategy: SpectralSharding, server_round: int,
+    def on_configure(self, strategy: KeepRatioStrategy, server_round: int,
                      config: ConfigRecord, messages: Sequence[Message]) -> None:
         if self.told or not strategy.replies.max_update_spread or not messages:
             return
@@ -306,9 +383,10 @@ class CompoundingMultipliers(RoundCallback):
     def __init__(self) -> None:
         self.told = False
 
-    def on_configure(self, strategy: SpectralSharding, server_round: int,
+    def on_configure(self, strategy: KeepRatioStrategy, server_round: int,
                      config: ConfigRecord, messages: Sequence[Message]) -> None:
-        if not strategy.unnormalized or self.told:
+        spectral = _spectral(strategy)
+        if spectral is None or not spectral.unnormalized or self.told:
             return
         top = max((float(np.max(P.decode_array(a))) for m in messages
                    for k, a in m.content.array_records[P.ARRAYS].items()
@@ -350,7 +428,7 @@ class StopOnDivergence(RoundCallback):
                              "≥ 2 (one node alone must not stop a run); no callback was built")
         self.min_nodes = min_nodes
 
-    def on_aggregate(self, strategy: SpectralSharding, server_round: int,
+    def on_aggregate(self, strategy: KeepRatioStrategy, server_round: int,
                      metrics: Mapping[str, float], state: RoundState | None) -> None:
         if state is None:
             return
@@ -399,7 +477,7 @@ class TrainingReceipts(RoundCallback):
         self.totals: dict[str, Any] = {"nodes": 0, "lr-differs": 0, "rules-not-applied": 0,
                                        "unreadable": 0, "optimizers": {}}
 
-    def on_aggregate(self, strategy: SpectralSharding, server_round: int,
+    def on_aggregate(self, strategy: KeepRatioStrategy, server_round: int,
                      metrics: Mapping[str, float], state: RoundState | None) -> None:
         if state is None or not state.accepted:
             return
@@ -466,7 +544,7 @@ class StopWhenEveryReplyFails(RoundCallback):
     one, the likely fix (a state dict that does not fit the received arrays: was
     ``receive(msg, model)`` called?)."""
 
-    def on_aggregate(self, strategy: SpectralSharding, server_round: int,
+    def on_aggregate(self, strategy: KeepRatioStrategy, server_round: int,
                      metrics: Mapping[str, float], state: RoundState | None) -> None:
         if state is None or metrics.get("replies-used", 0.0) or not state.dropped:
             return
@@ -516,38 +594,35 @@ class StopWhenUntrained(RoundCallback):
     """Stops a run in which no round trained (no usable reply, the model is the initial one),
     with :class:`NoRoundTrainedError` (logged as an ERROR) naming what to check.
 
-    Under the strategy's own ``start()`` every round runs and the error comes at the end,
-    carrying the run's result. Driven otherwise (a subclass's own ``start()``, a user's loop)
-    it comes when the last round (``num_rounds``) is aggregated, or, with the number of
-    rounds unknown, after :data:`NO_TRAINING_PATIENCE` untrained rounds from the first. Not
-    with ``fraction_train=0`` (no training asked for).
+    With the run's number of rounds known (``num_rounds``), every round runs and is
+    recorded, and the error comes after the last one (:meth:`~RoundCallback.on_end`); with it
+    unknown, after :data:`NO_TRAINING_PATIENCE` untrained rounds from the first. Not with
+    ``fraction_train=0`` (no training asked for).
     """
 
     def __init__(self) -> None:
         self.streak = 0  # aggregated rounds in a row that trained nothing
 
-    def on_aggregate(self, strategy: SpectralSharding, server_round: int,
+    def on_aggregate(self, strategy: KeepRatioStrategy, server_round: int,
                      metrics: Mapping[str, float], state: RoundState | None) -> None:
         self.streak = 0 if strategy.rounds_trained else self.streak + 1
-        if strategy.rounds_trained or strategy.fraction_train == 0.0 or strategy.in_own_start:
+        if strategy.rounds_trained or strategy.fraction_train == 0.0 \
+                or strategy.num_rounds is not None:
             return
-        last = strategy.num_rounds
-        if last is not None and server_round >= last:
-            self._stop(no_round_trained(server_round - strategy.round_offset)
-                       + " The run stops here.")
-        if last is None and self.streak >= NO_TRAINING_PATIENCE:
+        if self.streak >= NO_TRAINING_PATIENCE:
             self._stop(no_round_trained(self.streak) + " The number of rounds is unknown, so "
                        f"the run stops after {NO_TRAINING_PATIENCE} untrained rounds.")
 
-    def on_end(self, strategy: SpectralSharding, result: Result | None) -> None:
-        if result is not None and strategy.rounds_trained == 0 and strategy.fraction_train > 0:
-            assert strategy.num_rounds is not None
-            self._stop(no_round_trained(strategy.num_rounds - strategy.round_offset), result)
+    def on_end(self, strategy: KeepRatioStrategy, arrays: ArrayRecord) -> None:
+        if strategy.rounds_trained == 0 and strategy.fraction_train > 0:
+            total = strategy.num_rounds
+            assert total is not None  # on_end comes after the last of num_rounds
+            self._stop(no_round_trained(total - strategy.run_rounds.completed))
 
     @staticmethod
-    def _stop(message: str, result: Result | None = None) -> None:
+    def _stop(message: str) -> None:
         logger.error("%s", message)
-        raise _said(NoRoundTrainedError(message, result))
+        raise _said(NoRoundTrainedError(message))
 
 
 class UnchangingModel(RoundCallback):
@@ -588,13 +663,13 @@ class UnchangingModel(RoundCallback):
         self.streak = 0  # unchanged trained rounds in a row
         self.lrs: list[float] = []  # the lr sent in each of them
 
-    def on_aggregate(self, strategy: SpectralSharding, server_round: int,
+    def on_aggregate(self, strategy: KeepRatioStrategy, server_round: int,
                      metrics: Mapping[str, float], state: RoundState | None) -> None:
         self.before = None
         if state is not None and state.accepted and not metrics.get("aggregate-non-finite"):
             self.before = state.current or {k: P.decode_array(a) for k, a in state.arrays.items()}
 
-    def on_round(self, strategy: SpectralSharding, server_round: int, arrays: ArrayRecord,
+    def on_round(self, strategy: KeepRatioStrategy, server_round: int, arrays: ArrayRecord,
                  metrics: Mapping[str, float]) -> Mapping[str, float] | None:
         before, self.before = self.before, None
         if before is None:
@@ -653,19 +728,20 @@ class UnchangingModel(RoundCallback):
 def default_callbacks() -> list[RoundCallback]:
     """The strategy's own callbacks, in order (see the module docstring); fresh objects (each
     keeps its own state: what it already said, untrained rounds in a row)."""
-    return [ShardingBudgetReport(), ConfigPrecedence(), SingleNodeGroups(), SmallCohort(),
-            CompoundingMultipliers(), TrainingReceipts(), StopOnDivergence(),
-            StopWhenEveryReplyFails(), StopWhenUntrained(), UnchangingModel()]
+    return [SettingsSummary(), ShardingBudgetReport(), UntrainedChannels(), ConfigPrecedence(),
+            SingleNodeGroups(), SmallCohort(), CompoundingMultipliers(), TrainingReceipts(),
+            StopOnDivergence(), StopWhenEveryReplyFails(), StopWhenUntrained(),
+            UnchangingModel()]
 
 
 # ---------------------------------------------------------------------------- dispatch
-def run_configure(callbacks: Sequence[RoundCallback], strategy: SpectralSharding,
+def run_configure(callbacks: Sequence[RoundCallback], strategy: KeepRatioStrategy,
                   server_round: int, config: ConfigRecord, messages: Sequence[Message]) -> None:
     for callback in callbacks:
         callback.on_configure(strategy, server_round, config, messages)
 
 
-def run_aggregate(callbacks: Sequence[RoundCallback], strategy: SpectralSharding,
+def run_aggregate(callbacks: Sequence[RoundCallback], strategy: KeepRatioStrategy,
                   server_round: int, metrics: Mapping[str, float],
                   state: RoundState | None) -> None:
     view = MappingProxyType(dict(metrics))
@@ -673,28 +749,25 @@ def run_aggregate(callbacks: Sequence[RoundCallback], strategy: SpectralSharding
         callback.on_aggregate(strategy, server_round, view, state)
 
 
-def run_round(callbacks: Sequence[RoundCallback], strategy: SpectralSharding,
-              server_round: int, arrays: ArrayRecord,
-              metrics: Mapping[str, float]) -> dict[str, float]:
-    """Every callback's :meth:`~RoundCallback.on_round` in order; what they added."""
-    row = dict(metrics)
-    added: dict[str, float] = {}
+def run_round(callbacks: Sequence[RoundCallback], strategy: KeepRatioStrategy,
+              server_round: int, arrays: ArrayRecord, row: dict[str, float]) -> None:
+    """Every callback's :meth:`~RoundCallback.on_round` in order, each seeing ``row`` (read
+    only); what each returns is added to ``row``."""
+    view = MappingProxyType(row)
     for callback in callbacks:
-        new = callback.on_round(strategy, server_round, arrays, MappingProxyType(row))
+        new = callback.on_round(strategy, server_round, arrays, view)
         if new:
             row.update(new)
-            added.update(new)
-    return added
 
 
-def run_end(callbacks: Sequence[RoundCallback], strategy: SpectralSharding,
-            result: Result | None) -> None:
+def run_end(callbacks: Sequence[RoundCallback], strategy: KeepRatioStrategy,
+            arrays: ArrayRecord) -> None:
     """Every callback's :meth:`~RoundCallback.on_end`, in order, even when one raises (the
     first exception is raised after the others ran)."""
     first: BaseException | None = None
     for callback in callbacks:
         try:
-            callback.on_end(strategy, result)
+            callback.on_end(strategy, arrays)
         except BaseException as err:
             first = first or err
     if first is not None:

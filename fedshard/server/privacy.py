@@ -1,4 +1,4 @@
-"""Differential privacy and :class:`~fedshard.server.strategy.SpectralSharding`: what does not work.
+"""Differential privacy and fedshard's strategies: what does not work, refused before round 1.
 
 Flower's DP wrappers (``DifferentialPrivacyServerSideFixedClipping``,
 ``DifferentialPrivacyClientSideFixedClipping`` and their adaptive variants) take a strategy and
@@ -9,16 +9,15 @@ the ClientApp, which rejects fedshard's capability ``query``; ``LocalDpMod`` req
 to carry the keys that were sent (a shard reply leaves ω out) and errors. They fail only after
 some rounds or silently protect nothing, so they are refused before round 1.
 
-How: SpectralSharding runs under its own ``start()`` (or a subclass's) or by direct calls of
-its hooks (your own loop, a test). Every Flower strategy's ``start()`` calls the strategy's
-``summary()`` before round 1, a wrapper's ``start()`` its wrapped strategy's too;
-SpectralSharding's ``summary()`` outside its own ``start()`` marks it as driven by another
-strategy, and its training hooks then refuse (:func:`refuse_foreign_driver`). A subclass with a
-``start()`` of its own is taken to drive itself (its ``summary()`` marks nothing). However the
-hooks are reached (a loop of your own that calls the wrapper's hooks, no ``start()`` at all),
-``configure_train`` called from a method of another Flower strategy object is refused too
-(:func:`driving_strategy`), and a client-side DP wrapper is also recognized by what it puts in
-the round config (``clipping_norm``).
+How: a :class:`~fedshard.server.base.KeepRatioStrategy` runs under Flower's ``start()`` (its
+own, a subclass's) or by direct calls of its hooks (a loop of one's own, a test); no other
+strategy drives it. Its ``configure_train`` looks up the call stack
+(:func:`driving_strategy`): a frame of a method of another Flower strategy object above it,
+whether that strategy's ``configure_train`` called it directly, its ``start()`` drives the
+rounds, or a helper function sits between them, is a driver, and the round is refused
+(:func:`refuse_foreign_driver`); a client-side DP wrapper is also recognized by what it puts in
+the round config (``clipping_norm``). Frames of the strategy itself (its subclass's own
+``start()``, a ``super()`` chain) are not drivers.
 """
 
 from __future__ import annotations
@@ -35,56 +34,55 @@ __all__ = ["DP_CONFIG_KEYS", "WRAPPED_MESSAGE", "driving_strategy", "refuse_fore
 DP_CONFIG_KEYS = ("clipping_norm",)
 
 WRAPPED_MESSAGE = (
-    "SpectralSharding is being driven by another strategy ({driver}); Flower's "
+    "{strategy} is being driven by another strategy ({driver}); Flower's "
     "differential-privacy wrappers (DifferentialPrivacy{{Server,Client}}Side{{Fixed,Adaptive}}"
     "Clipping) and other meta-strategies assume dense replies of the global model's shapes and "
-    "cannot clip or noise per-term factor shards. The run is stopped before round 1. fedshard "
-    "has no differential privacy for factor shards yet (Flower's LocalDpMod does not fit "
-    "either: it requires the reply's arrays to have the keys that were sent, and a shard reply "
-    "leaves out omega). Use SpectralSharding without DP, or for a DP baseline wrap Flower's own "
-    "FedAvg on the dense model."
+    "cannot clip or noise per-term factor shards or width slices. The run is stopped before "
+    "round 1. fedshard has no differential privacy for factor shards yet (Flower's LocalDpMod "
+    "does not fit either: it requires the reply's arrays to have the keys that were sent, and "
+    "a shard reply leaves out omega). Use {strategy} without DP, or for a DP baseline wrap "
+    "Flower's own FedAvg on the dense model."
 )
 
 
 def driving_strategy(strategy: object) -> Strategy | None:
-    """The other Flower strategy whose method called one of ``strategy``'s hooks, if any.
+    """The other Flower strategy that drives ``strategy``'s hooks, if any.
 
-    Walks up the calls from the hook past every frame of ``strategy`` itself (its own
-    ``start()``, a subclass's ``super()`` chain) to the first caller; that caller's ``self``,
-    where it is a :class:`flwr.serverapp.strategy.Strategy` other than ``strategy``, is the
-    driver: a DP wrapper's ``configure_train`` (it then clips ``reply − global`` array by
-    array, which factor shards cannot take) or another meta-strategy. Call it from the hook
+    Walks up the call stack from the hook's caller and returns the first ``self`` that is a
+    :class:`flwr.serverapp.strategy.Strategy` other than ``strategy``: a DP wrapper's
+    ``configure_train`` (it then clips ``reply − global`` array by array, which factor shards
+    cannot take), another strategy's ``start()`` driving the rounds, or a meta-strategy that
+    reaches the hooks through helper functions. Frames of ``strategy`` itself (its own or a
+    subclass's ``start()``, a ``super()`` chain) are passed over. Call it from the hook
     itself. Without frame introspection (not CPython) it finds nothing.
     """
-    frame, caller = inspect.currentframe(), None
+    frame = inspect.currentframe()
+    caller = frame.f_back.f_back if frame is not None and frame.f_back else None
     try:
-        caller = frame.f_back.f_back if frame is not None and frame.f_back else None
-        while caller is not None and caller.f_locals.get("self") is strategy:
+        while caller is not None:
+            owner = caller.f_locals.get("self")
+            if isinstance(owner, Strategy) and owner is not strategy:
+                return owner
             caller = caller.f_back
-        driver = caller.f_locals.get("self") if caller is not None else None
     finally:
         del frame, caller  # frames hold their locals: no reference cycle kept
-    return driver if isinstance(driver, Strategy) and driver is not strategy else None
+    return None
 
 
-def refuse_foreign_driver(foreign_start: bool, config: Mapping[str, Any],
-                          driver: object | None = None) -> None:
-    """Raise ``RuntimeError`` (:data:`WRAPPED_MESSAGE`) if another strategy's ``start()``
-    drives this one (``foreign_start``: its ``summary()`` was called outside its own
-    ``start()``), another strategy's method called the hook (``driver``, from
-    :func:`driving_strategy`) or the round config carries a client-side DP wrapper's keys.
+def refuse_foreign_driver(config: Mapping[str, Any], driver: object | None = None,
+                          name: str = "SpectralSharding") -> None:
+    """Raise ``RuntimeError`` (:data:`WRAPPED_MESSAGE`) if another strategy drives the one
+    named ``name`` (``driver``, from :func:`driving_strategy`) or the round config carries a
+    client-side DP wrapper's keys.
 
-    Plain use (``strategy.start()``, a test or a user's loop calling the hooks, a subclass
-    with its own ``start``) passes.
+    Plain use (Flower's ``start()`` of the strategy itself, a subclass's own, a test or a
+    user's loop calling the hooks) passes.
     """
     dp_keys = [k for k in DP_CONFIG_KEYS if k in config]
     if dp_keys:
         raise RuntimeError(WRAPPED_MESSAGE.format(
+            strategy=name,
             driver=f"a client-side DP wrapper: the round config carries {', '.join(dp_keys)}"))
     if driver is not None:
         raise RuntimeError(WRAPPED_MESSAGE.format(
-            driver=f"{type(driver).__name__} called SpectralSharding.configure_train"))
-    if foreign_start:
-        raise RuntimeError(WRAPPED_MESSAGE.format(
-            driver="its start() called SpectralSharding.summary() from outside "
-                   "SpectralSharding.start()"))
+            strategy=name, driver=f"{type(driver).__name__} called {name}.configure_train"))

@@ -1,10 +1,11 @@
-"""Learning-rate schedules over server rounds (the lr each round's clients start from)."""
+"""A run's rounds (:class:`RunRounds`: Flower's round to the run's) and the learning-rate
+schedule over them (the lr each round's clients start from)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from fedshard.protocol.settings import RECIPE_KEYS
@@ -17,10 +18,7 @@ from fedshard.settings import (
     wire_key,
 )
 
-__all__ = ["FLOWER_DEFAULT_ROUNDS", "cosine_lr", "round_lr", "round_recipe", "schedule_length"]
-
-#: ``Strategy.start``'s default number of rounds in Flower.
-FLOWER_DEFAULT_ROUNDS = 3
+__all__ = ["RunRounds", "cosine_lr", "round_lr", "round_recipe"]
 
 
 def cosine_lr(lr: float, server_round: int, num_rounds: int) -> float:
@@ -43,43 +41,55 @@ def round_lr(schedule: str, lr: float, server_round: int, num_rounds: int) -> fl
     raise ValueError(f"lr schedule {schedule!r}: expected one of {LR_SCHEDULES}")
 
 
-def schedule_length(given: int | None, at_start: int | None, completed: int = 0) -> int:
-    """The total number of rounds of a run (the length of its lr schedule).
+@dataclass
+class RunRounds:
+    """A run's rounds: how many it has and how many were done before this launch. The one
+    place where Flower's round number becomes the run's.
 
-    Parameters
+    Flower counts the rounds of every ``start()`` from 1. A run resumed after ``completed``
+    rounds (:meth:`~fedshard.server.base.KeepRatioStrategy.resume`) goes on at round
+    ``completed + 1``, so that its lr schedule, random streams, history and files continue as
+    if it had not stopped: the strategy's hooks take Flower's round and work with
+    :meth:`of` it.
+
+    Attributes
     ----------
-    given : int or None
-        ``num_rounds`` of the strategy's constructor (optional).
-    at_start : int or None
-        ``num_rounds`` of ``start()``: the rounds this call runs.
+    total : int or None
+        The run's number of rounds (its lr schedule's length, its last round); ``None``:
+        unknown (the cosine schedule then gives the base lr, and the end of the run is
+        nowhere marked).
     completed : int
-        Rounds done before this ``start()`` (a resumed run).
-
-    Returns
-    -------
-    int
-        ``completed + at_start``; without ``at_start``, ``given`` (or ``completed`` + Flower's
-        default of 3 rounds).
-
-    Raises
-    ------
-    ValueError
-        If both are given and disagree, or the result is < 1.
+        Rounds completed before this launch (0 for a fresh run).
     """
-    if at_start is None:
-        total = given if given is not None else completed + FLOWER_DEFAULT_ROUNDS
-    else:
-        total = completed + at_start
-        if given is not None and given != total:
-            after = f" after {completed} completed rounds" if completed else ""
+
+    total: int | None = None
+    completed: int = 0
+
+    def of(self, flower_round: int) -> int:
+        """The run's round for Flower's ``flower_round`` of this launch.
+
+        Raises
+        ------
+        ValueError
+            If that round lies beyond :attr:`total`: Flower's ``start()`` was given more
+            rounds than the strategy (the round is not started).
+        """
+        server_round = flower_round + self.completed
+        if self.total is not None and server_round > self.total:
+            after = (f" after {self.completed} completed rounds, i.e. "
+                     f"num_rounds={self.total - self.completed} for this launch"
+                     if self.completed else "")
             raise ValueError(
-                f"num_rounds is given twice and differs: SpectralSharding(num_rounds={given}) but "
-                f"start(num_rounds={at_start}){after}, i.e. {total} rounds in all. Give it once "
-                "(to start(); the lr schedule follows it); no round was run.")
-    if total < 1 or total <= completed:
-        raise ValueError(f"num_rounds: expected at least one round to run after {completed} "
-                         f"completed, found a schedule of {total}; no round was run.")
-    return total
+                f"Round {server_round} of a run the strategy was built for with "
+                f"num_rounds={self.total} (its lr schedule's length and its last round): "
+                "Flower's start() was given more rounds than the strategy. Give start() the "
+                f"strategy's number of rounds{after}; round {server_round} is not started.")
+        return server_round
+
+    def is_last(self, server_round: int) -> bool:
+        """Whether the run's round ``server_round`` is its last (``False`` when the number of
+        rounds is unknown)."""
+        return self.total is not None and server_round == self.total
 
 
 def round_recipe(training: LocalTraining, config: Mapping[str, Any], server_round: int,

@@ -29,9 +29,7 @@ from fedshard.server.callbacks import RoundCallback
 from fedshard.spectral.truncation import truncate_state
 
 if TYPE_CHECKING:
-    from flwr.serverapp.strategy import Result
-
-    from fedshard.server.strategy import SpectralSharding
+    from fedshard.server.base import KeepRatioStrategy
 
 __all__ = ["CentralEvaluation", "TensorBoardLog"]
 
@@ -91,7 +89,7 @@ class CentralEvaluation(RoundCallback):
         return self.eval_every > 0 and (server_round % self.eval_every == 0
                                         or server_round == self.num_rounds)
 
-    def on_round(self, strategy: SpectralSharding, server_round: int, arrays: ArrayRecord,
+    def on_round(self, strategy: KeepRatioStrategy, server_round: int, arrays: ArrayRecord,
                  metrics: Mapping[str, float]) -> Mapping[str, float] | None:
         """The test metrics of ``arrays`` if the round is due, else ``None``."""
         if not self.is_due(server_round):
@@ -147,15 +145,16 @@ class TensorBoardLog(RoundCallback):
         self.writer.flush()
 
     def close(self) -> None:
-        """Close the event file."""
+        """Close the event file (again: nothing to do); whoever stops a run early calls it,
+        :meth:`on_end` after its last round."""
         self.writer.close()
 
-    def on_round(self, strategy: SpectralSharding, server_round: int, arrays: ArrayRecord,
+    def on_round(self, strategy: KeepRatioStrategy, server_round: int, arrays: ArrayRecord,
                  metrics: Mapping[str, float]) -> Mapping[str, float] | None:
         """Write the round's metrics."""
         self.write(server_round, metrics)
         return None
 
-    def on_end(self, strategy: SpectralSharding, result: Result | None) -> None:
-        """Close the event file."""
+    def on_end(self, strategy: KeepRatioStrategy, arrays: ArrayRecord) -> None:
+        """Close the event file (after the last round)."""
         self.close()

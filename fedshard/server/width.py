@@ -1,7 +1,8 @@
 """``WidthSlicing``, the width-slicing strategies beside spectral sharding: HeteroFL, FedRolex and
 ordered dropout on the same Flower API, the same node-declared keep ratios, the same reply
-checks, bounds, callbacks and result files as :class:`~fedshard.server.strategy.SpectralSharding`
-(it overrides how a round is planned and how its replies are combined, nothing else).
+checks, bounds, callbacks and result files as :class:`~fedshard.server.strategy.SpectralSharding`:
+both are siblings on :class:`~fedshard.server.base.KeepRatioStrategy`, and this one gives how a
+round is planned and how its replies are combined, nothing else.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from logging import INFO, WARNING
+from logging import INFO
 from typing import Any
 
 import numpy as np
@@ -22,18 +23,19 @@ from flwr.common.logger import log
 from fedshard import protocol as P
 from fedshard.protocol.slices import SliceOrder, encode_slices
 from fedshard.sampling import Stream, stream_rng
+from fedshard.server.base import KeepRatioStrategy
+from fedshard.server.callbacks import RoundCallback
 from fedshard.server.metrics import send_metrics
-from fedshard.server.rounds import RoundState
-from fedshard.server.strategy import SpectralSharding
+from fedshard.server.rounds import MetricsAggrFn, RoundState
 from fedshard.settings import (
     WIDTH_METHODS,
+    Cohort,
     LocalTraining,
+    NodePolicy,
     Problem,
     ReplyPolicy,
-    SettingsError,
     Sharding,
     Slicing,
-    group_settings,
 )
 from fedshard.spectral import sharded_layer_names
 from fedshard.width.budget import WidthMatch, match_width
@@ -114,7 +116,7 @@ def slice_round(
     return messages, state
 
 
-class WidthSlicing(SpectralSharding):
+class WidthSlicing(KeepRatioStrategy):
     """Width slicing as a Flower strategy: each node trains a narrow model of the global one.
 
     Each round: ask new nodes for their keep ratio r (as spectral sharding does); turn r into
@@ -151,61 +153,82 @@ class WidthSlicing(SpectralSharding):
     sharding : fedshard.settings.Sharding, optional
         Its ``method`` (one of :data:`~fedshard.settings.WIDTH_METHODS`; default
         ``"heterofl"``); the other fields are spectral sharding's.
-    **kwargs
-        :class:`~fedshard.server.strategy.SpectralSharding`'s other arguments (``num_rounds``,
-        ``training``, ``replies``, ``nodes``, ``seed``, the fractions, callbacks).
+    num_rounds, training, replies, nodes, cohort, seed :
+        As in :class:`~fedshard.server.base.KeepRatioStrategy`: the run's rounds, the
+        local-training recipe, the reply bounds, the keep-ratio rules, which nodes a round
+        samples, the random streams' root.
+    train_metrics_aggr_fn, evaluate_metrics_aggr_fn, callbacks :
+        As in :class:`~fedshard.server.base.KeepRatioStrategy`.
 
     Raises
     ------
     fedshard.settings.SettingsError
         For a spectral method, a dense aggregation rule other than the mean (the robust dense
         rules are not defined over slices of different widths), or a match on FLOPs/bytes
-        without the model (and an example input for FLOPs).
+        without the model (and an example input for FLOPs); with every problem of the other
+        arguments.
     """
 
     METHODS = WIDTH_METHODS
     _wrong_method = ("a spectral method: use fedshard.SpectralSharding (or a width-slicing "
                      f"method: {', '.join(WIDTH_METHODS)})")
 
-    def __init__(self, *, family: WidthFamily, model: torch.nn.Module | None = None,
-                 example_input: Any = None, slicing: Slicing | None = None,
-                 sharding: Sharding | None = None, **kwargs: Any) -> None:
-        super().__init__(sharded_layers=(), sharding=sharding or Sharding(method="heterofl"),
-                         **kwargs)
-        self.slicing = slicing if slicing is not None else Slicing()
+    def __init__(
+        self,
+        *,
+        family: WidthFamily,
+        model: torch.nn.Module | None = None,
+        example_input: Any = None,
+        slicing: Slicing | None = None,
+        sharding: Sharding | None = None,
+        num_rounds: int | None = None,
+        training: LocalTraining | None = None,
+        replies: ReplyPolicy | None = None,
+        nodes: NodePolicy | None = None,
+        cohort: Cohort | None = None,
+        seed: int = 0,
+        train_metrics_aggr_fn: MetricsAggrFn | None = None,
+        evaluate_metrics_aggr_fn: MetricsAggrFn | None = None,
+        callbacks: Sequence[RoundCallback] | None = None,
+    ) -> None:
+        slicing = slicing if slicing is not None else Slicing()
         problems = []
         if not isinstance(family, WidthFamily):
             problems.append(Problem((("family", family),),
                                     "expected a fedshard.width.WidthFamily"))
-        if not isinstance(self.slicing, Slicing):
-            problems.append(Problem((("slicing", self.slicing),),
+        if not isinstance(slicing, Slicing):
+            problems.append(Problem((("slicing", slicing),),
                                     "expected a Slicing (fedshard.settings)"))
-        elif self.slicing.width_match != "keep-ratio" and (
-                model is None or (self.slicing.width_match == "flops" and example_input is None)):
+        elif slicing.width_match != "keep-ratio" and (
+                model is None or (slicing.width_match == "flops" and example_input is None)):
             problems.append(Problem(
-                (("width_match", self.slicing.width_match),),
+                (("width_match", slicing.width_match),),
                 "matching a width to the spectral sub-model's cost needs the model (and an "
                 "example input for FLOPs): use WidthSlicing.from_model, or width_match="
                 "'keep-ratio'"))
-        if self.replies.aggregation != "mean":
-            problems.append(Problem((("aggregation", self.replies.aggregation),),
+        if isinstance(replies, ReplyPolicy) and replies.aggregation != "mean":
+            problems.append(Problem((("aggregation", replies.aggregation),),
                                     "width slicing averages each element over the nodes "
                                     "that trained it: expected 'mean'"))
-        if problems:
-            raise SettingsError("WidthSlicing arguments", problems)
+        super().__init__(
+            sharding=sharding if sharding is not None else Sharding(method="heterofl"),
+            num_rounds=num_rounds, training=training, replies=replies, nodes=nodes,
+            cohort=cohort, seed=seed, train_metrics_aggr_fn=train_metrics_aggr_fn,
+            evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn, callbacks=callbacks,
+            problems=problems)
+        self.slicing = slicing
         self.family = family
         self.model, self.example_input = model, example_input
         self.matches: dict[float, WidthMatch] = {}  # keep ratio -> its width and costs
-        self._told_untrained = False  # the untrained-channels warning was logged
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module, *,  # type: ignore[override]
-                   family: WidthFamily, example_input: Any = None,
-                   **options: Any) -> WidthSlicing:
+    def from_model(cls, model: torch.nn.Module, *, family: WidthFamily,
+                   example_input: Any = None, **options: Any) -> WidthSlicing:
         """The strategy for ``model`` (its global width ``family.width``); ``options`` are
         the constructor's arguments and, as shortcuts, any setting's name (``method=
-        "fedrolex"``, ``width_match="bytes"``, ``lr=0.01``, ...)."""
-        kwargs = group_settings(options)
+        "fedrolex"``, ``width_match="bytes"``, ``lr=0.01``, ``fraction_train=0.5``, ...).
+        An unknown name raises ``TypeError``."""
+        kwargs = cls._arguments(options, taken=("family", "model", "example_input"))
         return cls(family=family, model=model, example_input=example_input, **kwargs)
 
     def width_of(self, keep_ratio: float) -> WidthMatch:
@@ -219,37 +242,24 @@ class WidthSlicing(SpectralSharding):
             log(INFO, "Width slicing: %s.", match.line())
         return self.matches[keep_ratio]
 
-    def _warn_untrained_channels(self, widest: int) -> None:
-        """Once: with the static slices, channels beyond every node's width are never
-        trained, and the global model at full width carries their initial values."""
-        method = self.sharding.method
-        if method == "fedrolex" or widest >= self.family.width or self._told_untrained:
-            return
-        self._told_untrained = True
-        log(WARNING, "Width slicing (%s): no node trains beyond width %d of %d, so the global "
-            "model's other channels keep their initial values and the model at full width "
-            "(what is evaluated and saved) carries them (HeteroFL's ResNet-18 of width 6 of 16 "
-            "on Fashion-MNIST: 13 %% at full width, 83 %% at width 6). Evaluate and deploy "
-            "the narrow model of width %d with the leading channels (fedshard.width.take of "
-            "slice_indices(..., 'heterofl', 0); benchmarks/width_eval.py), or let some nodes "
-            "train the full width, or use 'fedrolex', whose window covers every channel.",
-            method, widest, self.family.width, widest)
-
-    def describe(self) -> None:
-        s = self.slicing
-        log(INFO, "\t├──> WidthSlicing: method=%s, width matched on %s, global width %d "
-            "(multiples of %d)%s%s", self.sharding.method, s.width_match, self.family.width,
-            self.family.multiple,
-            ", scaler" if s.width_scaler and self.sharding.method != "ordered-dropout" else "",
-            f", od grid 1/{s.od_widths}..1{' with distillation' if s.od_distill else ''}"
-            if self.sharding.method == "ordered-dropout" else "")
+    def describe(self) -> list[str]:
+        """How keep ratios become widths and what each method adds, then the local-training
+        recipe (the base's lines)."""
+        s, method = self.slicing, self.sharding.method
+        return [f"WidthSlicing: method={method}, width matched on {s.width_match}, global "
+                f"width {self.family.width} (multiples of {self.family.multiple})"
+                + (", scaler" if s.width_scaler and method != "ordered-dropout" else "")
+                + (f", od grid 1/{s.od_widths}..1"
+                   f"{' with distillation' if s.od_distill else ''}"
+                   if method == "ordered-dropout" else ""), *super().describe()]
 
     def plan_round(self, server_round: int, arrays: ArrayRecord,
                    nodes: dict[int, P.Capabilities], config: ConfigRecord,
                    training: LocalTraining, lr: float,
                    ) -> tuple[list[Message], RoundState]:
+        """Each node's slice at the width of its keep ratio (:func:`slice_round`; the
+        state's ``combine`` averages every element over the nodes that trained it)."""
         widths = {c.keep_ratio: self.width_of(c.keep_ratio).width for c in nodes.values()}
-        self._warn_untrained_channels(max(widths.values()))
         return slice_round(server_round, arrays, nodes, widths, config, family=self.family,
                            method=self.sharding.method, slicing=self.slicing,
                            training=training, lr=lr, replies=self.replies, seed=self.seed)

@@ -68,7 +68,7 @@ class Probe(RoundCallback):
         self.calls.append((server_round, dict(metrics)))
         return self.adds
 
-    def on_end(self, strategy: object, result: object) -> None:
+    def on_end(self, strategy: object, arrays: object) -> None:
         self.ended += 1
 
 
@@ -77,9 +77,17 @@ def _strategy(num_rounds: int = 7) -> SpectralSharding:
 
 
 def _after_round(strategy: SpectralSharding, callbacks: list[RoundCallback]) -> Any:
-    """What the strategy's start() hands Flower as evaluate_fn, with these callbacks."""
+    """What the strategy's hooks do when the run's round is over (its ``end_round``), with
+    these callbacks; returns what they added to the round's row (``None``: nothing)."""
     strategy.callbacks = list(callbacks)
-    return strategy.after_round_fn()
+
+    def end(server_round: int, arrays: ArrayRecord) -> dict[str, float] | None:
+        before = dict(strategy.history.get(server_round, {}))
+        strategy.end_round(server_round, arrays)
+        after = strategy.history.get(server_round, {})
+        return {k: v for k, v in after.items() if before.get(k) != v} or None
+
+    return end
 
 
 def test_central_evaluation_matches_the_hand_computed_loss_and_accuracy() -> None:
@@ -141,7 +149,7 @@ def test_top_n_diagnostics_equal_the_model_with_its_weight_truncated_by_hand() -
     (10, 4, [0, 4]),
     (0, 4, []),  # never, not even the last round
 ])
-def test_flower_gets_test_metrics_exactly_on_the_due_rounds(eval_every, num_rounds, due):
+def test_the_history_gets_test_metrics_exactly_on_the_due_rounds(eval_every, num_rounds, due):
     strategy = _strategy(num_rounds)
     probe = Probe()
     evaluate_fn = _after_round(strategy, [
@@ -152,7 +160,7 @@ def test_flower_gets_test_metrics_exactly_on_the_due_rounds(eval_every, num_roun
     for r in due:
         record = returned[r]
         assert record is not None
-        # what the callbacks added goes back to Flower
+        # what the callbacks added goes to the round's row
         assert dict(record) == {"test-loss": pytest.approx(_hand_loss(), rel=1e-6),
                                 "test-accuracy": 0.5, "test-examples": 4.0}
     # every round reaches the later callbacks, evaluated or not
@@ -162,14 +170,26 @@ def test_flower_gets_test_metrics_exactly_on_the_due_rounds(eval_every, num_roun
 
 def test_metrics_start_from_the_strategy_row_and_flow_in_order() -> None:
     strategy = _strategy()
-    # a client-side metric named like the central one: it is recorded, not returned to Flower
     strategy.history[1] = {"train-loss": 0.25, "test-accuracy": 0.9}
     first, second = Probe({"extra": 1.0}), Probe()
     evaluate_fn = _after_round(strategy, [first, second])
-    assert dict(evaluate_fn(1, ArrayRecord(_linear().state_dict()))) == {"extra": 1.0}
+    assert evaluate_fn(1, ArrayRecord(_linear().state_dict())) == {"extra": 1.0}
     assert first.calls == [(1, {"train-loss": 0.25, "test-accuracy": 0.9})]
     assert second.calls == [(1, {"train-loss": 0.25, "test-accuracy": 0.9, "extra": 1.0})]
-    assert strategy.history[1] == {"train-loss": 0.25, "test-accuracy": 0.9}  # not written to
+    # what a callback returns is added to the round's row, beside what was there
+    assert strategy.history[1] == {"train-loss": 0.25, "test-accuracy": 0.9, "extra": 1.0}
+    # a round that nothing is said about leaves no row
+    assert _after_round(strategy, [Probe()])(2, ArrayRecord(_linear().state_dict())) is None
+    assert 2 not in strategy.history
+
+
+def test_the_last_round_ends_the_run_once() -> None:
+    strategy = _strategy(num_rounds=2)
+    probe = Probe()
+    evaluate_fn = _after_round(strategy, [probe])
+    for r in (0, 1, 2):
+        evaluate_fn(r, ArrayRecord(_linear().state_dict()))
+    assert probe.ended == 1  # after round 2, the last
 
 
 def test_callbacks_cannot_change_the_metrics_they_are_given() -> None:
@@ -183,7 +203,7 @@ def test_callbacks_cannot_change_the_metrics_they_are_given() -> None:
 
 def test_end_reaches_every_callback_once() -> None:
     probes = [Probe(), Probe()]
-    run_end(probes, _strategy(), None)
+    run_end(probes, _strategy(), ArrayRecord(_linear().state_dict()))
     assert [p.ended for p in probes] == [1, 1]
 
 
@@ -225,22 +245,37 @@ def test_checkpoint_is_read_back_as_written_and_round_zero_is_skipped(tmp_path: 
 
 
 def test_a_resumed_run_counts_on_and_skips_its_checkpointed_model(tmp_path: Path) -> None:
-    strategy = _strategy(num_rounds=5)
-    strategy.resume(2, {}, {1: {"train-loss": 0.5}, 2: {"train-loss": 0.4}})
-    probe = Probe()
-    evaluate_fn = _after_round(strategy, [
-        _evaluation(nn.Linear(2, 3), eval_every=2, num_rounds=5), probe,
-        Checkpointing(tmp_path, {})])
+    from flwr.app import ConfigRecord
+
+    from fedshard import Cohort
+
+    def stopped_after(done: int, probe: Probe, jobs: list[RoundCallback]) -> SpectralSharding:
+        # no training asked for: configure_train ends at round 0's callbacks
+        strategy = SpectralSharding(sharded_layers=["hidden"], num_rounds=5,
+                                    cohort=Cohort(fraction_train=0.0), callbacks=[probe, *jobs])
+        if done:
+            strategy.resume(done, {}, {1: {"train-loss": 0.5}, 2: {"train-loss": 0.4}})
+        strategy.configure_train(1, arrays, ConfigRecord(), None)  # type: ignore[arg-type]
+        return strategy
+
     arrays = ArrayRecord(_linear().state_dict())
-    # Flower's round 0 is the checkpoint's model: already evaluated, recorded and saved
-    assert evaluate_fn(0, arrays) is None
+    fresh = Probe()
+    stopped_after(0, fresh, [])
+    assert [r for r, _ in fresh.calls] == [0]  # a fresh run's round 0: the initial model
+    probe = Probe()
+    strategy = stopped_after(2, probe, [
+        _evaluation(nn.Linear(2, 3), eval_every=2, num_rounds=5), Checkpointing(tmp_path, {})])
+    # Flower's round 1 is the run's 3: no round 0, the checkpoint's model was recorded
     assert probe.calls == [] and Checkpoint.load(tmp_path) is None
+    assert [strategy.run_rounds.of(k) for k in (1, 2, 3)] == [3, 4, 5]
     strategy.history[3] = {"train-loss": 0.3}  # what round 3's aggregation leaves
-    returned = [evaluate_fn(r, arrays) for r in (1, 2, 3)]
-    # Flower's rounds 1, 2, 3 are the run's 3, 4, 5; of these 4 and 5 (the last) are due
+    evaluate_fn = _after_round(strategy, strategy.callbacks)
+    returned = [evaluate_fn(r, arrays) for r in (3, 4, 5)]
+    # of the run's rounds 3, 4, 5, rounds 4 and 5 (the last) are evaluated
     assert [r for r, _ in probe.calls] == [3, 4, 5]
     assert [rec is not None for rec in returned] == [False, True, True]
     assert probe.calls[0][1] == {"train-loss": 0.3}
+    assert probe.ended == 1
     saved = Checkpoint.load(tmp_path)
     assert saved is not None and saved.server_round == 5
 
@@ -274,7 +309,8 @@ def test_tensorboard_callback_writes_what_tensorboard_reads_back(tmp_path: Path)
     arrays = ArrayRecord(_linear().state_dict())
     for r in range(3):
         evaluate_fn(r, arrays)
-    board.on_end(None, None)
+    board.on_end(None, arrays)  # type: ignore[arg-type]
+    board.close()  # again, as the app does after a run stopped early: nothing to do
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     assert sorted(events.Tags()["scalars"]) == ["test-accuracy", "test-loss"]  # NaN left out
@@ -301,7 +337,7 @@ def test_the_run_composes_evaluation_record_tensorboard_checkpoint(tmp_path: Pat
     strategy = build_strategy(cfg, model)
     with RunRecorder(cfg.results_path, cfg.as_dict(), 3) as recorder:
         jobs = side_jobs(cfg, model, strategy.sharded_layers, recorder)
-        run_end(jobs, strategy, None)
+        run_end(jobs, strategy, ArrayRecord(model.state_dict()))
     assert [type(j) for j in jobs] == [CentralEvaluation, MetricsLog, TensorBoardLog,
                                        Checkpointing]
     evaluation, checkpointing = jobs[0], jobs[3]

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedshard import (
+    Cohort,
     LocalTraining,
     NodePolicy,
     Sharding,
@@ -49,8 +50,8 @@ def train_message(keep: float = 0.5, **kw: Any) -> Message:
         return handle_query(msg, keep)
 
     s = SpectralSharding(sharded_layers=["2"], sharding=Sharding(method="unbiased", **kw),
-                         training=LocalTraining(lr=0.05), seed=3, min_train_nodes=1,
-                         min_available_nodes=1,
+                         training=LocalTraining(lr=0.05), seed=3,
+                         cohort=Cohort(min_train_nodes=1, min_available_nodes=1),
                          nodes=NodePolicy(query_timeout=5, node_wait_timeout=5))
     s.num_rounds = 2
     return next(iter(s.configure_train(1, ArrayRecord(net().state_dict()), ConfigRecord(),

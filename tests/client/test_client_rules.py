@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedshard import (
+    Cohort,
     LocalTraining,
     NodePolicy,
     Sharding,
@@ -60,7 +61,8 @@ def message(gamma: float = 0.05, tau: float | None = 1.0, seed: int = 3) -> Mess
     s = SpectralSharding(sharded_layers=["2", "4"], sharding=Sharding(method="unbiased"),
                          training=LocalTraining(lr=0.1, momentum=0.9, frobenius_decay=gamma,
                                                 clip_lr_tau=tau),
-                         num_rounds=2, seed=seed, min_train_nodes=1, min_available_nodes=1,
+                         num_rounds=2, seed=seed,
+                         cohort=Cohort(min_train_nodes=1, min_available_nodes=1),
                          nodes=NodePolicy(query_timeout=5, node_wait_timeout=5))
     return next(iter(s.configure_train(1, ArrayRecord(net().float().state_dict()),
                                        ConfigRecord(), InProcessGrid(app, [{}]))))
@@ -360,8 +362,9 @@ def test_a_users_mod_that_reads_the_round_config_sees_only_its_messages() -> Non
                                    "metrics": MetricRecord({"num-examples": 32})}),
                        reply_to=msg)
 
-    s = SpectralSharding(sharded_layers=["2", "4"], num_rounds=2, min_train_nodes=2,
-                         min_available_nodes=2, fraction_evaluate=0.0,
+    s = SpectralSharding(sharded_layers=["2", "4"], num_rounds=2,
+                         cohort=Cohort(min_train_nodes=2, min_available_nodes=2,
+                                       fraction_evaluate=0.0),
                          nodes=NodePolicy(query_timeout=5, node_wait_timeout=5))
     grid = InProcessGrid(app, [{"partition-id": i, "num-partitions": 2} for i in range(2)])
     s.start(grid=grid, initial_arrays=ArrayRecord(net().float().state_dict()), num_rounds=2,
@@ -393,8 +396,9 @@ def test_receipts_tell_the_server_what_the_nodes_trained_with(
                                    "metrics": MetricRecord({"num-examples": 32})}),
                        reply_to=msg)
 
-    s = SpectralSharding(sharded_layers=["2", "4"], num_rounds=2, min_train_nodes=3,
-                         min_available_nodes=3, fraction_evaluate=0.0,
+    s = SpectralSharding(sharded_layers=["2", "4"], num_rounds=2,
+                         cohort=Cohort(min_train_nodes=3, min_available_nodes=3,
+                                       fraction_evaluate=0.0),
                          training=LocalTraining(lr=0.05),
                          nodes=NodePolicy(query_timeout=5, node_wait_timeout=5))
     grid = InProcessGrid(app, [{"partition-id": i, "num-partitions": 3} for i in range(3)])

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import fedshard.client.shard as shard_module
-from fedshard import LocalTraining, NodePolicy, Sharding, SpectralSharding, handle_query
+from fedshard import Cohort, LocalTraining, NodePolicy, Sharding, SpectralSharding, handle_query
 from fedshard.client import SubmodelCache, handle_train
 from fedshard.client.train.fast import FastOptions
 
@@ -42,8 +42,9 @@ def round_messages(ratios: list[float], method: str = "collective") -> list[Mess
                             str(context.node_config["key"]))
 
     s = SpectralSharding(sharded_layers=["3", "5"], sharding=Sharding(method=method),
-                         training=LocalTraining(lr=0.05), seed=3, min_train_nodes=len(ratios),
-                         min_available_nodes=len(ratios),
+                         training=LocalTraining(lr=0.05), seed=3,
+                         cohort=Cohort(min_train_nodes=len(ratios),
+                                       min_available_nodes=len(ratios)),
                          nodes=NodePolicy(query_timeout=5, node_wait_timeout=5))
     s.num_rounds = 2
     grid = InProcessGrid(app, [{"keep": r, "key": i} for i, r in enumerate(ratios)])

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from fault_setup import grid, initial, strategy
+from fault_setup import grid, initial, make_net, strategy
 from flwr.app import ConfigRecord
 from flwr.serverapp.strategy import (
     DifferentialPrivacyClientSideAdaptiveClipping,
@@ -14,9 +14,11 @@ from flwr.serverapp.strategy import (
     DifferentialPrivacyServerSideAdaptiveClipping,
     DifferentialPrivacyServerSideFixedClipping,
     Result,
+    Strategy,
 )
 
 from fedshard import SpectralSharding
+from fedshard.settings import Slicing
 
 
 @pytest.mark.parametrize("wrapper", [DifferentialPrivacyServerSideFixedClipping,
@@ -53,7 +55,8 @@ def test_a_client_side_wrapper_is_refused_however_its_hooks_are_reached() -> Non
 
 
 def test_the_strategys_own_start_after_a_refused_wrapper_runs() -> None:
-    """The mark a foreign start() leaves is cleared by the strategy's own start()."""
+    """A refused wrapper leaves nothing behind: the strategy then runs under its own
+    (Flower's) start()."""
     inner = strategy(num_rounds=1)
     dp = DifferentialPrivacyServerSideFixedClipping(inner, noise_multiplier=0.1,
                                                     clipping_norm=1.0, num_sampled_clients=3)
@@ -84,6 +87,62 @@ def test_a_subclass_with_its_own_start_is_not_refused() -> None:
         s = strategy(cls=kind, num_rounds=1)
         s.start(grid=grid(), initial_arrays=initial(), num_rounds=1, timeout=5)
         assert s.rounds_trained == 1, kind.__name__
+
+
+class Ensemble(Strategy):
+    """A meta-strategy that reaches the strategy's hooks only through a helper function, so
+    that no frame directly above configure_train is a strategy's."""
+
+    def __init__(self, inner: Strategy) -> None:
+        self.inner = inner
+
+    def configure_train(self, server_round: int, arrays: Any, config: Any, grid: Any) -> Any:
+        return _delegate(self.inner, server_round, arrays, config, grid)
+
+    def aggregate_train(self, server_round: int, replies: Any) -> Any:
+        return self.inner.aggregate_train(server_round, replies)
+
+    def configure_evaluate(self, server_round: int, arrays: Any, config: Any,
+                           grid: Any) -> Any:
+        return self.inner.configure_evaluate(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(self, server_round: int, replies: Any) -> Any:
+        return self.inner.aggregate_evaluate(server_round, replies)
+
+    def summary(self) -> None:
+        self.inner.summary()
+
+
+def _delegate(inner: Strategy, *args: Any) -> Any:
+    return list(inner.configure_train(*args))
+
+
+def test_a_meta_strategy_behind_a_helper_function_is_refused_before_round_1() -> None:
+    """Another strategy anywhere above configure_train is a driver: its start() (Flower's),
+    or its hook calling a helper that calls ours."""
+    g = grid()
+    with pytest.raises(RuntimeError, match=r"SpectralSharding is being driven by another "
+                                           r"strategy \(Ensemble called SpectralSharding\."
+                                           r"configure_train\)"):
+        Ensemble(strategy()).start(grid=g, initial_arrays=initial(), num_rounds=1, timeout=5)
+    assert not [m for m in g.sent if m.metadata.message_type == "train"]
+    with pytest.raises(RuntimeError, match="driven by another strategy"):
+        Ensemble(strategy()).configure_train(1, initial(), ConfigRecord(), g)
+
+
+def test_width_slicing_is_guarded_as_well() -> None:
+    from fedshard import Cohort, WidthSlicing
+    from fedshard.width import WidthFamily
+
+    inner = WidthSlicing(family=WidthFamily(lambda width: make_net(), 12),
+                         slicing=Slicing(width_match="keep-ratio"),
+                         cohort=Cohort(min_available_nodes=1, min_train_nodes=1))
+    dp = DifferentialPrivacyServerSideFixedClipping(inner, noise_multiplier=0.1,
+                                                    clipping_norm=1.0, num_sampled_clients=3)
+    with pytest.raises(RuntimeError, match=r"WidthSlicing is being driven by another strategy "
+                                           r"\(DifferentialPrivacyServerSideFixedClipping "
+                                           r"called WidthSlicing\.configure_train\)"):
+        dp.configure_train(1, initial(), ConfigRecord(), grid())
 
 
 def test_flowers_local_dp_mod_cannot_wrap_a_shard_reply() -> None:

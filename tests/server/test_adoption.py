@@ -1,5 +1,5 @@
-"""Drop-in behaviour: num_rounds once, lr schedule, any client metric, FedAvg's
-defaults, one-line drop warnings, TensorBoard."""
+"""Drop-in behaviour: the run's rounds, lr schedule, any client metric, FedAvg's
+defaults, one-line drop warnings."""
 
 from __future__ import annotations
 
@@ -10,41 +10,56 @@ import math
 import pytest
 from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
-from test_strategy import grid_with, initial, strategy
+from test_strategy import grid_with, initial, make_net, strategy
 
-from fedshard import SpectralSharding
+from fedshard import Cohort, SpectralSharding
 from fedshard import protocol as P
 from fedshard.app.config import RunConfig
-from fedshard.server.schedule import schedule_length
+from fedshard.server.schedule import RunRounds
 
 
-def test_num_rounds_given_twice_and_differently_is_refused() -> None:
-    s = strategy(num_rounds=4)
-    with pytest.raises(ValueError, match=r"SpectralSharding\(num_rounds=4\) but "
-                                         r"start\(num_rounds=2\)"):
-        s.start(grid=grid_with([0.5]), initial_arrays=initial(), num_rounds=2, timeout=5)
+def test_more_rounds_than_the_strategys_are_refused_before_they_start() -> None:
+    """Flower's start() is not overridden: it runs the rounds it is given, and a round beyond
+    the strategy's num_rounds (its schedule's length, its last round) is refused before any
+    of its messages is sent."""
+    s = strategy(num_rounds=2)
+    grid = grid_with([0.5])
+    with pytest.raises(ValueError, match=r"Round 3 of a run the strategy was built for with "
+                                         r"num_rounds=2 .*Flower's start\(\) was given more "
+                                         r"rounds than the strategy.*round 3 is not started"):
+        s.start(grid=grid, initial_arrays=initial(), num_rounds=4, timeout=5)
+    assert sorted(s.history) == [1, 2]
+    assert {m.content["config"]["server-round"] for m in grid.sent
+            if m.metadata.message_type == "train"} == {1, 2}
 
 
-def test_num_rounds_once_sets_the_schedule() -> None:
-    s = strategy(num_rounds=None)
+def test_num_rounds_of_the_strategy_sets_the_schedule(caplog: pytest.LogCaptureFixture) -> None:
+    s = strategy(num_rounds=3)
     result = s.start(grid=grid_with([0.5, 1.0]), initial_arrays=initial(), num_rounds=3,
                      timeout=5)
     assert sorted(result.train_metrics_clientapp) == [1, 2, 3]
-    # cosine over the 3 rounds given to start (independent formula)
+    # cosine over the strategy's 3 rounds (independent formula)
     for r in (1, 2, 3):
         cosine = 0.05 * 0.5 * (1 + math.cos(math.pi * (r - 1) / 3))
         assert s.history[r]["lr"] == pytest.approx(cosine)
-    only_ctor = strategy(num_rounds=2)
-    res = only_ctor.start(grid=grid_with([0.5]), initial_arrays=initial(), timeout=5)
-    assert sorted(res.train_metrics_clientapp) == [1, 2]
+    # start()'s number of rounds alone is not the strategy's: the base lr, said once
+    unknown = strategy(num_rounds=None)
+    with caplog.at_level(logging.WARNING):
+        unknown.start(grid=grid_with([0.5]), initial_arrays=initial(), num_rounds=2, timeout=5)
+    assert [unknown.history[r]["lr"] for r in (1, 2)] == [0.05, 0.05]
+    assert caplog.text.count("The cosine lr schedule needs the run's number of rounds") == 1
 
 
-def test_resumed_schedule_is_the_total() -> None:
-    assert schedule_length(10, 7, completed=3) == 10
-    assert schedule_length(None, 7, completed=3) == 10
-    assert schedule_length(None, None) == 3  # Flower's default
-    with pytest.raises(ValueError, match=r"after 3 completed rounds, i.e. 9 rounds in all"):
-        schedule_length(10, 6, completed=3)
+def test_a_resumed_run_counts_its_rounds_on() -> None:
+    rounds = RunRounds(10, completed=3)
+    assert [rounds.of(k) for k in (1, 7)] == [4, 10]  # Flower's rounds 1..7 of this launch
+    assert rounds.is_last(10) and not rounds.is_last(9)
+    with pytest.raises(ValueError, match=r"Round 11 of a run .*num_rounds=10 .*after 3 "
+                                         r"completed rounds, i.e. num_rounds=7 for this "
+                                         r"launch; round 11 is not started"):
+        rounds.of(8)
+    unknown = RunRounds(None, completed=3)
+    assert unknown.of(100) == 103 and not unknown.is_last(103)
 
 
 def test_constant_schedule_and_lr_from_train_config(caplog: pytest.LogCaptureFixture) -> None:
@@ -96,11 +111,19 @@ def test_any_client_metric_is_aggregated_and_server_statistics_stay_out() -> Non
 def test_min_node_defaults_are_fedavgs() -> None:
     ours = inspect.signature(SpectralSharding).parameters
     theirs = inspect.signature(FedAvg).parameters
-    # FedAvg's own, one object per concern, and the callbacks
-    assert len(ours) <= 16, list(ours)
+    # one object per concern, FedAvg's sampling among them (Cohort), and the callbacks
+    assert len(ours) <= 15, list(ours)
+    cohort = Cohort()
     for name in ("min_train_nodes", "min_evaluate_nodes", "min_available_nodes",
                  "fraction_train", "fraction_evaluate"):
-        assert ours[name].default == theirs[name].default, name
+        assert getattr(cohort, name) == theirs[name].default, name
+    # FedAvg's names still reach the strategy through from_model (routed to its Cohort)
+    s = SpectralSharding.from_model(make_net(),
+                                    fraction_train=0.5, min_available_nodes=3)
+    assert (s.fraction_train, s.min_available_nodes) == (0.5, 3)
+    assert s.cohort == Cohort(fraction_train=0.5, min_available_nodes=3)
+    with pytest.raises(ValueError, match=r"fraction_train=1.5: expected a share in \[0, 1\]"):
+        Cohort(fraction_train=1.5)
 
 
 def test_drop_warning_is_one_line(caplog: pytest.LogCaptureFixture) -> None:

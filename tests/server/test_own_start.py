@@ -22,6 +22,7 @@ from torch import nn
 
 from fedshard import ShardingClientApp, SpectralSharding, receive
 from fedshard import protocol as P
+from fedshard.server import RoundCallback
 from fedshard.server.strategy import NO_TRAINING_PATIENCE, NoRoundTrainedError
 
 
@@ -151,19 +152,21 @@ def test_every_recipe_key_of_the_config_wins_and_is_checked() -> None:
 
 def test_schedule_length_without_start(caplog: pytest.LogCaptureFixture) -> None:
     grid = InProcessGrid(ratio_client, [{"keep-ratio": 0.5}])
-    given = strategy(num_rounds=4)  # the constructor's num_rounds, our start never runs
+    given = strategy(num_rounds=4)  # the constructor's num_rounds, no start() at all
     lr2 = next(iter(given.configure_train(2, initial(), ConfigRecord(), grid)))
     assert lr2.content[P.CONFIG]["lr"] == pytest.approx(0.05 * (1 + math.cos(math.pi / 4)) / 2)
     unknown = strategy(num_rounds=None)
     with caplog.at_level(logging.INFO):
         lrs = [next(iter(unknown.configure_train(r, initial(), ConfigRecord(), grid)))
                .content[P.CONFIG]["lr"] for r in (1, 2, 3)]
-        unknown.summary()  # (before the hooks it would mark the strategy as driven by another)
     assert lrs == [0.05, 0.05, 0.05]  # constant: no length to anneal over
-    warned = [r for r in caplog.records if "cosine lr schedule needs num_rounds" in r.message]
+    warned = [r for r in caplog.records
+              if "cosine lr schedule needs the run's number of rounds" in r.message]
     assert len(warned) == 1 and warned[0].levelno == logging.WARNING
+    assert "SpectralSharding(num_rounds=...) was not given" in warned[0].message
     assert "None rounds" not in caplog.text
-    assert "constant: the cosine schedule needs num_rounds" in caplog.text
+    # the settings, logged once at the first round (SettingsSummary), say so too
+    assert caplog.text.count("constant: the cosine schedule needs num_rounds") == 1
 
 
 def test_a_run_that_trains_nothing_raises_whoever_wrote_start(
@@ -174,12 +177,12 @@ def test_a_run_that_trains_nothing_raises_whoever_wrote_start(
                 NoRoundTrainedError, match=r"No round trained: in round 1 every one of the 10 "
                                            r"connected nodes .*No query function registered"):
             s.start(ten_simulated_nodes(no_ratio_client), initial(), num_rounds=2)
-    # the user's start(), length known from the constructor: raises at the last round
+    # the user's start(), length known from the constructor: raises after the last round
     s = user_strategy(num_rounds=2)
     caplog.clear()
     with caplog.at_level(logging.ERROR), \
             pytest.raises(RuntimeError, match=r"No round trained: none of the 2 round\(s\) .*"
-                                              r"declare no keep ratio.*The run stops here"):
+                                              r"declare no keep ratio"):
         s.start(ten_simulated_nodes(varied_client), initial(), num_rounds=2)
     assert any(r.levelno == logging.ERROR and "No round trained" in r.message
                for r in caplog.records)
@@ -188,13 +191,21 @@ def test_a_run_that_trains_nothing_raises_whoever_wrote_start(
     with pytest.raises(RuntimeError, match=rf"stops after {NO_TRAINING_PATIENCE} untrained"):
         s.start(ten_simulated_nodes(varied_client), initial(), num_rounds=10)
     assert max(s.history, default=0) <= NO_TRAINING_PATIENCE
-    # our own start(): every round runs, then NoRoundTrainedError with the result
+    # Flower's own start(): every round runs and ends (on_round), then NoRoundTrainedError
     ours = SpectralSharding.from_model(make_net(), example_input=torch.zeros(1, 1, 8, 8),
-                                       fraction_evaluate=0.0, min_train_nodes=1,
+                                       num_rounds=2, fraction_evaluate=0.0, min_train_nodes=1,
                                        min_available_nodes=1, query_timeout=5)
-    with pytest.raises(NoRoundTrainedError, match=r"none of the 2 round") as err:
+    ended: list[int] = []
+
+    class Ends(RoundCallback):
+        def on_round(self, strategy: Any, server_round: int, arrays: ArrayRecord,
+                     metrics: Any) -> None:
+            ended.append(server_round)
+
+    ours.callbacks.append(Ends())
+    with pytest.raises(NoRoundTrainedError, match=r"none of the 2 round"):
         ours.start(ten_simulated_nodes(varied_client), initial(), num_rounds=2)
-    assert isinstance(err.value.result, Result)
+    assert ended == [0, 1, 2]
 
 
 def test_a_lone_node_in_a_keep_ratio_group_is_named(caplog: pytest.LogCaptureFixture) -> None:

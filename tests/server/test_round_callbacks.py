@@ -1,6 +1,6 @@
 """The strategy's callbacks (fedshard.server.callbacks): the hooks are called in the order a
 run goes, with the run's rounds; a callback stops the run; the strategy's own checks are
-callbacks a user may leave out; and every callback's on_end runs however the run ends."""
+callbacks a user may leave out; the last round's on_end, and none after a stop."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class Recorder(RoundCallback):
     def __init__(self, stop_at: int | None = None) -> None:
         self.calls: list[tuple[str, int]] = []
         self.stop_at = stop_at
-        self.result: Any = "not ended"
+        self.arrays: Any = "not ended"
 
     def on_configure(self, strategy: Any, server_round: int, config: ConfigRecord,
                      messages: Sequence[Message]) -> None:
@@ -49,30 +49,49 @@ class Recorder(RoundCallback):
             raise StopRun(f"stopped after round {server_round}")
         return {"mine": float(server_round)}
 
-    def on_end(self, strategy: Any, result: Any) -> None:
+    def on_end(self, strategy: Any, arrays: Any) -> None:
         self.calls.append(("end", -1))
-        self.result = result
+        self.arrays = arrays
 
 
-def test_hooks_come_in_run_order_and_their_metrics_go_to_flower() -> None:
+def test_hooks_come_in_run_order_and_their_metrics_go_to_the_history() -> None:
+    """Flower's own start() (the strategy overrides neither it nor summary()) drives the
+    hooks, and the hooks call the callbacks: round 0 when round 1 is configured, each round's
+    end when its replies are aggregated (no client-side evaluation), the run's end after the
+    last."""
     rec = Recorder()
     s = strategy(num_rounds=2, callbacks=[*default_callbacks(), rec])
     result = s.start(grid=grid_with([0.5, 0.5]), initial_arrays=initial(), num_rounds=2,
                      timeout=5)
     assert rec.calls == [("round", 0), ("configure", 1), ("aggregate", 1), ("round", 1),
                          ("configure", 2), ("aggregate", 2), ("round", 2), ("end", -1)]
-    assert rec.result is result
-    assert result.evaluate_metrics_serverapp[2]["mine"] == 2.0
+    assert rec.arrays is result.arrays  # the final model
+    assert s.history[0] == {"mine": 0.0} and s.history[2]["mine"] == 2.0
+    assert s.history[2]["replies-used"] == 2.0  # beside the strategy's own statistics
 
 
-def test_a_callback_stops_the_run_and_every_on_end_still_runs() -> None:
+def test_with_client_side_evaluation_a_round_ends_after_it() -> None:
+    seen: dict[int, dict[str, float]] = {}
+
+    class Rows(RoundCallback):
+        def on_round(self, strategy: Any, server_round: int, arrays: ArrayRecord,
+                     metrics: Mapping[str, float]) -> None:
+            seen[server_round] = dict(metrics)
+
+    s = strategy(num_rounds=2, fraction_evaluate=1.0, callbacks=[Rows()])
+    s.start(grid=grid_with([0.5, 0.5]), initial_arrays=initial(), num_rounds=2, timeout=5)
+    assert sorted(seen) == [0, 1, 2]
+    assert seen[2]["eval-nodes"] == 2.0 and "replies-used" in seen[2]  # the whole round
+
+
+def test_a_callback_stops_the_run_and_no_round_or_end_follows() -> None:
     rec, after = Recorder(stop_at=1), Recorder()
     s = strategy(num_rounds=3, callbacks=[rec, after])
     with pytest.raises(StopRun, match="stopped after round 1"):
         s.start(grid=grid_with([0.5, 0.5]), initial_arrays=initial(), num_rounds=3, timeout=5)
     assert ("configure", 2) not in rec.calls  # round 2 never started
-    assert rec.calls[-1] == ("end", -1) and after.calls[-1] == ("end", -1)
-    assert rec.result is None  # the run did not finish
+    assert rec.calls[-1] == ("round", 1) and after.calls[-1] == ("aggregate", 1)
+    assert rec.arrays == "not ended"  # the run did not reach its end
     assert s.rounds_trained == 1
 
 

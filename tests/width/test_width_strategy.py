@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from fedshard import (
+    Cohort,
     LocalTraining,
     NodePolicy,
     ReplyPolicy,
@@ -77,7 +78,8 @@ def _strategy(method: str, rounds: int = 2, **slicing: Any) -> WidthSlicing:
                         training=LocalTraining(lr=0.1, local_epochs=1, batch_size=8,
                                                momentum=0.0),
                         replies=ReplyPolicy(max_update_spread=0.0, max_weight_ratio=0.0),
-                        nodes=NodePolicy(), fraction_evaluate=0.0, min_available_nodes=4)
+                        nodes=NodePolicy(),
+                        cohort=Cohort(fraction_evaluate=0.0, min_available_nodes=4))
 
 
 def _run(strategy: WidthSlicing, grid: InProcessGrid, rounds: int) -> Any:

@@ -18,7 +18,15 @@ from flwr.clientapp import ClientApp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from fedshard import LocalTraining, NodePolicy, Sharding, SpectralSharding, handle_query, receive
+from fedshard import (
+    Cohort,
+    LocalTraining,
+    NodePolicy,
+    Sharding,
+    SpectralSharding,
+    handle_query,
+    receive,
+)
 from fedshard.app.config import ConfigError, RunConfig
 from fedshard.client.train import (
     ClientRules,
@@ -220,7 +228,8 @@ def message(factor_step: str, method: str = "unbiased", keep_ratio: float = 0.5,
     s = SpectralSharding(sharded_layers=["2", "4"], sharding=Sharding(method=method),
                          training=LocalTraining(lr=lr, momentum=0.9, frobenius_decay=gamma,
                                                 clip_lr_tau=tau, factor_step=factor_step),
-                         num_rounds=2, seed=3, min_train_nodes=1, min_available_nodes=1,
+                         num_rounds=2, seed=3,
+                         cohort=Cohort(min_train_nodes=1, min_available_nodes=1),
                          nodes=NodePolicy(query_timeout=5, node_wait_timeout=5))
     return next(iter(s.configure_train(1, ArrayRecord(model.float().state_dict()),
                                        config or ConfigRecord(), InProcessGrid(app, [{}]))))
