@@ -28,7 +28,7 @@ from fedshard.client.train.fast import FastOptions
 from fedshard.client.train.step import EagerStep
 from fedshard.client.width import OrderedDropout
 from fedshard.server.width import WidthSlicing
-from fedshard.settings import Slicing
+from fedshard.settings import Cohort, Slicing
 from fedshard.width import WidthFamily
 
 
@@ -70,12 +70,12 @@ def message(method: str) -> Message:
             family=FAMILY, num_rounds=1, sharding=Sharding(method=method),
             slicing=Slicing(width_match="keep-ratio"), training=training,
             replies=ReplyPolicy(max_update_spread=0.0, max_weight_ratio=0.0), nodes=nodes,
-            fraction_evaluate=0.0, min_available_nodes=1, min_train_nodes=1)
+            cohort=Cohort(fraction_evaluate=0.0, min_available_nodes=1, min_train_nodes=1))
     else:
         strategy = SpectralSharding(sharded_layers=["b"], sharding=Sharding(method=method),
                                     training=training, num_rounds=1, seed=3, nodes=nodes,
-                                    fraction_evaluate=0.0, min_available_nodes=1,
-                                    min_train_nodes=1)
+                                    cohort=Cohort(fraction_evaluate=0.0, min_available_nodes=1,
+                                                  min_train_nodes=1))
     return next(iter(strategy.configure_train(1, initial, ConfigRecord(), _grid())))
 
 
