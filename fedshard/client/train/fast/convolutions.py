@@ -31,7 +31,7 @@ class FastSpectralConv2d(SpectralConv2d):
     pad_terms_to : int
         Pad the ``n`` intermediate channels with zero terms to a multiple of this (1: off):
         cuDNN runs thin convolutions whose channel count is not a multiple of 8 on slower
-        kernels (figures in ``benchmarks/README.md``). Only the real ``n`` columns are
+        kernels (``benchmarks/README.md``). Only the real ``n`` columns are
         parameters, so what is trained and sent is unchanged.
     merge_terms : bool
         Run one dense k×k convolution with the kernel ``U diag(ω) Vᵀ`` built each step instead
