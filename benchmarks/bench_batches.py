@@ -17,13 +17,13 @@ process, on the same device, median of ``--repeats``:
   batch 256 (built once per run; the building is reported apart).
 
 Usage: ``python benchmarks/bench_batches.py [--device cpu|cuda] [--train] [--width 64]
-[--repeats 7]``; prints one JSON object (seconds).
+[--repeats 7] [--out FILE]``; prints one JSON object (seconds) and, with ``--out``, writes it there
+with the machine, torch version, date and command.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -38,7 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
-from bench_simulation import NoTensors, cpu_name, sync  # noqa: E402
+from bench_simulation import NoTensors, sync  # noqa: E402
+from machine import emit, provenance  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from fedshard.client.train.batches import TensorBatches, batches_for, unpack_batch  # noqa: E402
@@ -141,6 +142,7 @@ def main() -> None:
     ap.add_argument("--train-repeats", type=int, default=3)
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--keep-ratio", type=float, default=0.1)
+    ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = ap.parse_args()
     device, dev = args.device, torch.device(args.device)
     client, test = _images(args.examples, 1), _images(args.test_examples, 2)
@@ -167,8 +169,8 @@ def main() -> None:
     build_s = time.perf_counter() - t0
     assert isinstance(held, TensorBatches)
     out: dict[str, Any] = {
-        "device": torch.cuda.get_device_name() if device.startswith("cuda") else cpu_name(),
-        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        **provenance(device), "repeats": args.repeats,
+        "torch_threads": torch.get_num_threads(),
         "client": {"examples": args.examples, "epochs": args.epochs, "batch": 32,
                    "data_loader_s": round(_median(client_loader, args.repeats, device), 4),
                    "tensor_batches_s": round(_median(client_tensors, args.repeats, device), 4)},
@@ -185,7 +187,7 @@ def main() -> None:
                                      / max(out[part]["tensor_batches_s"], 1e-9), 1)
     if args.train:
         out["client_round"] = _train_round(args, client, device)
-    print(json.dumps(out))
+    emit(out, args.out)
 
 
 if __name__ == "__main__":

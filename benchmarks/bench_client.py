@@ -34,7 +34,8 @@ every sharded layer, ω between 1 and 20 so that ClipLR does real work):
 else (GroupNorm, ReLU, additions, optimizer): the second part does not shrink with r.
 
 Usage: ``python benchmarks/bench_client.py [--width 64] [--batch 32] [--steps 3] [--repeats 5]
-[--channels-last] [--device cpu] [--compile] [--quick]``; ``--quick`` times steps only.
+[--channels-last] [--device cpu] [--compile] [--quick] [--out FILE]``; ``--quick`` times steps
+only; ``--out`` also writes the JSON (with the machine, torch version, date and command) there.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import client_cost
-from machine import cpu_name
+from machine import cpu_name, emit, provenance
 
 from fedshard.client.train import EagerStep, TrainConfig
 from fedshard.client.train.fast import FastOptions, TrainStep, configure_convolutions
@@ -248,6 +249,7 @@ def main() -> None:
     ap.add_argument("--kernels", type=int, default=0,
                     help="with --quick: profile one eager step per model, list its N costliest "
                          "kernels and count all of them")
+    ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = ap.parse_args()
     cfg = config(args.device, args.channels_last)
 
@@ -311,7 +313,7 @@ def main() -> None:
             quick["kernels"] = {key: kernel_table(prepare(m, cfg), cfg, batches, args.kernels)
                                 for key, m in models.items()}
         quick["setup"] = setup(args, device)
-        print(json.dumps(quick, indent=1))
+        emit({**provenance(args.device), **quick}, args.out)
         return
 
     step = {key: statistics.median(t) for key, t in times.items()}
@@ -345,7 +347,7 @@ def main() -> None:
     result["peak_tensor_mib"] = {key: round(p[0] / 2**20, 1) for key, p in profiled.items()}
     result["rss_peak_mib"] = {key: round(v / 2**20, 1) for key, v in rss.items()}
     result["setup"] = setup(args, device)
-    print(json.dumps(result, indent=1))
+    emit({**provenance(args.device), **result}, args.out)
 
 
 if __name__ == "__main__":

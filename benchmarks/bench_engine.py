@@ -42,7 +42,8 @@ Presets:
 ``--tiny`` shrinks either preset to seconds (for a test). Prints one JSON object.
 
 Usage: ``python benchmarks/bench_engine.py [--preset fmnist|cifar10] [--device cpu|cuda]
-[--repeats 5] [--rounds 4] [--paths bare,sequential,flower] [--tiny]``.
+[--repeats 5] [--rounds 4] [--paths bare,sequential,flower] [--tiny] [--out FILE]``;
+``--out`` also writes the JSON (with the machine, torch version, date and command) there.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ sys.path.insert(0, str(ROOT))
 import fakedata  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from flwr.common import logger as flwr_logger  # noqa: E402
-from machine import cpu_name  # noqa: E402
+from machine import cpu_name, emit, provenance  # noqa: E402
 
 from fedshard.app.config import RunConfig  # noqa: E402
 from fedshard.app.engine import engine_grid  # noqa: E402
@@ -335,6 +336,7 @@ def main() -> None:
                     "fastest per-client baseline on a GPU; the batched engine does not use it")
     ap.add_argument("--equality-rounds", type=int, default=1, help="0: skip the check")
     ap.add_argument("--equality-examples", type=int, default=100)
+    ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = ap.parse_args()
     if args.device == "cpu":
         torch.set_num_threads(1)  # the bare loop and the engine; Ray's workers set their own
@@ -395,9 +397,10 @@ def main() -> None:
                                                                    strict=True)), 3)
                 for m in methods}
 
-    print(json.dumps({
+    emit({
+        **provenance(device),
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else cpu_name(),
-        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "torch_threads": torch.get_num_threads(),
         "preset": args.preset,
         "shape": {"clients": clients, "examples_per_client": examples, "epochs": epochs,
                   "batch": 32, "model": base["model"], "width": width,
@@ -413,7 +416,7 @@ def main() -> None:
         "speedup_vs_flower": ratio("flower", engine),
         "speedup_batched_vs_sequential": ratio("sequential", "batched"),
         "max_rel_diff_float64": equality,
-    }))
+    }, args.out)
 
 
 if __name__ == "__main__":

@@ -7,15 +7,15 @@ process (``fedshard.app.task.template_model``), and ``build_submodel`` copies on
 sub-model keeps. Both ways side by side in this process on the same train message (ResNet-18
 GroupNorm width 64, CIFAR-shaped, r = 0.1, Collective), median of ``--repeats``.
 
-Usage: ``python benchmarks/bench_receive.py [--width 64] [--keep-ratio 0.1] [--repeats 7]``;
-prints one JSON object (seconds per message).
+Usage: ``python benchmarks/bench_receive.py [--width 64] [--keep-ratio 0.1] [--repeats 7]
+[--out FILE]``; prints one JSON object (seconds per message) and, with ``--out``, writes it
+there with the machine, torch version, date and command.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import sys
 import time
@@ -28,11 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
-from bench_simulation import cpu_name  # noqa: E402
 from flower_grid import InProcessGrid  # noqa: E402
 from flwr.app import ArrayRecord, ConfigRecord, Message  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.common import logger as flwr_logger  # noqa: E402
+from machine import emit, provenance  # noqa: E402
 from torch import nn  # noqa: E402
 
 import fedshard.client.shard as shard_module  # noqa: E402
@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--keep-ratio", type=float, default=0.1)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = ap.parse_args()
     flwr_logger.update_console_handler(level=30)
 
@@ -109,8 +110,8 @@ def main() -> None:
     if not same:
         raise SystemExit("bench_receive: the two ways built different sub-models")
     med = {k: statistics.median(v) for k, v in timings.items()}
-    print(json.dumps({
-        "device": cpu_name(), "torch": torch.__version__,
+    emit({
+        **provenance(), "repeats": args.repeats,
         "torch_threads": torch.get_num_threads(),
         "shape": {"resnet18_width": args.width, "keep_ratio": args.keep_ratio,
                   "params": sum(p.numel() for p in net.parameters())},
@@ -120,7 +121,7 @@ def main() -> None:
         "saved_s_per_message": round(med["before"] - med["after"], 4),
         "speedup": round(med["before"] / med["after"], 1),
         "same_submodel": same,
-    }))
+    }, args.out)
 
 
 if __name__ == "__main__":

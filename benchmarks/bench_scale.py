@@ -10,12 +10,15 @@ numpy's allocations). Round 1 also asks every node for its keep ratio; it is rep
 
 Prints one JSON object with ``server_time_ratio_1000_vs_100`` (steady-state rounds) and
 ``server_peak_mb`` (the 1,000-node federation); the server's work should grow like the number
-of sampled clients (10×), not like the square of anything.
+of sampled clients (10×), not like the square of anything; ``--out FILE`` also writes it there
+with the machine, torch version, date and command.
+
+Usage: ``python benchmarks/bench_scale.py [--out FILE]``
 """
 
 from __future__ import annotations
 
-import json
+import argparse
 import platform
 import statistics
 import sys
@@ -32,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 from flower_grid import InProcessGrid  # noqa: E402
 from flwr.app import ArrayRecord, Context, Message  # noqa: E402
 from flwr.common import logger as flwr_logger  # noqa: E402
+from machine import emit, provenance  # noqa: E402
 from torch.utils.data import TensorDataset  # noqa: E402
 
 from fedshard import (  # noqa: E402
@@ -109,11 +113,15 @@ def measure(num_nodes: int, sampled: int, rounds: int) -> dict[str, float]:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    args = ap.parse_args()
     flwr_logger.update_console_handler(level=30)  # WARNING: keep the output to the JSON
     rounds = 4
     small = measure(100, 10, rounds)
     large = measure(1000, 100, rounds)
-    print(json.dumps({
+    emit({
+        **provenance(),
         "model": f"mlp {IN}-{WIDTH}-{WIDTH}-{WIDTH}-{CLASSES} (2 sharded {WIDTH}x{WIDTH} layers)",
         "keep_ratios": [0.1, 0.2, 0.4],
         "rounds": rounds,
@@ -124,9 +132,9 @@ def main() -> None:
                                           / small["first_round_server_s"]),
         "server_peak_mb": large["server_peak_mb"],
         "server_peak_mb_100": small["server_peak_mb"],
-        "machine": platform.machine(),
+        "arch": platform.machine(),
         "torch_threads": torch.get_num_threads(),
-    }, indent=2))
+    }, args.out)
 
 
 if __name__ == "__main__":

@@ -6,13 +6,14 @@ strategy's SVD time over a bare ``torch.linalg.svd`` loop on the same matrices, 
 (the precision the strategy decomposes in), measured side by side in this process.
 Medians over ``--repeats`` rounds.
 
-Usage: ``python benchmarks/bench_server.py [--width 64] [--method collective] [--repeats 3]``
+Usage: ``python benchmarks/bench_server.py [--width 64] [--method collective] [--repeats 3]
+[--out FILE]``; ``--out`` also writes the JSON (with the machine, torch version, date and
+command) there.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -35,6 +36,7 @@ from flwr.app import (
     MetricRecord,
     RecordDict,
 )
+from machine import emit, provenance
 
 from fedshard import Sharding, SpectralSharding, handle_query
 from fedshard import protocol as P
@@ -57,6 +59,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--method", default="collective")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = ap.parse_args()
 
     model = resnet18(num_classes=10, in_channels=3, width=args.width)
@@ -87,7 +90,8 @@ def main() -> None:
 
     med = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
     bare_s = statistics.median(bare)
-    print(json.dumps({
+    emit({
+        **provenance(), "repeats": args.repeats,
         "model": f"resnet18-width{args.width}",
         "method": args.method,
         "clients": len(ratios),
@@ -102,10 +106,9 @@ def main() -> None:
         "bare_svd_s": bare_s,
         "svd_vs_bare_ratio": med["svd-s"] / bare_s,
         "torch_threads": torch.get_num_threads(),
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "arch": platform.machine(),
         "numpy": np.__version__,
-        "torch": torch.__version__,
-    }, indent=2))
+    }, args.out)
 
 
 if __name__ == "__main__":

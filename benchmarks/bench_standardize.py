@@ -12,13 +12,12 @@ Prints one JSON object: the median seconds of each way over ``--repeats``, their
 ``same_values``: whether both give the same float32 values bit for bit.
 
 Usage: ``python benchmarks/bench_standardize.py [--fmnist DIR] [--cifar N] [--repeats 3]
-[--threads 1]``
+[--threads 1] [--out FILE]``
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -29,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from machine import cpu_name
+from machine import emit, provenance
 
 from fedshard.data import per_image_standardization
 from fedshard.data.image_files import read_idx
@@ -46,6 +45,7 @@ def main() -> None:
     ap.add_argument("--cifar", type=int, default=0, help="N random 3x32x32 images instead")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.cifar:
@@ -71,12 +71,11 @@ def main() -> None:
             out[name] = fn()
             times[name].append(time.perf_counter() - t)
     med = {k: round(statistics.median(v), 3) for k, v in times.items()}
-    print(json.dumps({
-        "device": cpu_name(), "torch": torch.__version__, "threads": args.threads,
-        "date": time.strftime("%Y-%m-%d"), "images": source, "repeats": args.repeats,
+    emit({
+        **provenance(), "threads": args.threads, "images": source, "repeats": args.repeats,
         "seconds": med, "speedup": round(med["one_by_one"] / med["batched"], 1),
         "same_values": bool(torch.equal(out["batched"], out["one_by_one"])),
-    }))
+    }, args.out)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ its numbers from a committed file, and says which in its caption on the pages.
   Fashion-MNIST table, from the table "The paper's Table 1 next to this one" in
   ``docs/results.md`` (its fedshard column is checked against
   ``results/fmnist-table/results.json``).
-- ``performance.png`` (Performance): the client-step and GPU step-time tables of
-  ``docs/performance.md``, read from the page.
+- ``performance.png`` (Performance): a client's step on a CPU against the dense step, by
+  keep ratio (time, FLOPs, bytes, peak memory), from ``results/performance/client-step.json``.
 - ``sharding.png`` (How sharding works): π and ω of each strategy for one illustrative
   spectrum, and one round's draw for ten clients, computed with :mod:`fedshard.sampling`.
 - ``width-mlp.png`` and ``width-resnet.png`` (Spectral sharding or width slicing): test
@@ -84,14 +84,6 @@ def _cells(line: str) -> list[str]:
     if not line.startswith("|"):
         return []
     return [cell.strip() for cell in line.strip().strip("|").split("|")]
-
-
-def _row(rows: Sequence[Sequence[str]], prefix: str) -> Sequence[str]:
-    """The first row whose first cell starts with ``prefix``."""
-    for row in rows[1:]:
-        if row[0].startswith(prefix):
-            return row
-    raise SystemExit(f"no table row starting with {prefix!r}; rows: {[r[0] for r in rows[1:]]}")
 
 
 _NUMBER = re.compile(r"(\d+(?:\.\d+)?)(?:\s*[–-]\s*(\d+(?:\.\d+)?))?(?:\s*±\s*(\d+(?:\.\d+)?))?")
@@ -353,71 +345,36 @@ def _check_fedshard_column(rows: Sequence[Sequence[str]], col: int) -> None:
 
 
 def figure_performance(out: Path) -> Path:
-    """The client step on a CPU (cost against the keep ratio) and the GPU step times."""
+    """The client step on a CPU against the dense one, by keep ratio, from its record."""
     from fedshard.experiments.plots import _matplotlib
 
-    page = ROOT / "docs" / "performance.md"
-    cpu = markdown_table(page, "keep ratio r")
-    gpu = {"H100": markdown_table(page, "step time (ms)"),
-           "H200": markdown_table(page, "step time (ms), H200")}
+    record = json.loads((ROOT / "results" / "performance" / "client-step.json").read_text())
+    keys = sorted((k.removeprefix("step_time_ratio_r") for k in record
+                   if k.startswith("step_time_ratio_r")), key=float)
+    ratios = [float(k) for k in keys]
     _, Figure, FigureCanvasAgg = _matplotlib()
-    fig = Figure(figsize=(14, 4.6), layout="constrained")
+    fig = Figure(figsize=(6.4, 4.4), layout="constrained")
     FigureCanvasAgg(fig)
-    ax_cpu, *ax_gpu = fig.subplots(1, 3, width_ratios=[1.0, 1.25, 1.25])
-
-    ratios = [float(r[0].split()[0]) for r in cpu[1:]]
-    series = {  # column header prefix -> legend label, style, colour
-        "step time vs dense": ("step time", "o-", "black"),
-        "FLOPs vs dense": ("FLOPs", "s--", "tab:orange"),
-        "bytes received vs dense": ("bytes received", "^:", "tab:green"),
-        "peak RSS": ("peak memory (RSS)", "d-", "tab:purple"),
+    ax = fig.subplots()
+    series = {  # record key prefix -> legend label, style, colour
+        "step_time_ratio_r": ("step time", "o-", "black"),
+        "flop_ratio_r": ("FLOPs", "s--", "tab:orange"),
+        "bytes_ratio_r": ("bytes received", "^:", "tab:green"),
+        "rss_peak_ratio_r": ("peak memory (RSS)", "d-", "tab:purple"),
     }
     for prefix, (label, style, colour) in series.items():
-        col = next(i for i, h in enumerate(cpu[0]) if h.startswith(prefix))
-        values = [number(r[col]) for r in cpu[1:]]
-        ax_cpu.plot(ratios, [v[0] for v in values if v], style, color=colour, label=label)
-    ax_cpu.axhline(1.0, color="0.3", ls="--", lw=1)
-    ax_cpu.set_xlabel("keep ratio r")
-    ax_cpu.set_ylabel("× the dense model")
-    ax_cpu.set_xticks(ratios)
-    ax_cpu.set_title("CPU (2-core AMD EPYC): one client step against the dense one,\n"
-                     "ResNet-18 width 64, batch 32", fontsize="small")
-    ax_cpu.grid(alpha=0.3)
-    ax_cpu.legend(fontsize="x-small")
-
-    options = {  # label -> row prefix (the first row starting with it)
-        "eager": "eager, fused",
-        "CUDA graph, unpadded": "`cuda_graph=True`, unpadded",
-        "CUDA graph, padded (default)": "`cuda_graph=True`, padded",
-        "compile alone": "`compile=True` alone",
-        "compile + CUDA graph": "`compile=True` + `cuda_graph=True`",
-    }
-    for ax, (card, rows) in zip(ax_gpu, gpu.items(), strict=True):
-        dense_col = rows[0].index("dense")
-        sub_col = rows[0].index("r = 0.1")
-        ys = list(range(len(options)))[::-1]
-        for y, prefix in zip(ys, options.values(), strict=True):
-            row = _row(rows, prefix)
-            for offset, col, colour, name in ((0.18, dense_col, "0.55", "dense"),
-                                              (-0.18, sub_col, "tab:red", "r = 0.1")):
-                value = number(row[col])
-                if value is None:
-                    continue
-                low, high, _ = value
-                ax.barh(y + offset, low, height=0.34, color=colour,
-                        label=name if y == ys[0] else None)
-                if high > low:  # two runs: the bar to the lower, the line to the higher
-                    ax.plot([low, high], [y + offset] * 2, color="black", lw=2.5)
-                text = row[col].replace("*", "")
-                ax.text(high, y + offset, f" {text}", va="center", fontsize="x-small")
-        ax.set_yticks(ys, list(options) if card == "H100" else [])
-        ax.set_xlabel("ms per step")
-        ax.set_xlim(0, 31)
-        ax.set_title(f"{card}: one client step, ResNet-18 width 64, batch 32", fontsize="small")
-        ax.grid(axis="x", alpha=0.3)
-        ax.legend(fontsize="x-small", loc="lower right")
-    fig.suptitle("Performance (the tables of this page; a bar with a line: two runs, from the "
-                 "lower to the higher)", fontsize="medium")
+        ax.plot(ratios, [record[prefix + k] for k in keys], style, color=colour, label=label)
+    ax.axhline(1.0, color="0.3", ls="--", lw=1)
+    ax.set_xlabel("keep ratio r")
+    ax.set_ylabel("× the dense model")
+    ax.set_xticks(ratios)
+    setup = record["setup"]
+    ax.set_title(f"One client step against the dense one: ResNet-18 width "
+                 f"{setup['model'].split('=')[1].rstrip(')')}, batch {setup['input'][0]}\n"
+                 f"{record['cores']}-core {record['cpu']}, {setup['threads']} torch "
+                 f"thread(s), torch {record['torch']}, {record['date']}", fontsize="small")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="x-small")
     path = out / "performance.png"
     fig.savefig(path, dpi=110)
     return path

@@ -151,3 +151,206 @@ def test_readmes_first_run_is_the_committed_record() -> None:
 
 #: The WARNING lines of a run that Flower itself logs, whatever the app does.
 _FLOWERS_WARNINGS = ("Since flwr 1.32", "fraction_evaluate is set to 0.0")
+
+
+# ------------------------------------------------------------ figures tied to their records
+ROOT = DOCS.parent
+PERFORMANCE = ROOT / "results" / "performance"
+
+
+def _record(name: str) -> dict[str, Any]:
+    return json.loads((PERFORMANCE / f"{name}.json").read_text())
+
+
+def _flat(path: Path) -> str:
+    """A page's text with every run of whitespace (line breaks too) as one space."""
+    return " ".join(path.read_text(encoding="utf-8").split())
+
+
+def _min_s(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes} min {secs} s"
+
+
+def _command(record: dict[str, Any]) -> str:
+    """The command a record holds, without the ``--out`` that wrote it."""
+    return re.sub(r" --out \S+", "", record["command"])
+
+
+def _engine() -> list[str]:
+    r = _record("engine")
+    vs = r["engine_vs_bare"]
+    return [_command(r), r["date"], r["torch"], "results/performance/engine.json",
+            f"{vs['none']:.3f}× (FedAvg) and {vs['collective']:.3f}× (Collective",
+            f"took {r['flower_vs_bare']['none']:.3f}× and {r['flower_vs_bare']['collective']:.3f}×",
+            f"`max_rel_diff_float64` = {r['max_rel_diff_float64']}"]
+
+
+def _client_step() -> list[str]:
+    r = _record("client-step")
+    ms = r["step_time_ms"]["fedshard"]
+    facts = [_command(r), r["date"], r["torch"], "results/performance/client-step.json",
+             f"({ms['r0.1']:.0f} ms vs {ms['dense']:.0f} ms)",
+             f"dense step ran at {r['gflops_per_s']['dense']} GFLOP/s",
+             f"sub-model at {r['gflops_per_s']['r0.1']} GFLOP/s",
+             f"{r['time_split_ms']['r0.1']['other']:.0f} ms of the r = 0.1 step against "
+             f"{r['time_split_ms']['dense']['other']:.0f} ms of the dense one",
+             f"met in this record ({r['step_time_ratio_r0.1']:.3f}×)",
+             f"met ({r['bytes_ratio_r0.1']:.3f}×)",
+             f"gives {r['plain_step_time_ratio_r0.1']:.3f}× at r = 0.1"]
+    for key in sorted(k.removeprefix("step_time_ratio_r") for k in r
+                      if k.startswith("step_time_ratio_r")):
+        step = f"{r['step_time_ratio_r' + key]:.3f}"
+        cells = [f"**{step}**" if key == "0.1" else step]
+        cells += [f"{r[f'{name}_r{key}']:.3f}" for name in ("plain_step_time_ratio", "flop_ratio")]
+        bytes_ = f"{r[f'bytes_ratio_r{key}']:.3f}"
+        cells += [f"**{bytes_}**" if key == "0.1" else bytes_]
+        cells += [f"{r[f'{name}_r{key}']:.3f}" for name in ("peak_memory_ratio",
+                                                             "rss_peak_ratio")]
+        if key == "0.1":
+            cells[0] += f" ({ms['r0.1']:.0f} ms vs {ms['dense']:.0f} ms)"
+        facts.append(f"| {key} | " + " | ".join(cells) + " |")
+    return facts
+
+
+def _receive() -> list[str]:
+    r = _record("receive")
+    return [_command(r), r["date"], r["torch"], "results/performance/receive.json",
+            f"| {r['model_init_s']} s | {r['before_s']} s |",
+            f"**{r['after_s']} s** ({r['speedup']}×)"]
+
+
+def _batches() -> list[str]:
+    r = _record("batches")
+    c, e, t = r["client"], r["server_eval"], r["client_round"]
+    return [_command(r), r["date"], r["torch"], "results/performance/batches.json",
+            f"| {1e3 * c['data_loader_s']:.1f} ms | **{1e3 * c['tensor_batches_s']:.1f} ms** |",
+            f"| {e['data_loader_s']} s | **{1e3 * e['tensor_batches_s']:.1f} ms** (built once "
+            f"per run: {e['tensor_batches_build_once_s']} s) |",
+            f"took {t['data_loader_s']} s through the DataLoader and {t['tensor_batches_s']} s "
+            f"from `TensorBatches`",
+            f"(`max_abs_param_diff` = {t['max_abs_param_diff']})"]
+
+
+def _server() -> list[str]:
+    r = _record("server-round")
+    return [_command(r), r["date"], r["torch"], "results/performance/server-round.json",
+            f"| {r['svd_s']:.2f} s | {r['sampling_s']:.3f} s | {r['pack_s']:.3f} s | "
+            f"{r['aggregate_s']:.3f} s | **{r['overhead_ratio']:.2f}** (target ≤ 0.25) | "
+            f"**{r['svd_vs_bare_ratio']:.2f}×** (target ≤ 1.5×) |",
+            f"The bare loop took {r['bare_svd_s']:.2f} s"]
+
+
+def _standardize() -> list[str]:
+    r = _record("standardize")
+    assert r["same_values"] and r["threads"] == 1
+    return [_command(r), "results/performance/standardize.json",
+            f"in {r['seconds']['batched']} s against {r['seconds']['one_by_one']} s image by image"]
+
+
+def _scale() -> list[str]:
+    r = _record("scale")
+    big, small = r["nodes_1000_sampled_100"], r["nodes_100_sampled_10"]
+    return [_command(r), r["date"], r["torch"], "results/performance/scale.json",
+            f"{big['server_s_per_round']:.2f} s against {small['server_s_per_round']:.3f} s",
+            f"**`server_time_ratio_1000_vs_100` = {r['server_time_ratio_1000_vs_100']:.1f}**",
+            f"{big['first_round_server_s']:.2f} s against {small['first_round_server_s']:.2f} s",
+            f"**`server_peak_mb` = {r['server_peak_mb']:.1f} MB**",
+            f"({r['server_peak_mb_100']:.1f} MB at 100)"]
+
+
+def _finding() -> list[str]:
+    step, scale = _record("client-step"), _record("scale")
+    return [f"r = 0.1 step took {step['step_time_ratio_r0.1']:.3f}× the dense step's time for "
+            f"{step['flop_ratio_r0.1']:.3f}× its FLOPs and {step['bytes_ratio_r0.1']:.3f}× its "
+            "bytes",
+            f"grew {scale['server_time_ratio_1000_vs_100']:.1f}× for 10× the sampled clients"]
+
+
+def _first_runs() -> list[str]:
+    first = json.loads(FIRST_RUN.read_text())
+    defaults = json.loads((FIRST_RUN.parent / "flower-defaults.json").read_text())
+    return [f"run took {_min_s(first['run-wall-s'])}",
+            f"the run took {_min_s(defaults['run-wall-s'])}",
+            f"reached {100 * defaults['final-test-accuracy']:.1f} %"]
+
+
+@pytest.mark.parametrize("facts", [_finding, _engine, _client_step, _receive, _batches,
+                                   _server, _standardize, _scale, _first_runs])
+def test_each_figure_of_the_performance_page_is_its_records(facts: Any) -> None:
+    """Every figure docs/performance.md prints, beside the command, date and torch version of
+    the record it comes from, is that record's (results/performance/*.json)."""
+    page = _flat(DOCS / "performance.md")
+    missing = [fact for fact in facts() if " ".join(fact.split()) not in page]
+    assert not missing, f"docs/performance.md lacks {missing}"
+
+
+def test_the_simulation_pages_figures_are_their_records() -> None:
+    engine, receive = _record("engine"), _record("receive")
+    arrays = json.loads((PERFORMANCE / "wire-arrays.json").read_text())
+    s, vs, run = engine["s_per_round"], engine["engine_vs_bare"], engine["engine_vs_bare_per_run"]
+    rows = [f"| bare torch loop | {s['bare']['none']} | 1 | {s['bare']['collective']} | 1 |",
+            f"| `sequential` engine | {s['sequential']['none']} | {vs['none']:.3f} | "
+            f"{s['sequential']['collective']} | {vs['collective']:.3f} |",
+            f"| `flwr run` (Ray, 2 ClientApps at once) | {s['flower']['none']} | "
+            f"{engine['flower_vs_bare']['none']:.3f} | {s['flower']['collective']} | "
+            f"{engine['flower_vs_bare']['collective']:.3f} |"]
+    facts = [
+        *rows, _command(engine), engine["date"], engine["torch"],
+        f"{run['none']:.3f} for FedAvg and {run['collective']:.3f} for Collective, against "
+        f"{vs['none']:.3f} and {vs['collective']:.3f} paired",
+        f"`speedup_vs_flower`: {engine['speedup_vs_flower']['none']} for FedAvg, "
+        f"{engine['speedup_vs_flower']['collective']} for Collective",
+        f"(`max_rel_diff_float64` = {engine['max_rel_diff_float64']})",
+        f"{receive['before_s']} → {receive['after_s']} s of host work per message",
+        f"{arrays['encode_speedup']}× faster encoding and {arrays['decode_speedup']}× faster "
+        "decoding",
+        f"the run took {_min_s(json.loads(FIRST_RUN.read_text())['run-wall-s'])}"]
+    page = _flat(DOCS / "simulation.md")
+    missing = [fact for fact in facts if " ".join(fact.split()) not in page]
+    assert not missing, f"docs/simulation.md lacks {missing}"
+
+
+def test_the_sharding_pages_client_step_is_its_record() -> None:
+    r = _record("client-step")
+    page = _flat(DOCS / "sharding.md")
+    fact = (f"r = 0.1 took {r['step_time_ratio_r0.1']:.3f}× the dense step's time with "
+            f"{r['bytes_ratio_r0.1']:.3f}× the bytes on a CPU, and at r = 0.4 "
+            f"{r['step_time_ratio_r0.4']:.3f}× with {r['bytes_ratio_r0.4']:.3f}×")
+    assert fact in page
+
+
+def test_readmes_run_times_are_the_records() -> None:
+    first = json.loads(FIRST_RUN.read_text())
+    defaults = json.loads((FIRST_RUN.parent / "flower-defaults.json").read_text())
+    readme = " ".join(README.read_text().split())
+    assert f"{_min_s(first['run-wall-s'])} (the install comes on top)" in readme
+    assert (f"reached {100 * defaults['final-test-accuracy']:.1f} % in "
+            f"{_min_s(defaults['run-wall-s'])}") in readme
+
+
+def test_every_record_a_script_wrote_says_where_when_and_how() -> None:
+    """The records written through benchmarks/machine.py's provenance(): machine (CPU model
+    or GPU), torch version, date and the command, which the page quotes."""
+    written = [path for path in sorted(PERFORMANCE.glob("*.json"))
+               if "command" in json.loads(path.read_text())]
+    assert len(written) >= 7, written
+    for path in written:
+        record = json.loads(path.read_text())
+        assert record["machine"] and record["torch"] and re.fullmatch(
+            r"\d{4}-\d\d-\d\d", record["date"]), path
+        assert record["command"].startswith("python benchmarks/"), path
+        cited = f"results/performance/{path.name}"
+        assert any(cited in page.read_text(encoding="utf-8") for page in DOCS.glob("*.md")), \
+            f"{cited} is cited by no page"
+    loads = [json.loads(path.read_text())["load-average"][0] for path in written
+             if "load-average" in json.loads(path.read_text())]
+    assert (f"(load averages of {min(loads):.1f} to {max(loads):.1f} as the records that hold "
+            "one ended)") in _flat(DOCS / "performance.md")
+
+
+def test_no_figure_is_marked_as_lacking_its_record() -> None:
+    pages = [README, *sorted(DOCS.rglob("*.md"))]
+    marked = [str(p.relative_to(ROOT)) for p in pages
+              if "_build" not in p.parts and "no committed record" in p.read_text().lower()]
+    assert not marked, f"{marked} still quote figures marked as having no committed record"

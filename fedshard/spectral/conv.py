@@ -63,7 +63,7 @@ class SpectralConv2d(SpectralLayer):
         a multiple of this (1, the default: no padding). Exact: zero terms add nothing to the
         output and get zero gradients; only the ``n`` real columns are parameters, so what is
         trained and sent is unchanged. cuDNN runs thin convolutions whose channel count is not
-        a multiple of 8 on slower kernels (figures in ``benchmarks/README.md``).
+        a multiple of 8 on slower kernels (``benchmarks/README.md``).
     merge_terms : bool
         The form of the forward pass: one dense ``k x k`` convolution with the kernel
         ``U diag(ω) Vᵀ`` built at each call instead of the two thin ones (``False``, the

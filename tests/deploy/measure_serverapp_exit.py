@@ -2,20 +2,24 @@
 "Stopping, restarting and resuming").
 
 Usage: python tests/deploy/measure_serverapp_exit.py [repeats] [--stream] [--diagnose]
+[--wait S] [--out FILE]
 
 Starts a SuperLink and two SuperNodes on 127.0.0.1 (:class:`deploy_cluster.LocalDeployment`),
 submits a run of many short rounds, and once round 1 is recorded sends SIGTERM to the
-SuperLink; then polls every 50 ms until the SuperLink has exited, until the ``flwr-serverapp``
-process is gone and until the run folder's ``run.lock`` can be taken. With ``--stream`` a
+SuperLink; then polls every 50 ms, for at most ``--wait`` seconds (180), until the SuperLink has
+exited, until the ``flwr-serverapp`` process is gone and until the run folder's ``run.lock``
+can be taken (a time missing from a repeat's line: not within the wait). With ``--stream`` a
 ``flwr log <run-id> --stream`` client is attached when the SuperLink is stopped. Prints one
 line per repeat (seconds after the SIGTERM) and stops everything it started. With
 ``--diagnose`` a ServerApp still alive 30 s after the SIGTERM is sent SIGABRT, and the Python
 stacks that ``PYTHONFAULTHANDLER=1`` makes it print (into the SuperLink's log, whose output it
-inherited) are printed.
+inherited) are printed. ``--out`` also writes one JSON record of every repeat (with the
+machine, torch and Flower versions, the date and the command) there.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -28,6 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from deploy_cluster import BIN, LocalDeployment
 
@@ -88,7 +93,8 @@ def start_long_run(dep: LocalDeployment, results: Path) -> str:
     raise TimeoutError("round 1 was not recorded\n" + dep.tails())
 
 
-def measure_once(root: Path, stream: bool, diagnose: bool = False) -> dict[str, float]:
+def measure_once(root: Path, stream: bool, diagnose: bool = False,
+                 wait_s: float = 180.0) -> dict[str, float]:
     results = root / "results"
     with LocalDeployment(root / "deploy") as dep:
         run_id = start_long_run(dep, results)
@@ -105,7 +111,7 @@ def measure_once(root: Path, stream: bool, diagnose: bool = False) -> dict[str, 
         t0 = time.monotonic()
         os.kill(dep.link.popen.pid, signal.SIGTERM)
         times: dict[str, float] = {}
-        while time.monotonic() - t0 < 180 and len(times) < 3:
+        while time.monotonic() - t0 < wait_s and len(times) < 3:
             now = time.monotonic() - t0
             if diagnose and now > 30 and _alive(apps[0]):
                 os.kill(apps[0], signal.SIGABRT)
@@ -133,9 +139,15 @@ def measure_once(root: Path, stream: bool, diagnose: bool = False) -> dict[str, 
 
 
 def main() -> None:
-    repeats = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 3
-    stream = "--stream" in sys.argv
-    diagnose = "--diagnose" in sys.argv
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("repeats", nargs="?", type=int, default=3)
+    ap.add_argument("--stream", action="store_true")
+    ap.add_argument("--diagnose", action="store_true")
+    ap.add_argument("--wait", type=float, default=180.0,
+                    help="seconds to watch after the SIGTERM")
+    ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    args = ap.parse_args()
+    repeats, stream, diagnose = args.repeats, args.stream, args.diagnose
     if diagnose:
         os.environ["PYTHONFAULTHANDLER"] = "1"  # inherited by every process of the deployment
     import torch
@@ -145,10 +157,18 @@ def main() -> None:
                platform.processor())
     print(f"# {time.strftime('%Y-%m-%d')}, {cpu}, {os.cpu_count()} cores, torch "
           f"{torch.__version__}, python {platform.python_version()}, stream={stream}")
+    runs = []
     for i in range(repeats):
         with tempfile.TemporaryDirectory(prefix="serverapp-exit-") as tmp:
-            times = measure_once(Path(tmp), stream, diagnose)
+            times = measure_once(Path(tmp), stream, diagnose, args.wait)
         print(f"repeat {i}: " + ", ".join(f"{k} {v:.2f}" for k, v in times.items()), flush=True)
+        runs.append(times)
+    if args.out is not None:
+        import flwr
+        from machine import emit, provenance
+
+        emit({**provenance(), "flwr": flwr.__version__, "stream": stream, "wait-s": args.wait,
+              "after-sigterm-s": runs}, args.out)
 
 
 if __name__ == "__main__":

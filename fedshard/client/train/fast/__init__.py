@@ -7,7 +7,7 @@ Everything here is opt-in through one object, :class:`FastOptions`, given to
 :func:`~fedshard.client.handle_train`; the loop reaches it only through the object's
 :meth:`~FastOptions.enabled` and :meth:`~FastOptions.open_step`, and the eager step
 (:class:`~fedshard.client.train.step.EagerStep`) gives the same numbers up to float rounding.
-Where each option wins, measured: ``benchmarks/README.md``.
+Where each option wins, and the scripts that measure it: ``benchmarks/README.md``.
 """
 
 from fedshard.client.train.fast.convolutions import configure_convolutions, conv_form

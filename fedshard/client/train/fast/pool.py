@@ -3,7 +3,7 @@
 
 A CUDA-graphed :class:`~fedshard.client.train.fast.TrainStep` pays an eager warm-up step and a
 capture for each batch shape before it replays; built afresh for each client, that is most of
-a small sub-model's client time on a GPU (benchmarks/README.md). Clients of one keep ratio get
+a small sub-model's client time on a GPU. Clients of one keep ratio get
 sub-models of the same shapes, so :class:`StepPool` keeps one private copy of such a model
 with its step (and its captured graphs) and trains every later model of that shape on it:
 
