@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
 import statistics
 import sys
 import time
