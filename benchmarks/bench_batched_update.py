@@ -1,5 +1,5 @@
 """The batched engine's training step: torch's own SGD with the client rules on the stacked
-parameters (what ``fedshard.app.engine.batched.train_together`` runs) against the hand-written
+parameters (what ``fedshard_lab.engine.batched.train_together`` runs) against the hand-written
 SGD-momentum update the engine used before (the baseline, kept here), side by side.
 
 Both steps take the same gradients (one ``torch.func.vmap`` of ``grad`` over the stacked

@@ -118,7 +118,7 @@ def in_process(rounds: int, out: Path, name: str, cache: str | None) -> dict[str
 
 
 def flwr_run(rounds: int, out: Path, name: str, cache: str | None) -> dict[str, Any]:
-    from fedshard.experiments.launch import run_simulation
+    from fedshard_lab.experiments.launch import run_simulation
 
     cfg = default_config(rounds, out, name)
     env = {} if cache is None else {ENV: cache}

@@ -5,10 +5,10 @@ turn), on one device:
 
 * **flower**: ``flwr run`` of this app (local SuperLink, Ray simulation engine, one ClientApp
   per node), launched as the experiment runner launches it
-  (:func:`fedshard.experiments.launch.run_simulation`) while holding the lock file
+  (:func:`fedshard_lab.experiments.launch.run_simulation`) while holding the lock file
   ``/tmp/fedshard-flwr.lock`` (two local SuperLinks would collide on their port);
-* **sequential** / **batched**: :func:`fedshard.app.engine.engine_grid` under
-  :func:`fedshard.app.run.run_server` (what :func:`fedshard.app.engine.run_engine` runs), the
+* **sequential** / **batched**: :func:`fedshard_lab.engine.engine_grid` under
+  :func:`fedshard.app.run.run_server` (what :func:`fedshard_lab.engine.run_engine` runs), the
   same ServerApp code (strategy, central evaluation, results, checkpoints) over the in-process
   engine;
 * **bare**: a single-process torch loop doing the same training, averaging and evaluation as
@@ -74,12 +74,12 @@ from flwr.common import logger as flwr_logger  # noqa: E402
 from machine import cpu_name, emit, provenance  # noqa: E402
 
 from fedshard.app.config import RunConfig  # noqa: E402
-from fedshard.app.engine import engine_grid  # noqa: E402
 from fedshard.app.run import run_server  # noqa: E402
 from fedshard.app.task import build_model, client_dataset  # noqa: E402
 from fedshard.data import load_test_set  # noqa: E402
 from fedshard.data.image_files import read_idx  # noqa: E402
-from fedshard.experiments.launch import run_simulation  # noqa: E402
+from fedshard_lab.engine import engine_grid  # noqa: E402
+from fedshard_lab.experiments.launch import run_simulation  # noqa: E402
 
 FLWR_LOCK = Path("/tmp/fedshard-flwr.lock")
 
@@ -244,8 +244,8 @@ def max_rel_diff_float64(settings: dict[str, Any], clients: int, engines: list[s
 
     import client_app
     from fedshard.app import task
-    from fedshard.app.engine import engine_grid
     from fedshard.app.run import build_strategy
+    from fedshard_lab.engine import engine_grid
 
     cfg = RunConfig.from_mapping({**settings, "num-server-rounds": rounds,
                                   "client-device": "cpu", "server-device": "cpu",

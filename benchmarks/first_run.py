@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import flwr  # noqa: E402
 from machine import cpu_name, emit  # noqa: E402
 
-from fedshard.experiments.launch import run_simulation  # noqa: E402
+from fedshard_lab.experiments.launch import run_simulation  # noqa: E402
 
 NODES = 10  # README's num-supernodes
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

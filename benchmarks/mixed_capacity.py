@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from machine import cpu_name, emit  # noqa: E402
 
-from fedshard.experiments.suite import load_suite  # noqa: E402
+from fedshard_lab.experiments.suite import load_suite  # noqa: E402
 
 SUITE = ROOT / "experiments" / "mixed-capacity.toml"
 #: rows that are not the paper's method: the baselines each spectral row is compared with

@@ -3,7 +3,7 @@
 Runs one round of ``presets/shakespeare-gpt.toml`` (10 of 672 roles, two local epochs each,
 the sequential in-process engine) and one round of ``experiments/shakespeare-reduced.toml``'s
 setting (the same, at most 20 local steps per client) in this process, on the data of
-``python -m fedshard.data.shakespeare_build`` (``--data-dir``), and times the central
+``python -m fedshard_lab.shakespeare_build`` (``--data-dir``), and times the central
 evaluation on test windows. Times are this process's CPU seconds (``time.process_time``) with
 one torch thread, so other jobs on the machine inflate them little; the training data is read
 before the clock starts.
@@ -37,9 +37,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from machine import cpu_name  # noqa: E402
 
-from fedshard.app.engine.run import app_run_config, run_engine  # noqa: E402
 from fedshard.app.task import build_model, client_dataset  # noqa: E402
 from fedshard.data import load_test_set  # noqa: E402
+from fedshard_lab.engine.run import app_run_config, run_engine  # noqa: E402
 
 
 def one_round(overrides: dict[str, object], num_nodes: int, out: Path) -> dict[str, float]:

@@ -7,7 +7,7 @@ honest, data-rich node can pass κ × the median. This script measures how far h
 and what the bound does to them, on real Fashion-MNIST.
 
 Each run is a whole run of fedshard's ServerApp code over the ``sequential`` engine
-(:func:`fedshard.app.engine.run_engine`: fedshard's own client handler, the ClientApp's
+(:func:`fedshard_lab.engine.run_engine`: fedshard's own client handler, the ClientApp's
 replies bit for bit), 10 honest nodes, the run-config defaults (Collective, keep ratios 0.2
 and 0.4, one local epoch, batch 32) except the size (``--width``, ``--rounds``). The nodes'
 examples are drawn at random without replacement from the first training images (IID, so only
@@ -47,8 +47,8 @@ from machine import cpu_name  # noqa: E402
 from torch.utils.data import TensorDataset  # noqa: E402
 
 from fedshard.app.config import RunConfig  # noqa: E402
-from fedshard.app.engine import run_engine  # noqa: E402
 from fedshard.app.task import client_dataset  # noqa: E402
+from fedshard_lab.engine import run_engine  # noqa: E402
 
 REAL = Path("/usr/share/datasets/fashion-mnist")
 #: Examples per node: equal, a 20× spread and a 200× spread (about 14,000 in all each).

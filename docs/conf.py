@@ -14,6 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # import fedshard from the checkout, installed or not
+sys.path.insert(1, str(ROOT / "lab"))  # and the lab tooling (fedshard_lab), likewise
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # importing torch must not take every core
 
 project = "fedshard"

@@ -104,9 +104,9 @@ def number(cell: str) -> tuple[float, float, float | None] | None:
 # ---------------------------------------------------------------------------------- figures
 def figure_accuracy(out: Path) -> Path:
     """README's figure, drawn by the experiment report's plot_accuracy."""
-    from fedshard.experiments import collect, load_suite
-    from fedshard.experiments.report import plot_accuracy
-    from fedshard.experiments.suite import TableSpec
+    from fedshard_lab.experiments import collect, load_suite
+    from fedshard_lab.experiments.report import plot_accuracy
+    from fedshard_lab.experiments.suite import TableSpec
 
     table = load_suite(ROOT / "experiments" / "fmnist-table.toml", app_dir=ROOT)
     beyond = load_suite(ROOT / "experiments" / "beyond.toml", app_dir=ROOT)
@@ -122,7 +122,7 @@ def figure_accuracy(out: Path) -> Path:
         if cell is None or len(cell.runs) != 2:
             found = "no finished run" if cell is None else f"{len(cell.runs)} finished run(s)"
             raise SystemExit(f"{label}: {found} in results/ where 2 seeds were committed; "
-                             "`python -m fedshard.experiments status fmnist-table` (and "
+                             "`python -m fedshard_lab.experiments status fmnist-table` (and "
                              "beyond) says why")
     renamed = [dataclasses.replace(cell, label=label) for label, cell in chosen.items()
                if cell is not None]
@@ -137,8 +137,8 @@ def figure_accuracy(out: Path) -> Path:
 def figure_width(out: Path) -> Path:
     """The width tables' accuracy curves (every run of width-table must be finished;
     width-resnet's finished runs are drawn, the legend counts their seeds)."""
-    from fedshard.experiments import collect, load_suite
-    from fedshard.experiments.report import plot_accuracy
+    from fedshard_lab.experiments import collect, load_suite
+    from fedshard_lab.experiments.report import plot_accuracy
 
     written = []
     for name, png, title in (
@@ -151,7 +151,7 @@ def figure_width(out: Path) -> Path:
                  for c in cells if len(c.runs) != len(suite.seeds)]
         if short and name == "width-table":
             raise SystemExit(f"{name}: unfinished cells ({'; '.join(short[:5])}); "
-                             f"`python -m fedshard.experiments status {name}` says why")
+                             f"`python -m fedshard_lab.experiments status {name}` says why")
         written.append(plot_accuracy(dataclasses.replace(suite, name=title), cells, out / png))
     return written[0]
 
@@ -185,15 +185,15 @@ def _two_seeds(cells: dict[tuple[str, str | None], Any], key: tuple[str, str | N
     if cell is None or len(cell.runs) != 2:
         found = "no finished run" if cell is None else f"{len(cell.runs)} finished run(s)"
         raise SystemExit(f"{key[0]}: {found} in results/{suite}/ where 2 seeds were "
-                         f"committed; `python -m fedshard.experiments status {suite}` says why")
+                         f"committed; `python -m fedshard_lab.experiments status {suite}` says why")
     return cell
 
 
 def figure_strategies(out: Path) -> Path:
     """Which of the paper's strategies ends highest at r = 0.1: the five with two seeds in
     ``results/fmnist-table/`` and the two references, each line its own colour and style."""
-    from fedshard.experiments import collect, load_suite
-    from fedshard.experiments.plots import _matplotlib
+    from fedshard_lab.experiments import collect, load_suite
+    from fedshard_lab.experiments.plots import _matplotlib
 
     suite = load_suite(ROOT / "experiments" / "fmnist-table.toml", app_dir=ROOT)
     cells = {(c.label, c.column): c for c in collect(suite)}
@@ -237,9 +237,9 @@ TAIL_RUNS = {
 def figure_tail(out: Path) -> Path:
     """How much of the sharded layers' energy lies in terms no client could draw, per round:
     the untrained tail Top-n keeps (``untrained-energy`` of the runs in ``results/beyond/``)."""
-    from fedshard.experiments import collect, load_suite
-    from fedshard.experiments.diagnostics import metric_curves
-    from fedshard.experiments.plots import _matplotlib
+    from fedshard_lab.experiments import collect, load_suite
+    from fedshard_lab.experiments.diagnostics import metric_curves
+    from fedshard_lab.experiments.plots import _matplotlib
 
     suite = load_suite(ROOT / "experiments" / "beyond.toml", app_dir=ROOT)
     cells = {(c.label, c.column): c for c in collect(suite)}
@@ -279,7 +279,7 @@ PAPER_COLUMNS = ("CIFAR-10, ResNet-18", "TinyImageNet, CCT", "CIFAR-100, ResNet-
 
 def figure_paper(out: Path) -> Path:
     """The paper's Table 1 at r = 0.1 next to fedshard's Fashion-MNIST table."""
-    from fedshard.experiments.plots import _matplotlib
+    from fedshard_lab.experiments.plots import _matplotlib
 
     rows = markdown_table(ROOT / "docs" / "results.md", "r = 0.1 (final test accuracy, %)")
     header = rows[0]
@@ -346,7 +346,7 @@ def _check_fedshard_column(rows: Sequence[Sequence[str]], col: int) -> None:
 
 def figure_performance(out: Path) -> Path:
     """The client step on a CPU against the dense one, by keep ratio, from its record."""
-    from fedshard.experiments.plots import _matplotlib
+    from fedshard_lab.experiments.plots import _matplotlib
 
     record = json.loads((ROOT / "results" / "performance" / "client-step.json").read_text())
     keys = sorted((k.removeprefix("step_time_ratio_r") for k in record
@@ -384,8 +384,8 @@ def figure_sharding(out: Path) -> Path:
     """π and ω of each strategy for one spectrum; one round's draw for ten clients."""
     import numpy as np
 
-    from fedshard.experiments.plots import _matplotlib
     from fedshard.sampling import draw_subsets, inclusion_probabilities
+    from fedshard_lab.experiments.plots import _matplotlib
 
     num_terms, clients, keep = 40, 10, 0.2
     n = math.ceil(keep * num_terms)
@@ -496,8 +496,8 @@ def figure_mixed_capacity(out: Path) -> Path:
     size, mean over the finished seeds), and each model's final accuracy against the forward
     FLOPs of the model a device of each budget runs (``results/mixed-capacity/table.json``,
     written by ``benchmarks/mixed_capacity.py``)."""
-    from fedshard.experiments import collect, load_suite
-    from fedshard.experiments.plots import _matplotlib
+    from fedshard_lab.experiments import collect, load_suite
+    from fedshard_lab.experiments.plots import _matplotlib
 
     table_path = ROOT / "results" / "mixed-capacity" / "table.json"
     if not table_path.is_file():

@@ -24,7 +24,10 @@ Packages (data flows one way: sampling → spectral → client / server → app)
 - :mod:`fedshard.models`, :mod:`fedshard.data` - the paper's models and data sets.
 - :mod:`fedshard.app` - fedshard's own Flower app (run config, task, the ServerApp's run and
   its callbacks, checkpoints, result files); the library never imports it.
-- :mod:`fedshard.experiments` - suites of runs, their reports and plots (a command line tool).
+
+The lab tooling - experiment suites, their reports and plots, the in-process engines, the
+Shakespeare builder - is a separate package, ``fedshard_lab`` (the repository's ``lab/``,
+``pip install -e ./lab``), which imports fedshard; fedshard never imports it.
 
 From the paper to the code (the same table, with links, is the docs' "From the paper to the
 code" page):

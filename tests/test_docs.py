@@ -71,11 +71,11 @@ CLI_PAGE = DOCS / "cli.md"
 
 
 @pytest.mark.parametrize(("module", "argv"), [
-    ("fedshard.experiments.__main__", ["--help"]),
-    ("fedshard.experiments.__main__", ["run", "--help"]),
-    ("fedshard.experiments.__main__", ["status", "--help"]),
-    ("fedshard.experiments.__main__", ["report", "--help"]),
-    ("fedshard.app.engine.__main__", ["--help"]),
+    ("fedshard_lab.experiments.__main__", ["--help"]),
+    ("fedshard_lab.experiments.__main__", ["run", "--help"]),
+    ("fedshard_lab.experiments.__main__", ["status", "--help"]),
+    ("fedshard_lab.experiments.__main__", ["report", "--help"]),
+    ("fedshard_lab.engine.__main__", ["--help"]),
 ])
 def test_every_command_line_option_is_on_the_cli_page(
         module: str, argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:

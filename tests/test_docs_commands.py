@@ -38,7 +38,7 @@ from doc_commands import (
 from flwr.common.config import fuse_dicts
 
 from fedshard.app.config import ConfigError, RunConfig
-from fedshard.app.engine import app_run_config, run_engine
+from fedshard_lab.engine import app_run_config, run_engine
 
 if sys.version_info >= (3, 11):
     import tomllib

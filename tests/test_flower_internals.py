@@ -5,14 +5,14 @@ Public: ``flwr.app``, ``flwr.clientapp``, ``flwr.common`` (its ``__all__``), ``f
 and ``flwr.serverapp.strategy``. The rest, by module, with the public API that would replace
 it (:data:`PINNED`, :data:`ALTERNATIVES`):
 
-- ``flwr.supercore.task_identity`` (``fedshard/app/engine/grid.py``): the in-process engine
+- ``flwr.supercore.task_identity`` (``lab/fedshard_lab/engine/grid.py``): the in-process engine
   gives its process the task identity ``Message(...)`` reads, as Flower's runtimes do;
 - ``Metadata``'s stored message id and sender (same file, ``_route``, the one place the
   library writes into a Flower object's ``__dict__``): set on the messages the engine routes,
   as Flower's in-memory grid does;
 - ``flwr.common.constant.ErrorCode`` (same file): the code of a ClientApp that raised;
 - ``flwr.common.logger`` (the library's logging): the module ``flwr.common.log`` comes from;
-- ``flwr.common.config.parse_config_args`` (``fedshard/app/engine/__main__.py``): the engine's
+- ``flwr.common.config.parse_config_args`` (``lab/fedshard_lab/engine/__main__.py``): the engine's
   ``--run-config`` parsed as ``flwr run`` parses it.
 
 Where the ServerApp runs (``fedshard/app/task.py``, ``grid_runtime``) is told by the class
@@ -43,10 +43,10 @@ PUBLIC = {"flwr", "flwr.app", "flwr.clientapp", "flwr.common", "flwr.serverapp",
           "flwr.serverapp.strategy"}
 #: module -> the library files that may import it (None: any), each pinned below
 PINNED: dict[str, set[str] | None] = {
-    "flwr.supercore.task_identity": {"fedshard/app/engine/grid.py"},
-    "flwr.common.constant": {"fedshard/app/engine/grid.py"},
+    "flwr.supercore.task_identity": {"lab/fedshard_lab/engine/grid.py"},
+    "flwr.common.constant": {"lab/fedshard_lab/engine/grid.py"},
     "flwr.common.logger": None,
-    "flwr.common.config": {"fedshard/app/engine/__main__.py"},
+    "flwr.common.config": {"lab/fedshard_lab/engine/__main__.py"},
 }
 #: each use of Flower beyond its public API -> the public API that would replace it
 ALTERNATIVES: dict[str, str] = {
@@ -111,9 +111,9 @@ def test_the_library_writes_into_flower_objects_in_one_place() -> None:
                         and isinstance(node.value, ast.Attribute)
                         and node.value.attr == "__dict__"):
                     found.append((path.relative_to(ROOT).as_posix(), func.name))
-    assert sorted(set(found)) == [("fedshard/app/engine/grid.py", "_route")], (
+    assert sorted(set(found)) == [("lab/fedshard_lab/engine/grid.py", "_route")], (
         f"{FLWR}: the library writes into objects' __dict__ in {sorted(set(found))}; keep such "
-        "writes in fedshard/app/engine/grid.py's _route, pinned here with the public API that "
+        "writes in lab/fedshard_lab/engine/grid.py's _route, pinned here with the public API that "
         f"would replace them ({ALTERNATIVES['Metadata.__dict__']})")
 
 
@@ -124,7 +124,7 @@ def test_task_identity_is_where_the_engine_sets_it() -> None:
     except ImportError as err:
         pytest.fail(f"{FLWR}: flwr.supercore.task_identity.TaskIdentity is gone ({err}); "
                     "fedshard's in-process engine (_ensure_task_identity in "
-                    "fedshard/app/engine/grid.py) sets it for Message(...): find where this "
+                    "lab/fedshard_lab/engine/grid.py) sets it for Message(...): find where this "
                     "Flower keeps the process's task identity. Public alternative: "
                     f"{ALTERNATIVES['flwr.supercore.task_identity']}")
     for name in ("run_id", "node_id", "task_id"):
@@ -132,7 +132,7 @@ def test_task_identity_is_where_the_engine_sets_it() -> None:
         if not (isinstance(prop, property) and prop.fset is not None):
             pytest.fail(f"{FLWR}: flwr.supercore.task_identity.TaskIdentity has no settable "
                         f"{name} (found {prop!r}); the in-process engine "
-                        "(fedshard/app/engine/grid.py, _ensure_task_identity) sets run_id, "
+                        "(lab/fedshard_lab/engine/grid.py, _ensure_task_identity) sets run_id, "
                         "node_id and task_id as flwr 1.42 has them. Public alternative: "
                         f"{ALTERNATIVES['flwr.supercore.task_identity']}")
 
@@ -151,7 +151,7 @@ try:
     out["bare"] = None
 except RuntimeError as err:
     out["bare"] = str(err)
-from fedshard.app.engine.grid import _ensure_task_identity
+from fedshard_lab.engine.grid import _ensure_task_identity
 _ensure_task_identity()
 out["engine"] = ids()
 from flwr.supercore.task_identity import TaskIdentity
@@ -173,7 +173,7 @@ def test_a_fresh_process_needs_the_engines_task_identity_to_build_a_message() ->
     out = json.loads(done.stdout.strip().splitlines()[-1])
     if out["bare"] is None:
         pytest.fail(f"{FLWR}: Message(...) now builds without a task identity; the engine's "
-                    "_ensure_task_identity (fedshard/app/engine/grid.py) and its use of "
+                    "_ensure_task_identity (lab/fedshard_lab/engine/grid.py) and its use of "
                     "flwr.supercore.task_identity can go")
     assert out["engine"] == [1, 0, 1]
     assert out["kept"] == [7, 3, 9]
@@ -181,7 +181,7 @@ def test_a_fresh_process_needs_the_engines_task_identity_to_build_a_message() ->
 
 def test_a_flower_without_task_identity_stops_the_engine_saying_so(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from fedshard.app.engine import grid
+    from fedshard_lab.engine import grid
 
     monkeypatch.setattr(grid, "_can_build_messages", lambda: False)
     monkeypatch.setitem(sys.modules, "flwr.supercore.task_identity", None)  # import fails
@@ -196,7 +196,7 @@ def test_a_flower_without_task_identity_stops_the_engine_saying_so(
 
 def test_a_flower_that_reads_its_identity_elsewhere_stops_the_engine_saying_so(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from fedshard.app.engine import grid
+    from fedshard_lab.engine import grid
 
     monkeypatch.setattr(grid, "_can_build_messages", lambda: False)
     with pytest.raises(RuntimeError, match=(
@@ -209,7 +209,7 @@ def test_a_flower_that_reads_its_identity_elsewhere_stops_the_engine_saying_so(
 
 # ------------------------------------------------------------ routed messages, error code
 def test_a_routed_messages_id_and_sender_are_where_the_engine_sets_them() -> None:
-    from fedshard.app.engine.grid import _ensure_task_identity, _route
+    from fedshard_lab.engine.grid import _ensure_task_identity, _route
 
     _ensure_task_identity()
     msg = Message(RecordDict(), dst_node_id=1005, message_type=MessageType.TRAIN)
@@ -225,7 +225,7 @@ def test_a_routed_messages_id_and_sender_are_where_the_engine_sets_them() -> Non
 
 
 def test_a_flower_that_stores_them_elsewhere_stops_the_engine_saying_so() -> None:
-    from fedshard.app.engine.grid import _route
+    from fedshard_lab.engine.grid import _route
 
     class Frozen:  # a Metadata whose public properties ignore the stored fields
         message_id, src_node_id = "", 1
@@ -248,7 +248,7 @@ def test_the_error_code_of_a_clientapp_that_raised() -> None:
         code = ErrorCode.CLIENT_APP_RAISED_EXCEPTION
     except (ImportError, AttributeError) as err:
         pytest.fail(f"{FLWR}: flwr.common.constant.ErrorCode.CLIENT_APP_RAISED_EXCEPTION is "
-                    f"gone ({err}); the in-process engine (fedshard/app/engine/grid.py) gives "
+                    f"gone ({err}); the in-process engine (lab/fedshard_lab/engine/grid.py) gives "
                     "it to the error reply of a node whose handler raised. Public alternative: "
                     f"{ALTERNATIVES['flwr.common.constant']}")
     assert isinstance(code, int)
@@ -334,5 +334,5 @@ def test_the_engine_parses_run_config_as_flower_does() -> None:
         from flwr.common.config import parse_config_args
     except ImportError as err:
         pytest.fail(f"{FLWR}: flwr.common.config.parse_config_args is gone ({err}); the "
-                    "engine's --run-config (fedshard/app/engine/__main__.py) uses it")
+                    "engine's --run-config (lab/fedshard_lab/engine/__main__.py) uses it")
     assert parse_config_args(["lr=0.1 run-name='x'"]) == {"lr": 0.1, "run-name": "x"}

@@ -1,18 +1,23 @@
 """The package's shape, as a reader and an installer see it: a public API with sorted
 ``__all__`` lists whose names resolve, no module-level import cycle inside the client or the
-server, the library never importing the apps, and a wheel that installs only ``fedshard``."""
+server, the library never importing the apps nor the lab tooling (``fedshard_lab``, the
+repository's ``lab/``), and a wheel and an app bundle that carry only ``fedshard``."""
 
 from __future__ import annotations
 
 import ast
 import importlib
+import io
 import pkgutil
+import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
 import fedshard
+import fedshard_lab
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -21,6 +26,7 @@ else:  # pragma: no cover - Python 3.10; tomli comes with flwr
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "fedshard"
+LAB = ROOT / "lab" / "fedshard_lab"  # its own distribution: lab/pyproject.toml
 
 
 def _isort_key(name: str) -> tuple[int, str]:
@@ -29,10 +35,12 @@ def _isort_key(name: str) -> tuple[int, str]:
 
 
 def _packages() -> list[str]:
-    names = ["fedshard"]
-    for info in pkgutil.walk_packages(fedshard.__path__, "fedshard."):
-        if info.ispkg:
-            names.append(info.name)
+    names = []
+    for top in (fedshard, fedshard_lab):
+        names.append(top.__name__)
+        for info in pkgutil.walk_packages(top.__path__, f"{top.__name__}."):
+            if info.ispkg:
+                names.append(info.name)
     return names
 
 
@@ -40,8 +48,6 @@ def _packages() -> list[str]:
 def test_every_package_exports_a_sorted_all_whose_names_resolve(name: str) -> None:
     module = importlib.import_module(name)
     exported = getattr(module, "__all__", None)
-    if name == "fedshard.experiments" and exported is None:
-        pytest.skip("a command-line tool, not an import API")
     assert exported is not None, f"{name} has no __all__"
     assert list(exported) == sorted(exported, key=_isort_key), f"{name}.__all__ is not sorted"
     assert len(set(exported)) == len(exported), f"{name}.__all__ repeats a name"
@@ -78,14 +84,21 @@ def _imports(path: Path) -> set[str]:
     return out
 
 
+def _source_root(package: str) -> Path:
+    """The folder that holds ``package``'s top-level package (the lab's is under lab/)."""
+    return ROOT / "lab" if package.split(".")[0] == "fedshard_lab" else ROOT
+
+
 def _module_name(path: Path) -> str:
-    rel = path.relative_to(ROOT).with_suffix("")
+    base = ROOT / "lab" if path.is_relative_to(ROOT / "lab") else ROOT
+    rel = path.relative_to(base).with_suffix("")
     parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
     return ".".join(parts)
 
 
 def _graph(package: str) -> dict[str, set[str]]:
-    files = {_module_name(p): p for p in (ROOT / package.replace(".", "/")).rglob("*.py")}
+    folder = _source_root(package) / package.replace(".", "/")
+    files = {_module_name(p): p for p in folder.rglob("*.py")}
     modules = {m for m in files if not m.endswith("__init__")}
     graph: dict[str, set[str]] = {}
     for name, path in files.items():
@@ -123,7 +136,8 @@ def test_the_cycle_finder_finds_a_planted_cycle() -> None:
     assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
 
 
-@pytest.mark.parametrize("package", ["fedshard.client", "fedshard.server", "fedshard.app"])
+@pytest.mark.parametrize("package", ["fedshard.client", "fedshard.server", "fedshard.app",
+                                     "fedshard_lab.engine", "fedshard_lab.experiments"])
 def test_no_import_cycle_between_the_modules_of(package: str) -> None:
     assert _cycle(_graph(package)) is None
 
@@ -137,8 +151,47 @@ def test_the_library_never_imports_the_apps(library: str) -> None:
             names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
                      else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
             for name in names:
-                assert not name.startswith(("fedshard.app", "fedshard.experiments",
+                assert not name.startswith(("fedshard.app", "fedshard_lab",
                                             "client_app", "server_app")), (path, name)
+
+
+def _imported_names(path: Path) -> list[str]:
+    """Every module ``path`` imports, at module level or inside functions, and every
+    ``importlib.import_module``/``-m`` string that names a module of the lab."""
+    tree = ast.parse(path.read_text())
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            names.append(node.module or "")
+        elif isinstance(node, ast.Import):
+            names.extend(a.name for a in node.names)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if node.value.startswith("fedshard_lab"):
+                names.append(node.value)
+    return names
+
+
+def test_the_import_graph_never_leads_from_fedshard_to_the_lab() -> None:
+    """No module of fedshard names fedshard_lab (an import, anywhere, or a module string)..."""
+    found = [(str(p.relative_to(ROOT)), n) for p in PACKAGE.rglob("*.py")
+             for n in _imported_names(p) if n.split(".")[0] == "fedshard_lab"]
+    assert not found, found
+    assert not (PACKAGE / "experiments").exists() and not (PACKAGE / "app" / "engine").exists()
+    # ... and the lab does import fedshard (the direction the graph goes)
+    assert any(n.split(".")[0] == "fedshard" for p in LAB.rglob("*.py")
+               for n in _imported_names(p))
+
+
+def test_importing_every_fedshard_module_loads_no_lab_module() -> None:
+    """The import graph as Python walks it: every module of fedshard imported in a fresh
+    interpreter, after which no fedshard_lab module is loaded."""
+    code = ("import importlib, pkgutil, sys, fedshard\n"
+            "for m in pkgutil.walk_packages(fedshard.__path__, 'fedshard.'):\n"
+            "    importlib.import_module(m.name)\n"
+            "print(sorted(n for n in sys.modules if n.split('.')[0] == 'fedshard_lab'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, check=True, timeout=300)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
 
 
 def test_the_math_imports_neither_torch_nor_flower() -> None:
@@ -162,7 +215,24 @@ def test_the_wheel_installs_only_the_fedshard_package() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     wheel = project["tool"]["hatch"]["build"]["targets"]["wheel"]
     assert wheel["packages"] == ["fedshard"]
+    assert not list(PACKAGE.rglob("fedshard_lab"))
+    # the lab is its own distribution, installed with pip install -e ./lab
+    lab = tomllib.loads((ROOT / "lab" / "pyproject.toml").read_text())
+    assert lab["project"]["name"] == "fedshard-lab"
+    assert lab["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"] == ["fedshard_lab"]
     assert "force-include" not in wheel  # client_app.py / server_app.py stay project files
     # what flwr run loads is still the project's thin apps
     components = project["tool"]["flwr"]["app"]["components"]
     assert components == {"serverapp": "server_app:app", "clientapp": "client_app:app"}
+
+
+def test_the_app_bundle_does_not_take_the_lab() -> None:
+    """The FAB ``flwr run``/``flwr build`` make from fab-include: the library's code and the
+    thin apps, none of the lab tooling."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    include = project["tool"]["flwr"]["app"]["fab-include"]
+    assert not any(p.startswith(("lab", "fedshard_lab", "**")) for p in include), include
+    build = pytest.importorskip("flwr.cli.build")
+    names = zipfile.ZipFile(io.BytesIO(build.build_fab_from_disk(ROOT))).namelist()
+    assert "server_app.py" in names and "fedshard/server/strategy.py" in names
+    assert not [n for n in names if n.startswith("lab/") or "fedshard_lab" in n]

@@ -5,9 +5,9 @@
 - :mod:`~fedshard.data.images`, :mod:`~fedshard.data.image_files` - image arrays, per-image
   standardization, the idx / CIFAR-pickle / TinyImageNet readers.
 - :mod:`~fedshard.data.shakespeare` - LEAF's Shakespeare JSON, next-character samples.
-- :mod:`~fedshard.data.plays`, :mod:`~fedshard.data.shakespeare_build` - the plays' text
+- :mod:`~fedshard.data.plays`, :mod:`~fedshard_lab.shakespeare_build` - the plays' text
   parsed into speaking roles, and LEAF's data set built from it
-  (``python -m fedshard.data.shakespeare_build DATA_DIR``).
+  (``python -m fedshard_lab.shakespeare_build DATA_DIR``).
 - :mod:`~fedshard.data.fetch` - Fashion-MNIST's official files downloaded once: checksummed,
   renamed into place, one process at a time.
 - :mod:`~fedshard.data.loading` - :func:`load_partition` and :func:`load_test_set`.

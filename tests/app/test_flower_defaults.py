@@ -17,10 +17,10 @@ from flower_grid import InProcessGrid
 
 import client_app
 from fedshard.app.config import RunConfig
-from fedshard.app.engine.run import app_run_config
 from fedshard.app.run import run_server
 from fedshard.app.task import node_partition
 from fedshard.server.callbacks import StopRun
+from fedshard_lab.engine.run import app_run_config
 
 if sys.version_info >= (3, 11):
     import tomllib

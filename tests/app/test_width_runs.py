@@ -15,10 +15,10 @@ from flower_grid import InProcessGrid
 
 import client_app
 from fedshard.app.config import ConfigError, RunConfig
-from fedshard.app.engine import run_engine
 from fedshard.app.run import build_strategy, run_server
 from fedshard.app.task import build_model, width_family
 from fedshard.server.width import WidthSlicing
+from fedshard_lab.engine import run_engine
 
 NODES = 4
 

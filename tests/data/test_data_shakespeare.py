@@ -133,7 +133,7 @@ def test_malformed_samples_are_reported(tmp_path):
 
 def test_missing_leaf_files_explain_preprocessing(tmp_path):
     with pytest.raises(DataNotFoundError,
-                       match=r"python -m fedshard.data.shakespeare_build .*preprocess.sh"):
+                       match=r"python -m fedshard_lab.shakespeare_build .*preprocess.sh"):
         load_test_set("shakespeare", data_dir=tmp_path)
 
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from fedshard.data import plays as pl
-from fedshard.data import shakespeare_build as sb
 from fedshard.data.shakespeare import encode, locate, read_leaf_split
+from fedshard_lab import shakespeare_build as sb
 
 TEXTS = Path(__file__).parent / "shakespeare_texts"
 
@@ -246,7 +246,7 @@ def test_offline_download_error_names_the_way_out(tmp_path, monkeypatch):
 
 def test_cli_end_to_end_with_texts(tmp_path, capsys):
     command = [
-        sys.executable, "-m", "fedshard.data.shakespeare_build", str(tmp_path / "data"),
+        sys.executable, "-m", "fedshard_lab.shakespeare_build", str(tmp_path / "data"),
         "--texts", str(TEXTS), "--min-samples", "0", "--train-fraction", "0.5",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -40,7 +40,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from fedshard.experiments.launch import free_port, kill_tree, processes_with_env, toml_value
+from fedshard_lab.experiments.launch import free_port, kill_tree, processes_with_env, toml_value
 
 MARKER = "FEDSHARD_DEPLOY_ROOT"
 BIN = Path(sys.executable).parent

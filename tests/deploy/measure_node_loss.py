@@ -32,7 +32,7 @@ import flwr
 from deploy_cluster import LocalDeployment
 from machine import emit, provenance
 
-from fedshard.experiments.launch import _children
+from fedshard_lab.experiments.launch import _children
 
 ROOT = Path(__file__).resolve().parents[2]
 FMNIST = Path("/usr/share/datasets/fashion-mnist")

@@ -38,8 +38,8 @@ from deploy_cluster import BIN, LocalDeployment
 
 from fedshard.app.checkpoint import Checkpoint
 from fedshard.app.rundir import RunLock, RunLockedError
-from fedshard.experiments.launch import _alive, kill_tree, processes_with_env
 from fedshard.server.nodes import is_public_key
+from fedshard_lab.experiments.launch import _alive, kill_tree, processes_with_env
 
 ROOT = Path(__file__).resolve().parents[2]
 FMNIST = Path("/usr/share/datasets/fashion-mnist")

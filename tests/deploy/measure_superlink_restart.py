@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from deploy_cluster import LocalDeployment
 from measure_serverapp_exit import _lock_free, _serverapps, start_long_run
 
-from fedshard.experiments.launch import _alive
+from fedshard_lab.experiments.launch import _alive
 
 
 def _rounds(metrics: Path) -> int:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fedshard.experiments.launch import processes_with_env, run_simulation
+from fedshard_lab.experiments.launch import processes_with_env, run_simulation
 
 ROOT = Path(__file__).resolve().parents[2]
 FMNIST = Path("/usr/share/datasets/fashion-mnist")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from fedshard.experiments.launch import free_port, kill_tree, processes_matching, run_simulation
+from fedshard_lab.experiments.launch import free_port, kill_tree, processes_matching, run_simulation
 
 ROOT = Path(__file__).resolve().parents[2]
 FMNIST = Path("/usr/share/datasets/fashion-mnist")

@@ -13,9 +13,9 @@ import numpy as np
 from fedshard.app.checkpoint import Checkpoint
 from fedshard.app.config import RunConfig
 from fedshard.app.rundir import write_private
-from fedshard.experiments import Suite, parse_suite
-from fedshard.experiments.launch import SimulationRun
-from fedshard.experiments.suite import app_defaults
+from fedshard_lab.experiments import Suite, parse_suite
+from fedshard_lab.experiments.launch import SimulationRun
+from fedshard_lab.experiments.suite import app_defaults
 
 ROOT = Path(__file__).resolve().parents[2]
 APP_DEFAULTS = app_defaults(ROOT)

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from test_experiments_report import finish, table_rows
 
-from fedshard.experiments import SuiteError, load_suite, parse_suite, write_report
-from fedshard.experiments.compare import suite_file
+from fedshard_lab.experiments import SuiteError, load_suite, parse_suite, write_report
+from fedshard_lab.experiments.compare import suite_file
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,8 +8,8 @@ from typing import Any
 
 from test_experiments_report import ROOT, png_size
 
-from fedshard.experiments import parse_suite, write_report
-from fedshard.experiments.diagnostics import metric_curves
+from fedshard_lab.experiments import parse_suite, write_report
+from fedshard_lab.experiments.diagnostics import metric_curves
 
 
 def _suite(tmp_path: Path, rounds: int = 25) -> Any:

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from fedshard.experiments import RunState, load_suite, run_suite, suite_status, write_report
-from fedshard.experiments.launch import SimulationRun, processes_with_env, run_simulation
+from fedshard_lab.experiments import RunState, load_suite, run_suite, suite_status, write_report
+from fedshard_lab.experiments.launch import SimulationRun, processes_with_env, run_simulation
 
 ROOT = Path(__file__).resolve().parents[2]
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
@@ -36,7 +36,7 @@ pytestmark = [
 def _interrupt_cli_after_first_round(results: Path) -> tuple[int, list[str]]:
     """Start the CLI on the smoke suite, SIGTERM it once run 1 reports round 1."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fedshard.experiments", "run", "experiments/smoke.toml",
+        [sys.executable, "-m", "fedshard_lab.experiments", "run", "experiments/smoke.toml",
          "--results-dir", str(results)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,

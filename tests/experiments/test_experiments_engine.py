@@ -11,9 +11,9 @@ import fakedata
 import numpy as np
 import pytest
 
-from fedshard.experiments import RunState, SuiteError, load_suite, parse_suite, suite_status
-from fedshard.experiments.__main__ import main
-from fedshard.experiments.launch import launcher_for, run_engine_simulation, run_simulation
+from fedshard_lab.experiments import RunState, SuiteError, load_suite, parse_suite, suite_status
+from fedshard_lab.experiments.__main__ import main
+from fedshard_lab.experiments.launch import launcher_for, run_engine_simulation, run_simulation
 
 ROOT = Path(__file__).resolve().parents[2]
 

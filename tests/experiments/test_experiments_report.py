@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from fedshard.experiments import Suite, parse_suite, write_report
-from fedshard.experiments.suite import RunSpec
+from fedshard_lab.experiments import Suite, parse_suite, write_report
+from fedshard_lab.experiments.suite import RunSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -214,7 +214,7 @@ def test_plot_colours_give_ten_labels_ten_distinct_hues() -> None:
     """With more than ten labels the first ten still get the ten tab10 hues (a paper table has
     eleven rows); taking tab20 in its own order gave Unbiased and Collective two reds."""
     matplotlib = pytest.importorskip("matplotlib")
-    from fedshard.experiments.plots import _colors
+    from fedshard_lab.experiments.plots import _colors
 
     labels = [f"row {i}" for i in range(11)]
     colours = _colors(labels)
@@ -240,8 +240,8 @@ def test_a_column_without_main_setting_cells_bolds_its_best(tmp_path: Path) -> N
 def test_plot_legends_lie_outside_the_data(tmp_path: Path, build: str) -> None:
     """With a paper-sized table (11 rows) a legend inside the axes hides curves or bars; every
     legend must sit outside every panel's plotting area."""
-    from fedshard.experiments import plots as plot_module
-    from fedshard.experiments import report as report_module
+    from fedshard_lab.experiments import plots as plot_module
+    from fedshard_lab.experiments import report as report_module
 
     suite = make_suite(tmp_path)
     populate(suite)

@@ -12,8 +12,8 @@ import pytest
 from runner_fakes import ROOT, FakeLauncher, make_suite, rows_for, save_checkpoint, write_run
 
 from fedshard.app.checkpoint import CHECKPOINT_NAME, PREVIOUS_CHECKPOINT_NAME
-from fedshard.experiments import RunState, load_suite, run_suite, suite_status
-from fedshard.experiments.__main__ import main
+from fedshard_lab.experiments import RunState, load_suite, run_suite, suite_status
+from fedshard_lab.experiments.__main__ import main
 
 
 def interrupted(tmp_path: Path, *, rounds: int = 4, at: int = 2):

@@ -16,7 +16,7 @@ import pytest
 from runner_fakes import ROOT, FakeLauncher, finish_directly, make_suite, rows_for, write_run
 
 from fedshard.app.config import RunConfig
-from fedshard.experiments import (
+from fedshard_lab.experiments import (
     RunState,
     SelectionError,
     StaleRunsError,
@@ -24,9 +24,9 @@ from fedshard.experiments import (
     run_suite,
     suite_status,
 )
-from fedshard.experiments import runner as runner_module
-from fedshard.experiments.__main__ import main
-from fedshard.experiments.launch import SimulationRun
+from fedshard_lab.experiments import runner as runner_module
+from fedshard_lab.experiments.__main__ import main
+from fedshard_lab.experiments.launch import SimulationRun
 
 
 def test_finished_runs_are_skipped_and_partial_ones_rerun_from_scratch(tmp_path: Path) -> None:
@@ -259,8 +259,8 @@ def test_cli_status_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 def test_a_key_added_later_with_its_default_does_not_make_a_run_stale(tmp_path: Path) -> None:
     """Runs finished before fedshard gained a run-config key ran with that key's default."""
-    from fedshard.experiments.runner import RunState, run_status
-    from fedshard.experiments.suite import parse_suite
+    from fedshard_lab.experiments.runner import RunState, run_status
+    from fedshard_lab.experiments.suite import parse_suite
 
     suite = parse_suite(
         {"suite": {"name": "s", "num-supernodes": 3, "seeds": [0], "results-dir": "r"},
@@ -286,8 +286,8 @@ def test_a_run_from_before_the_robust_aggregation_averaged_plainly(tmp_path: Pat
     """A run written before ``align-factors`` and ``max-update-spread`` existed averaged the
     replies plainly: it is stale for a suite on today's defaults, and finished for a suite that
     asks for the plain averages (as the committed suites do)."""
-    from fedshard.experiments.runner import RunState, run_status
-    from fedshard.experiments.suite import parse_suite
+    from fedshard_lab.experiments.runner import RunState, run_status
+    from fedshard_lab.experiments.suite import parse_suite
 
     def spec_for(defaults: dict[str, Any]) -> Any:
         suite = parse_suite(
@@ -357,7 +357,7 @@ def test_status_into_a_closed_pipe_is_quiet(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    command = (f"{sys.executable} -m fedshard.experiments status "
+    command = (f"{sys.executable} -m fedshard_lab.experiments status "
                f"{ROOT / 'experiments' / 'fmnist-table.toml'} --results-dir {tmp_path} | head -1")
     done = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True,
                           text=True, cwd=ROOT, timeout=120)
@@ -365,7 +365,7 @@ def test_status_into_a_closed_pipe_is_quiet(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
     # `head -1` may read everything before it exits, and then nothing breaks. A reader that
     # closes the pipe before Python has started makes the very first write fail, every time.
-    command = (f"{sys.executable} -m fedshard.experiments status "
+    command = (f"{sys.executable} -m fedshard_lab.experiments status "
                f"{ROOT / 'experiments' / 'fmnist-table.toml'} --results-dir {tmp_path} "
                "| (exec 0<&-; sleep 3)")
     done = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True,

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from fedshard.app.config import RunConfig
-from fedshard.experiments import SuiteError, load_suite, parse_suite, run_name
-from fedshard.experiments.suite import RunSpec, app_defaults
+from fedshard_lab.experiments import SuiteError, load_suite, parse_suite, run_name
+from fedshard_lab.experiments.suite import RunSpec, app_defaults
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,8 +17,8 @@ from fault_setup import run_app
 from fedshard.app import checkpoint as ckpt
 from fedshard.app.checkpoint import Checkpoint
 from fedshard.app.config import ConfigError, RunConfig
-from fedshard.experiments import SuiteError, parse_suite, run_suite
-from fedshard.experiments.launch import SimulationRun
+from fedshard_lab.experiments import SuiteError, parse_suite, run_suite
+from fedshard_lab.experiments.launch import SimulationRun
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 from runner_fakes import ROOT, FakeLauncher, make_suite  # the runner tests' fakes
@@ -102,7 +102,7 @@ def test_summary_says_how_many_rounds_trained(tmp_path: Path) -> None:
 
 
 def test_a_summary_with_no_round_trained_is_not_a_finished_run(tmp_path: Path) -> None:
-    from fedshard.experiments.status import RunState, run_status
+    from fedshard_lab.experiments.status import RunState, run_status
 
     suite = make_suite(tmp_path, seeds=(0,))
     run_suite(suite, launch=FakeLauncher(), emit=lambda s: None)

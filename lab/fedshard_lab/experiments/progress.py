@@ -2,7 +2,7 @@
 
 :class:`Progress` turns the rows a run appends to its ``metrics.jsonl`` (read as they grow by
 :class:`MetricsTail`) into progress lines, and estimates the time left from the seconds per
-round and per launch measured so far. Used by :func:`fedshard.experiments.run_suite`.
+round and per launch measured so far. Used by :func:`fedshard_lab.experiments.run_suite`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from fedshard.experiments.suite import RunSpec, Suite
+from fedshard_lab.experiments.suite import RunSpec, Suite
 
 __all__ = ["MetricsTail", "Progress", "format_duration"]
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fedshard.experiments.fields import check_keys, read_field, read_strings
+from fedshard_lab.experiments.fields import check_keys, read_field, read_strings
 
 __all__ = ["TABLE_KEYS", "TableSpec", "parse_tables"]
 

@@ -12,11 +12,11 @@ calls fedshard's handlers, this grid calls the same handlers directly:
 * ``train``: all of a round's train messages go to one :data:`Trainer` together: one after
   another with :func:`~fedshard.client.handlers.handle_train` (:class:`SequentialTrainer`), or
   clients of the same sub-model shapes as one vectorized model
-  (:class:`fedshard.app.engine.batched.BatchedTrainer`);
+  (:class:`fedshard_lab.engine.batched.BatchedTrainer`);
 * ``evaluate``: :func:`~fedshard.client.handlers.handle_evaluate`.
 
 A handler's exception becomes an error reply, as in Flower's runtimes. Each node's data is
-read once for the run (:mod:`fedshard.app.engine.clients`).
+read once for the run (:mod:`fedshard_lab.engine.clients`).
 
 Standing in for Flower's runtime takes three things Flower 1.42 has no public API for: the
 process's task identity (which ``Message(...)`` reads), a routed message's id and sender, and
@@ -41,13 +41,13 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from fedshard.app.config import RunConfig
-from fedshard.app.engine.clients import DataSource, SimulatedNode
 from fedshard.app.task import client_dataset, train_node
 from fedshard.client.handlers import (
     SubmodelCache,
     handle_evaluate,
     handle_query,
 )
+from fedshard_lab.engine.clients import DataSource, SimulatedNode
 
 __all__ = ["EngineGrid", "SequentialTrainer", "TrainJob", "Trainer"]
 
@@ -105,7 +105,7 @@ class EngineGrid(Grid):
     cfg : RunConfig
         The run's validated configuration (what every simulated ClientApp would read).
     nodes : list of SimulatedNode
-        The federation (:func:`~fedshard.app.engine.clients.simulated_nodes`).
+        The federation (:func:`~fedshard_lab.engine.clients.simulated_nodes`).
     model : nn.Module
         The run's model as the ClientApp builds it (:func:`fedshard.app.task.build_model`);
         only read.

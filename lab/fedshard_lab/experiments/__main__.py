@@ -1,4 +1,4 @@
-"""``python -m fedshard.experiments {run,status,report} SUITE``.
+"""``python -m fedshard_lab.experiments {run,status,report} SUITE``.
 
 ``SUITE`` is a suite TOML file, or the name of one in ``./experiments/`` (``smoke`` for
 ``experiments/smoke.toml``). Exit codes: 0 done, 1 some run failed, 2 invalid suite or
@@ -16,16 +16,16 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from fedshard.experiments.launch import ENGINES
-from fedshard.experiments.report import write_report
-from fedshard.experiments.runner import (
+from fedshard_lab.experiments.launch import ENGINES
+from fedshard_lab.experiments.report import write_report
+from fedshard_lab.experiments.runner import (
     RunState,
     SelectionError,
     StaleRunsError,
     run_suite,
     suite_status,
 )
-from fedshard.experiments.suite import Suite, SuiteError, load_suite
+from fedshard_lab.experiments.suite import Suite, SuiteError, load_suite
 
 
 def _say(line: str) -> None:
@@ -96,7 +96,7 @@ def _report(suite: Suite, args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit code."""
     parser = argparse.ArgumentParser(
-        prog="python -m fedshard.experiments",
+        prog="python -m fedshard_lab.experiments",
         description="Run, inspect and report fedshard experiment suites (experiments/*.toml).",
     )
     sub = parser.add_subparsers(dest="command", required=True)

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedshard.experiments.fields import check_keys, read_field
+from fedshard_lab.experiments.fields import check_keys, read_field
 
 if TYPE_CHECKING:
-    from fedshard.experiments.suite import RunSpec, Suite
+    from fedshard_lab.experiments.suite import RunSpec, Suite
 
 __all__ = ["COMPARE_KEYS", "Comparison", "parse_comparisons", "suite_file"]
 
@@ -87,7 +87,7 @@ def parse_comparisons(
     Parameters
     ----------
     entries : sequence of mapping
-        The ``[[compare]]`` blocks (:func:`~fedshard.experiments.fields.read_blocks`).
+        The ``[[compare]]`` blocks (:func:`~fedshard_lab.experiments.fields.read_blocks`).
     suite_dir : Path
         Where relative ``suite`` values resolve (the comparing suite's folder).
     source : str

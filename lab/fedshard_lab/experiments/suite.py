@@ -21,7 +21,7 @@ in the file is reported at once in a :class:`SuiteError`. The file format is des
     keep-ratios = "0.1"
 
     [[compare]]                             # a cell of another suite, shown and never run
-    suite = "fmnist-table"                  # (fedshard.experiments.compare)
+    suite = "fmnist-table"                  # (fedshard_lab.experiments.compare)
     label = "Collective"
     column = "r = 0.1"
 """
@@ -39,9 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from fedshard.app.config import ConfigError, ProblemsError, RunConfig
-from fedshard.experiments.app import app_defaults, find_app_dir
-from fedshard.experiments.compare import Comparison, parse_comparisons
-from fedshard.experiments.fields import (
+from fedshard_lab.experiments.app import app_defaults, find_app_dir
+from fedshard_lab.experiments.compare import Comparison, parse_comparisons
+from fedshard_lab.experiments.fields import (
     check_keys,
     read_blocks,
     read_field,
@@ -50,8 +50,8 @@ from fedshard.experiments.fields import (
     read_table,
     unique,
 )
-from fedshard.experiments.launch import ENGINES
-from fedshard.experiments.tables import TableSpec, parse_tables
+from fedshard_lab.experiments.launch import ENGINES
+from fedshard_lab.experiments.tables import TableSpec, parse_tables
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -176,9 +176,9 @@ class Suite:
     comparisons : tuple of Comparison
         Cells of other suites shown in the report as rows of their own (never run here).
     engine : str
-        How each run is executed (:data:`fedshard.experiments.launch.ENGINES`): ``"flower"``
+        How each run is executed (:data:`fedshard_lab.experiments.launch.ENGINES`): ``"flower"``
         (``flwr run``, the default), ``"sequential"`` or ``"batched"`` (fedshard's in-process
-        engines, :mod:`fedshard.app.engine`); not part of a run's settings.
+        engines, :mod:`fedshard_lab.engine`); not part of a run's settings.
     """
 
     name: str

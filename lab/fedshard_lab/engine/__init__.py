@@ -3,13 +3,13 @@ strategy and the same Messages as ``flwr run`` (``docs/simulation.md``, "Engines
 
 ``sequential`` trains the clients one after another with fedshard's handlers; ``batched``
 trains the clients whose sub-models have the same shapes as one vectorized model
-(:mod:`fedshard.app.engine.batched`). Both run fedshard's own ClientApp recipe only: a
+(:mod:`fedshard_lab.engine.batched`). Both run fedshard's own ClientApp recipe only: a
 user-defined ClientApp, and deployment, go through ``flwr run``.
 """
 
-from fedshard.app.engine.clients import DataSource, SimulatedNode, simulated_nodes
-from fedshard.app.engine.grid import EngineGrid, SequentialTrainer, Trainer, TrainJob
-from fedshard.app.engine.run import ENGINES, app_run_config, engine_grid, run_engine
+from fedshard_lab.engine.clients import DataSource, SimulatedNode, simulated_nodes
+from fedshard_lab.engine.grid import EngineGrid, SequentialTrainer, Trainer, TrainJob
+from fedshard_lab.engine.run import ENGINES, app_run_config, engine_grid, run_engine
 
 __all__ = [
     "ENGINES",

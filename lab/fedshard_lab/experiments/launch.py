@@ -28,7 +28,7 @@ __all__ = ["ENGINES", "SimulationRun", "free_port", "kill_tree", "launcher_for",
            "toml_value"]
 
 #: How a suite's runs are executed: ``flwr run`` (Ray, the default), or fedshard's in-process
-#: engines (:mod:`fedshard.app.engine`: clients one after another, or batched).
+#: engines (:mod:`fedshard_lab.engine`: clients one after another, or batched).
 ENGINES = ("flower", "sequential", "batched")
 
 logger = logging.getLogger(__name__)
@@ -209,8 +209,8 @@ def run_engine_simulation(
     env: Mapping[str, str] | None = None,
     client_num_gpus: float = 0.0,
 ) -> SimulationRun:
-    """The run through fedshard's in-process engine: ``python -m fedshard.app.engine`` in a
-    process of its own (:mod:`fedshard.app.engine`), the same strategy, Messages, results and
+    """The run through fedshard's in-process engine: ``python -m fedshard_lab.engine`` in a
+    process of its own (:mod:`fedshard_lab.engine`), the same strategy, Messages, results and
     checkpoints as :func:`run_simulation`, without the SuperLink and Ray.
 
     The arguments are :func:`run_simulation`'s; ``engine`` is ``"sequential"`` or
@@ -226,7 +226,7 @@ def run_engine_simulation(
     home.mkdir(parents=True, exist_ok=True)
     overrides = home / "run-config.toml"
     overrides.write_text("".join(f"{k} = {toml_value(v)}\n" for k, v in run_config.items()))
-    cmd = [sys.executable, "-m", "fedshard.app.engine", str(app_dir), "--num-nodes",
+    cmd = [sys.executable, "-m", "fedshard_lab.engine", str(app_dir), "--num-nodes",
            str(num_supernodes), "--run-config", str(overrides), "--engine", engine]
     child_env = {**os.environ, "FEDSHARD_ENGINE_HOME": str(home), **(env or {})}
     logger.info("launching: %s", " ".join(cmd))

@@ -2,7 +2,7 @@
 diagnostics (``diagnostics``/``fedavg-cosine`` runs) as curves.
 
 - ``milestones.md`` - per finished run: test accuracy (%) at rounds 10 and 20 (where evaluated),
-  at its last round, and the mean of its last :data:`~fedshard.experiments.cells.LAST_EVALS`
+  at its last round, and the mean of its last :data:`~fedshard_lab.experiments.cells.LAST_EVALS`
   evaluations; then the same per cell (mean over seeds).
 - ``accuracy-per-seed.png`` - test accuracy against round, one panel per seed, one line per
   cell: the seeds' own curves, which the mean over seeds of ``accuracy.png`` hides (with a
@@ -134,7 +134,7 @@ def plot_diagnostics(cells: Sequence[Any], path: Path) -> Path | None:
     present = [m for m in DIAGNOSTICS if any(m in c for c in curves.values())]
     if not present:
         return None
-    from fedshard.experiments.plots import _colors, _figure_legend, _fit_legends, _matplotlib
+    from fedshard_lab.experiments.plots import _colors, _figure_legend, _fit_legends, _matplotlib
 
     _, Figure, FigureCanvasAgg = _matplotlib()
     from matplotlib.ticker import MaxNLocator
@@ -175,7 +175,7 @@ def plot_per_seed(cells: Sequence[Any], path: Path) -> Path | None:
     runs = [(cell, run) for cell in cells for run in cell.runs if run.curve]
     if not runs:
         return None
-    from fedshard.experiments.plots import _colors, _figure_legend, _fit_legends, _matplotlib
+    from fedshard_lab.experiments.plots import _colors, _figure_legend, _fit_legends, _matplotlib
 
     _, Figure, FigureCanvasAgg = _matplotlib()
     from matplotlib.ticker import MaxNLocator
@@ -252,7 +252,7 @@ def plot_cosines(cells: Sequence[Any], path: Path) -> Path | None:
     found = _cosine_runs(cells)
     if not found:
         return None
-    from fedshard.experiments.plots import _colors, _figure_legend, _fit_legends, _matplotlib
+    from fedshard_lab.experiments.plots import _colors, _figure_legend, _fit_legends, _matplotlib
 
     _, Figure, FigureCanvasAgg = _matplotlib()
     from matplotlib.ticker import MaxNLocator

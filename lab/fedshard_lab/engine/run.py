@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from fedshard.app.config import RunConfig
-from fedshard.app.engine.clients import DataSource, simulated_nodes
-from fedshard.app.engine.grid import EngineGrid, SequentialTrainer, Trainer
 from fedshard.app.run import run_server
 from fedshard.app.task import build_model, resolve_device
+from fedshard_lab.engine.clients import DataSource, simulated_nodes
+from fedshard_lab.engine.grid import EngineGrid, SequentialTrainer, Trainer
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -43,7 +43,7 @@ def engine_grid(cfg: RunConfig, num_nodes: int, *, engine: str = "sequential",
     engine : {"sequential", "batched"}
         ``"sequential"``: each client with fedshard's handler, one after another.
         ``"batched"``: the clients of a round whose sub-models have the same shapes as one
-        vectorized model (:mod:`fedshard.app.engine.batched`).
+        vectorized model (:mod:`fedshard_lab.engine.batched`).
     device : str, optional
         Where the nodes train (default: the run's ``client-device``).
     data : DataSource, optional
@@ -61,7 +61,7 @@ def engine_grid(cfg: RunConfig, num_nodes: int, *, engine: str = "sequential",
     model = build_model(cfg)
     trainer: Trainer
     if engine == "batched":
-        from fedshard.app.engine.batched import BatchedTrainer
+        from fedshard_lab.engine.batched import BatchedTrainer
 
         trainer = BatchedTrainer(model, cfg, dev)
     else:

@@ -1,8 +1,8 @@
 """The numbers of a suite's finished runs, one :class:`Cell` per row label and column.
 
 :func:`collect` reads every run folder of a suite (and of its ``[[compare]]`` rows) through
-:func:`fedshard.experiments.status.run_status`: only *finished* runs count; a stale one is
-left out with a warning. The report (:mod:`fedshard.experiments.report`), its plots and its
+:func:`fedshard_lab.experiments.status.run_status`: only *finished* runs count; a stale one is
+left out with a warning. The report (:mod:`fedshard_lab.experiments.report`), its plots and its
 milestone tables (:mod:`.plots`, :mod:`.diagnostics`) all draw from these cells.
 """
 
@@ -14,9 +14,9 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from fedshard.experiments.diagnostics import metric_curves
-from fedshard.experiments.status import RunState, run_status
-from fedshard.experiments.suite import RunSpec, Suite
+from fedshard_lab.experiments.diagnostics import metric_curves
+from fedshard_lab.experiments.status import RunState, run_status
+from fedshard_lab.experiments.suite import RunSpec, Suite
 
 __all__ = ["LAST_EVALS", "Cell", "RunResult", "collect"]
 
@@ -56,7 +56,7 @@ class Cell:
     ``mean``/``std`` are over ``runs`` (std: sample standard deviation, ``None`` with fewer
     than two seeds). ``marked``: fewer finished seeds than the suite's main setting, or a
     number of rounds other than the main setting's. ``source``: the other suite's name for a
-    ``[[compare]]`` row (:mod:`fedshard.experiments.compare`), ``None`` for this suite's own.
+    ``[[compare]]`` row (:mod:`fedshard_lab.experiments.compare`), ``None`` for this suite's own.
     """
 
     label: str

@@ -8,7 +8,7 @@ A run is *finished* when its folder has ``summary.json`` (written last, atomical
 finished run with other settings is *stale*. A run that is not finished is *resumable* when its
 server checkpoint (``fedshard.app.checkpoint``, the newest readable of the last two) was written
 with the suite's settings (apart from :data:`fedshard.app.checkpoint.RESUME_MAY_CHANGE`) before
-the last round, else *partial*. :func:`fedshard.experiments.run_suite` acts on these states.
+the last round, else *partial*. :func:`fedshard_lab.experiments.run_suite` acts on these states.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 from fedshard.app.checkpoint import RESUME_MAY_CHANGE, Checkpoint, CheckpointError
 from fedshard.app.config import RunConfig
-from fedshard.experiments.suite import RunSpec, Suite
+from fedshard_lab.experiments.suite import RunSpec, Suite
 
 __all__ = ["RunState", "RunStatus", "StaleRunsError", "run_status", "suite_status"]
 

@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedshard.experiments.suite import Suite
+from fedshard_lab.experiments.suite import Suite
 
 if TYPE_CHECKING:
-    from fedshard.experiments.cells import Cell
+    from fedshard_lab.experiments.cells import Cell
 
 __all__ = ["plot_accuracy", "plot_anme"]
 

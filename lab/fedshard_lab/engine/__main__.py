@@ -1,6 +1,6 @@
-"""``python -m fedshard.app.engine [APP_DIR] --num-nodes N [--run-config ...] [--engine ...]``.
+"""``python -m fedshard_lab.engine [APP_DIR] --num-nodes N [--run-config ...] [--engine ...]``.
 
-Runs a fedshard simulation in this process (:func:`fedshard.app.engine.run_engine`) with the
+Runs a fedshard simulation in this process (:func:`fedshard_lab.engine.run_engine`) with the
 app's run-config defaults and the overrides given as ``flwr run --run-config`` takes them (a
 TOML file, or ``"key=value key=value"``). Exit codes: 0 done, 1 the run failed, 2 invalid
 configuration (nothing was run).
@@ -20,13 +20,13 @@ from flwr.common.config import parse_config_args
 from flwr.common.logger import log
 
 from fedshard.app.config import ConfigError
-from fedshard.app.engine.run import ENGINES, app_run_config, run_engine
+from fedshard_lab.engine.run import ENGINES, app_run_config, run_engine
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit code."""
     parser = argparse.ArgumentParser(
-        prog="python -m fedshard.app.engine",
+        prog="python -m fedshard_lab.engine",
         description="Run a fedshard simulation in this process: the same strategy, messages, "
         "results and checkpoints as `flwr run`, the clients trained here.")
     parser.add_argument("app_dir", nargs="?", type=Path, default=Path("."),

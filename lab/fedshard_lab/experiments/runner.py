@@ -1,6 +1,6 @@
 """Run an experiment suite: one ``flwr run`` per run, resumable, with progress and an ETA.
 
-What each run's folder holds decides what happens to it (:mod:`fedshard.experiments.status`).
+What each run's folder holds decides what happens to it (:mod:`fedshard_lab.experiments.status`).
 Finished runs are skipped. A *resumable* run (interrupted or failed, with a checkpoint of the
 suite's settings) continues after its checkpoint's round (``resume=true``; every random stream
 is derived from ``(seed, round, ...)``, so the result is the uninterrupted run's). A *partial*
@@ -33,16 +33,16 @@ from typing import Any, Protocol
 
 from fedshard.app.config import ProblemsError
 from fedshard.app.rundir import RunLock, RunLockedError
-from fedshard.experiments.launch import SimulationRun, launcher_for
-from fedshard.experiments.progress import MetricsTail, Progress, format_duration
-from fedshard.experiments.status import (
+from fedshard_lab.experiments.launch import SimulationRun, launcher_for
+from fedshard_lab.experiments.progress import MetricsTail, Progress, format_duration
+from fedshard_lab.experiments.status import (
     RunState,
     RunStatus,
     StaleRunsError,
     run_status,
     suite_status,
 )
-from fedshard.experiments.suite import RunSpec, Suite
+from fedshard_lab.experiments.suite import RunSpec, Suite
 
 __all__ = [
     "Launcher",
@@ -64,7 +64,7 @@ logger = logging.getLogger(__name__)
 
 class Launcher(Protocol):
     """Runs one simulation for :func:`run_suite`
-    (:func:`fedshard.experiments.launch.run_simulation`)."""
+    (:func:`fedshard_lab.experiments.launch.run_simulation`)."""
 
     def __call__(
         self,
@@ -175,10 +175,10 @@ def run_suite(
     Parameters
     ----------
     suite : Suite
-        A validated suite (:func:`fedshard.experiments.load_suite`).
+        A validated suite (:func:`fedshard_lab.experiments.load_suite`).
     launch : Launcher, optional
         Runs one simulation; by default the suite's engine's
-        (:func:`fedshard.experiments.launch.launcher_for`: ``flwr run`` for ``"flower"``, the
+        (:func:`fedshard_lab.experiments.launch.launcher_for`: ``flwr run`` for ``"flower"``, the
         in-process engine otherwise; tests inject a fake).
     emit : callable, optional
         Receives one progress line per event (run started/skipped/done/failed, each round);
