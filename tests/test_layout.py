@@ -165,9 +165,9 @@ def _imported_names(path: Path) -> list[str]:
             names.append(node.module or "")
         elif isinstance(node, ast.Import):
             names.extend(a.name for a in node.names)
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-            if node.value.startswith("fedshard_lab"):
-                names.append(node.value)
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
+              and node.value.startswith("fedshard_lab")):
+            names.append(node.value)
     return names
 
 
