@@ -66,12 +66,17 @@ ALTERNATIVES: dict[str, str] = {
 }
 
 
+def _sources() -> list[Path]:
+    """The library, the lab package (where the pinned internals live) and the two apps."""
+    return [*sorted((ROOT / "fedshard").rglob("*.py")),
+            *sorted((ROOT / "lab" / "fedshard_lab").rglob("*.py")),
+            ROOT / "client_app.py", ROOT / "server_app.py"]
+
+
 def _flower_imports() -> list[tuple[str, str]]:
-    """``(file, module)`` for every Flower import in the library and the two apps."""
-    files = [*sorted((ROOT / "fedshard").rglob("*.py")), ROOT / "client_app.py",
-             ROOT / "server_app.py"]
+    """``(file, module)`` for every Flower import in the library, the lab and the two apps."""
     found = []
-    for path in files:
+    for path in _sources():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names = [node.module]
@@ -101,7 +106,7 @@ def test_the_library_writes_into_flower_objects_in_one_place() -> None:
     """Writes into an object's ``__dict__`` (how a Flower object's stored fields are set where
     it has no setter) happen in the engine's ``_route`` only."""
     found = []
-    for path in sorted((ROOT / "fedshard").rglob("*.py")):
+    for path in _sources():
         tree = ast.parse(path.read_text())
         for func in ast.walk(tree):
             if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
