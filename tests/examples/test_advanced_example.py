@@ -12,13 +12,13 @@ with what the server sent.
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import json
 import re
 import sys
 from pathlib import Path
 
+import adoption_diff
 import numpy as np
 import pytest
 import tomllib
@@ -33,25 +33,8 @@ MAX_CHANGED_LINES = 13
 HEAD = "classification-head"
 
 
-def python_files(tree: Path) -> dict[str, list[str]]:
-    return {str(p.relative_to(tree)): p.read_text().splitlines()
-            for p in sorted(tree.rglob("*.py")) if "__pycache__" not in p.parts}
-
-
 def changes() -> tuple[int, set[str], set[str]]:
-    """Lines changed from before/ to after/ (a line replaced by one counts once: per difflib
-    opcode, the longer side), and the removed and added lines themselves."""
-    before, after = python_files(EXAMPLE / "before"), python_files(EXAMPLE / "after")
-    assert before.keys() == after.keys(), "the adoption adds or removes no Python file"
-    changed, removed, added = 0, set(), set()
-    for name in before:
-        a, b = before[name], after[name]
-        for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b).get_opcodes():
-            if tag != "equal":
-                changed += max(i2 - i1, j2 - j1)
-                removed.update(line.strip() for line in a[i1:i2])
-                added.update(line.strip() for line in b[j1:j2])
-    return changed, removed, added
+    return adoption_diff.changes(EXAMPLE / "before", EXAMPLE / "after")
 
 
 def shown_diffs() -> dict[str, str]:

@@ -4,12 +4,12 @@ over the same local files feeding dict samples to handle_train."""
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import re
 import sys
 from pathlib import Path
 
+import adoption_diff
 import numpy as np
 import pytest
 import torch
@@ -27,18 +27,7 @@ def test_the_diffs_shown_are_the_real_change() -> None:
     """The adoption diff in the example's README, on the integration page and in the
     repository's README is before/ -> after/, line for line, and the count they give is it
     (a line replaced by one counts once: per difflib opcode, the longer side)."""
-    trees = [{str(q.relative_to(t)): q.read_text().splitlines() for q in sorted(t.rglob("*.py"))
-              if "__pycache__" not in q.parts} for t in (EXAMPLE.parent / "before", EXAMPLE)]
-    before, after = trees
-    assert before.keys() == after.keys(), "the adoption adds or removes no Python file"
-    changed, removed, added = 0, set(), set()
-    for name in before:
-        a, b = before[name], after[name]
-        for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b).get_opcodes():
-            if tag != "equal":
-                changed += max(i2 - i1, j2 - j1)
-                removed.update(line.strip() for line in a[i1:i2])
-                added.update(line.strip() for line in b[j1:j2])
+    changed, removed, added = adoption_diff.changes(EXAMPLE.parent / "before", EXAMPLE)
     pages = {"example README": (EXAMPLE.parent / "README.md").read_text(),
              "integration.md": (ROOT / "docs" / "integration.md").read_text(),
              "README.md": (ROOT / "README.md").read_text()}
