@@ -13,7 +13,8 @@ server checks (:data:`ATTACKS`, one reply at a time):
   harmless once aligned); ``factors-x1e3`` / ``factors-x-1e3``: factors times ±1e3;
   ``factors-gauge``: ``U, V -> 10 U, V / 10`` (``UVᵀ`` unchanged);
 * ``replay``: the node's first reply sent again each round (this round's framing);
-* ``num-examples``: honest arrays with ``num-examples = 2**53``; ``num-examples+negated``;
+* ``num-examples``: honest arrays with ``num-examples = 2**53``; ``num-examples+negated``,
+  ``num-examples+update-x1000``: with the update negated / times 1000 too;
 * ``noise``: each array's update replaced by Gaussian noise of its norm; ``constant``;
   ``zero`` (the sent arrays back);
 * ``label-flip``: honest training on labels ``9 − y``;
@@ -32,7 +33,10 @@ node, and the honest nodes they named. Prints one JSON object (machine, torch, d
 the tables made from it are in ``docs/robustness.md``.
 
 Usage: ``OMP_NUM_THREADS=1 python benchmarks/attack_table.py [--attacks a,b] [--defences d,e]
-[--attackers 1,3] [--seeds 0,1,2] [--rounds 12] [--width 64] [--train 12000] [--test 2000]``;
+[--methods m,n] [--attackers 1,3] [--seeds 0,1,2] [--rounds 12] [--width 64] [--train 12000]
+[--test 2000]``; with ``--methods`` (run-config ``method`` values: ``collective``,
+``heterofl``, ``fedrolex``, ``ordered-dropout``, ...) every defence runs under each method and
+its table is named ``method/defence``, the method among its keys;
 ``python benchmarks/attack_table.py --markdown OUT.json [...]`` prints the docs' table from
 saved outputs; ``python benchmarks/attack_table.py --merge A.json B.json [...]`` prints one
 output holding the seeds of several runs of the same cells (same size, defences and attacks,
@@ -73,6 +77,7 @@ from fedshard.app.config import RunConfig  # noqa: E402
 from fedshard.app.run import run_server  # noqa: E402
 from fedshard.app.task import client_dataset, template_model  # noqa: E402
 from fedshard.client import handle_train  # noqa: E402
+from fedshard.settings import SHARDING_METHODS, WIDTH_METHODS  # noqa: E402
 
 REAL = Path("/usr/share/datasets/fashion-mnist")
 N_NODES = 10
@@ -192,6 +197,7 @@ ATTACKS: dict[str, Attack] = {
     "replay": _replay,
     "num-examples": _big_n,
     "num-examples+negated": lambda s, r, m: _update_times(-1.0)(s, _big_n(s, r, m), m),
+    "num-examples+update-x1000": lambda s, r, m: _update_times(1000.0)(s, _big_n(s, r, m), m),
     "noise": _like_update(lambda d, rng: rng.normal(size=d.shape)),
     "constant": _like_update(lambda d, rng: np.ones_like(d)),
     "zero": _zero,
@@ -429,7 +435,7 @@ def run_cell(root: Path, base: dict[str, Any], attack: str | None, attackers: in
     acc = [r["test-accuracy"] for r in rows if "test-accuracy" in r and r.get("round", 0) > 0]
     counts = {k: sum(r.get(k, 0.0) for r in rows) for k in (
         "clipped-update-spread", "clipped-update-norm", "clipped-num-examples",
-        "re-signed-terms", "rebalanced-terms")}
+        "re-signed-terms", "rebalanced-terms", "update-spread-held", "held-num-examples")}
     honest_named = {n for nodes in named.named.values() for n in nodes if n not in bad}
     return {"accuracy": round(float(np.mean(acc[-last:])), 4) if acc else None,
             "final": round(float(acc[-1]), 4) if acc else None, "status": status,
@@ -444,6 +450,8 @@ def run_cell(root: Path, base: dict[str, Any], attack: str | None, attackers: in
 LABELS = {
     "update-x10": "update ×10", "update-x1000": "update ×1000", "factors-x1e3": "factors ×1e3",
     "factors-sign-flip": "factors re-signed", "num-examples": "`num-examples` 2⁵³",
+    "num-examples+update-x1000": "update ×1000, `num-examples` 2⁵³",
+    "num-examples+negated": "update negated, `num-examples` 2⁵³",
     "negated": "update negated", "replay": "replay", "noise": "noise", "zero": "zero update",
     "label-flip": "label flip", "alie": "ALIE", "ipm": "IPM", "min-max": "min-max",
     "min-sum": "min-sum",
@@ -540,6 +548,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--attacks", default=",".join([*ATTACKS, *ROUND_ATTACKS]))
     ap.add_argument("--defences", default="default")
+    ap.add_argument("--methods", default="",
+                    help="run-config methods, each with every defence (e.g. collective,"
+                         "heterofl,fedrolex,ordered-dropout); a table is then named "
+                         "method/defence. Empty: the app's default method, tables named by "
+                         "defence")
     ap.add_argument("--attackers", default="1,3")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--rounds", type=int, default=12)
@@ -558,6 +571,10 @@ def main() -> None:
         raise SystemExit(f"unknown attack or defence {unknown}; expected attacks from "
                          f"{[*ATTACKS, *ROUND_ATTACKS]}, defences from {list(DEFENCES)}")
     seeds = [int(x) for x in args.seeds.split(",")]
+    methods: list[str] = [m for m in args.methods.split(",") if m] or [""]
+    known = (*SHARDING_METHODS, *WIDTH_METHODS)
+    if any(m and m not in known for m in methods):
+        raise SystemExit(f"unknown method in {methods}; expected methods from {list(known)}")
     t0 = time.perf_counter()
     out: dict[str, Any] = {
         "size": {"nodes": N_NODES, "rounds": args.rounds, "model": f"mlp width {args.width}",
@@ -569,44 +586,42 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         data = _subset(Path(tmp) / "data", args.train, args.test)
         cell = 0
-        for name in args.defences.split(","):
-            table: dict[str, Any] = {"keys": DEFENCES[name], "clean": {}, "attacks": {}}
+        for method, name in ((m, d) for m in methods for d in args.defences.split(",")):
+            keys = {**({"method": method} if method else {}), **DEFENCES[name]}
+            table: dict[str, Any] = {"keys": keys, "clean": {}, "attacks": {}}
+            label = f"{method}/{name}" if method else name
             clean: dict[int, float] = {}
-            for seed in seeds:
-                base = {"dataset": "fashion-mnist", "data-dir": str(data), "model": "mlp",
+
+            def base(seed: int) -> dict[str, Any]:
+                return {"dataset": "fashion-mnist", "data-dir": str(data), "model": "mlp",
                         "model-width": args.width, "num-server-rounds": args.rounds,
                         "num-partitions": N_NODES, "min-available-nodes": N_NODES,
-                        **TABLE_KEYS,
-                        "test-max-examples": args.test, "eval-every": 1, "seed": seed,
-                        **DEFENCES[name]}
+                        **TABLE_KEYS, "test-max-examples": args.test, "eval-every": 1,
+                        "seed": seed, **keys}  # noqa: B023 (used in this iteration only)
+
+            for seed in seeds:
                 cell += 1
-                row = run_cell(Path(tmp) / f"c{cell}", base, None, 0, args.last)
+                row = run_cell(Path(tmp) / f"c{cell}", base(seed), None, 0, args.last)
                 clean[seed] = row["accuracy"]
                 table["clean"][str(seed)] = row
-                print(name, "clean", seed, row, file=sys.stderr, flush=True)
+                print(label, "clean", seed, row, file=sys.stderr, flush=True)
             for attack in attacks:
                 for k in (int(x) for x in args.attackers.split(",")):
                     cells = {}
                     for seed in seeds:
-                        base = {"dataset": "fashion-mnist", "data-dir": str(data),
-                                "model": "mlp", "model-width": args.width,
-                                "num-server-rounds": args.rounds, "num-partitions": N_NODES,
-                                "min-available-nodes": N_NODES, "test-max-examples": args.test,
-                                "eval-every": 1, "seed": seed, **TABLE_KEYS,
-                                **DEFENCES[name]}
                         cell += 1
-                        row = run_cell(Path(tmp) / f"c{cell}", base, attack, k, args.last)
+                        row = run_cell(Path(tmp) / f"c{cell}", base(seed), attack, k, args.last)
                         row["delta-points"] = (round(100 * (row["accuracy"] - clean[seed]), 2)
                                                if row["accuracy"] is not None else None)
                         cells[str(seed)] = row
-                        print(name, attack, k, seed, row, file=sys.stderr, flush=True)
+                        print(label, attack, k, seed, row, file=sys.stderr, flush=True)
                     deltas = [c["delta-points"] for c in cells.values()
                               if c["delta-points"] is not None]
                     table["attacks"][f"{attack}/{k}"] = {
                         "delta-points-mean": round(float(np.mean(deltas)), 2) if deltas else None,
                         "delta-points-worst": round(float(min(deltas)), 2) if deltas else None,
                         "seeds": cells}
-            out["results"][name] = table
+            out["results"][label] = table
     out["wall-s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(out))
 

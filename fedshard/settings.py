@@ -464,9 +464,10 @@ class ReplyPolicy(Settings):
     max_weight_ratio : float
         ≥ 1 (default 2): a reply's ``num-examples`` above this multiple of the round's median
         (the lower median of the accepted replies) is clipped to it and counted
-        (``clipped-num-examples``); a node beyond 100 × the median is named in a WARNING, the
-        others in one INFO line per round. Honest nodes of equal size never reach it; honest
-        nodes holding more than twice the median's data are weighted as twice the median.
+        (``clipped-num-examples``); a node beyond 100 × the median is not believed: named in
+        a WARNING and weighted as the median (``held-num-examples``); the others are listed
+        in one INFO line per round. Honest nodes of equal size never reach it; honest nodes
+        holding more than twice the median's data are weighted as twice the median.
         0: off (FedAvg's weights).
     aggregation : str
         Per term and dense entry: ``"mean"`` (the paper's weighted mean), ``"median"`` or
@@ -490,7 +491,10 @@ class ReplyPolicy(Settings):
         together) or of a dense entry, relative to what it was sent, above κ times the round's
         median (over the nodes, at least 3) is shrunk to it, logged and counted
         (``clipped-update-spread``): one step of centred clipping around the sent model
-        (:mod:`fedshard.server.robust`). 0: off.
+        (:mod:`fedshard.server.robust`). A node whose update is out of line as a whole,
+        further than the data it reports explains, is aggregated as a typical node: each
+        change shrunk to the round's median change, its weight to the median weight
+        (``update-spread-held``). 0: off.
     max_diverged_fraction : float
         In ``[0, 1]``: the run stops (``TrainingDivergedError``, logged as an ERROR) after a
         round in which more than this share of the nodes that replied, and at least two of

@@ -181,3 +181,16 @@ def test_robustness_pages_six_seed_table_is_the_committed_measurement(
     assert json.loads(path.read_text())["size"]["seeds"] == [0, 1, 2, 3, 4, 5]
     rows = at.markdown([str(path)]).split("\n\n", 1)[1]
     assert rows in (DOCS / "robustness.md").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("name", ["attacks-width-before-hold-seeds-0-2",
+                                  "attacks-width-seeds-0-5", "attacks-collective-seeds-0-2"])
+def test_robustness_pages_width_tables_are_the_committed_measurements(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/robustness.md's width-slicing tables (per method, before and after the median hold)
+    are what benchmarks/attack_table.py prints from the committed outputs, table for table."""
+    at = _attack_table(monkeypatch)
+    path = DOCS.parent / "results" / "robustness" / f"{name}.json"
+    out = json.loads(path.read_text())
+    assert all(table["keys"].get("method") for table in out["results"].values())
+    assert at.markdown([str(path)]) in (DOCS / "robustness.md").read_text(encoding="utf-8")

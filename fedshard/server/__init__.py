@@ -8,7 +8,8 @@
 - :mod:`~fedshard.server.rounds` - one training round: shard per keep-ratio group, check the
   replies, aggregate every term over its holders, rebuild W.
 - :mod:`~fedshard.server.robust` - what one dishonest node can do within the bounds, undone:
-  terms re-signed and re-balanced, the spread bound, Flower's robust rules on dense replies.
+  terms re-signed and re-balanced, the weight cap, the spread bound (a node out of line held
+  to the median), Flower's robust rules on dense replies.
 - :mod:`~fedshard.server.nodes` - waiting for nodes, their declared keep ratios, the rules
   that bound them, seeded node sampling.
 - :mod:`~fedshard.server.schedule` - a run's rounds (resumed runs count on) and the

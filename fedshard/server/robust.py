@@ -13,9 +13,14 @@ counted in the round's metrics:
 
 * :func:`align_replies` (``align_factors``, on by default): each term in the sign and balance of
   the term sent (``re-signed-terms``, ``rebalanced-terms``); a no-op for honest nodes;
+* :func:`weight_bound` (``max_weight_ratio``, 2 by default): a ``num-examples`` above that
+  multiple of the round's median is weighted as that multiple, one beyond :data:`FAR_WEIGHT`
+  times the median as the median (``clipped-num-examples``, ``held-num-examples``);
 * :func:`spread_replies` (``max_update_spread`` = κ, 2 by default): a node's change of a layer
   or dense entry beyond κ times the round's median is shrunk to it (``clipped-update-spread``,
-  ``update-spread-max``);
+  ``update-spread-max``); a node whose update is out of line as a whole, beyond what its
+  ``num-examples`` explains, is aggregated as a typical node: each of its changes shrunk to
+  the round's median change, its weight to the median weight (``update-spread-held``);
 * :func:`dense_rule` (``aggregation`` = ``dense-median`` / ``dense-trimmed-mean`` / ``krum``):
   :func:`coordinatewise_median` / :func:`coordinatewise_trimmed_mean` / :func:`krum` over each
   reply's whole model, the rules of Flower's ``FedMedian`` / ``FedTrimmedAvg`` / ``Krum``
@@ -46,17 +51,51 @@ from fedshard.spectral.aggregate import (
 from fedshard.spectral.decompose import LayerSpectrum
 
 __all__ = [
+    "FAR_WEIGHT",
     "align_replies",
     "coordinatewise_median",
     "coordinatewise_trimmed_mean",
     "dense_rule",
     "krum",
     "spread_replies",
+    "weight_bound",
 ]
+
+#: A ``num-examples`` beyond this multiple of the round's median is not believed: the node is
+#: named in a WARNING and weighted as the median (:func:`weight_bound`), and its update is
+#: judged as a typical node's (:func:`spread_replies`). Honest nodes holding more data than
+#: most, up to this multiple, are weighted at most ``max_weight_ratio`` times the median.
+FAR_WEIGHT = 100.0
 
 
 def _count(metrics: dict[str, float], name: str, k: float) -> None:
     metrics[name] = metrics.get(name, 0.0) + k
+
+
+def weight_bound(weight: float, median: float, ratio: float) -> float:
+    """The weight a reply claiming ``weight`` examples is aggregated with, in a round whose
+    (lower) median claim is ``median``, under ``max_weight_ratio`` = ``ratio``.
+
+    Parameters
+    ----------
+    weight : float
+        The reply's ``num-examples`` (checked: a whole number in ``[1, 2**53]``).
+    median : float
+        The round's lower median ``num-examples`` (``statistics.median_low``).
+    ratio : float
+        ``max_weight_ratio``: 0 (off: FedAvg's weights) or at least 1.
+
+    Returns
+    -------
+    float
+        ``weight`` up to ``ratio × median``; above it ``ratio × median`` (an honest node
+        holding more data than most gets there); beyond :data:`FAR_WEIGHT` × ``median`` the
+        claim is not believed and the reply is weighted as the median, a typical node.
+        With ``ratio`` 0, ``weight`` itself.
+    """
+    if not ratio or weight <= ratio * median:
+        return weight
+    return median if weight > FAR_WEIGHT * median else ratio * median
 
 
 def align_replies(server_round: int, accepted: Sequence[P.TrainReply],
@@ -111,7 +150,8 @@ def _groups(reply: P.TrainReply, spectra: Mapping[str, LayerSpectrum]
 
 def spread_replies(server_round: int, accepted: Sequence[P.TrainReply],
                    sent: Mapping[int, P.SentShard], spectra: Mapping[str, LayerSpectrum],
-                   policy: ReplyPolicy, metrics: dict[str, float]) -> list[P.TrainReply]:
+                   policy: ReplyPolicy, metrics: dict[str, float],
+                   claimed: Mapping[int, float] | None = None) -> list[P.TrainReply]:
     """``accepted`` with each node's change of a sharded layer (``u`` and ``v`` together)
     or of a dense floating entry, relative to what it was sent, shrunk to
     ``policy.max_update_spread`` (κ) times the round's median change of it
@@ -127,17 +167,35 @@ def spread_replies(server_round: int, accepted: Sequence[P.TrainReply],
     (k times the data, k times the steps). Honest nodes on different data pass the bound on
     a few entries (a bias, a norm's scale, one layer) while the rest of their update is
     typical, and honest data-rich nodes move in proportion to their data: they are listed in
-    one INFO line per round with their largest excess. In ``metrics``,
-    ``clipped-update-spread`` counts the (node, layer or entry) pairs, ``update-spread-max``
-    is the largest change over its median, before shrinking, and ``update-spread-warned``
-    the nodes named in a WARNING.
+    one INFO line per round with their largest excess.
+
+    A named node whose update is out of line even against the data it claims (the same test
+    with k its ``claimed`` ``num-examples`` over the round's median weight, before the weight
+    cap; a claim beyond :data:`FAR_WEIGHT` times the median is not believed and counts as the
+    median) is *held to the median*: each of its changes is shrunk to the round's median
+    change of that layer or entry and its weight to the round's median weight, so that it
+    pulls on every average it enters as a typical node does. The two bounds alone leave such
+    a node ``κ × max_weight_ratio`` (4) times a typical node's pull on each average. An
+    honest node holding k times the median's data and moving up to k times further is not
+    held. In ``metrics``, ``clipped-update-spread`` counts the (node, layer or entry) pairs
+    shrunk to κ, ``update-spread-max`` is the largest change over its median, before
+    shrinking, ``update-spread-warned`` the nodes named in a WARNING and
+    ``update-spread-held`` those held to the median.
+
+    ``claimed`` maps each node to the ``num-examples`` it reported, before the weight cap
+    (default: the replies' weights). Width slicing's replies go through the same rule: every
+    entry of a node's narrow ``state_dict`` is a group, its change taken over the slice the
+    node holds.
 
     Notes
     -----
     One step of centred clipping (Karimireddy, He & Jaggi, ICML 2021, Alg. 2) with the sent
     model as the centre and a radius taken from the round's own median, so that no tuning is
     needed: a minority of nodes cannot move the median, and a node's pull on each average is
-    at most κ times a typical node's.
+    at most κ times a typical node's. Holding a node to the median change is FLTrust's
+    normalization (Cao, Fang, Liu & Gong, NDSS 2021: every update rescaled to the magnitude
+    of a trusted reference update, so that scaling an update buys no influence) with the
+    round's median change as the reference, applied to the nodes the evidence names only.
     """
     kappa = policy.max_update_spread
     if not kappa or len(accepted) < 3:
@@ -147,6 +205,8 @@ def spread_replies(server_round: int, accepted: Sequence[P.TrainReply],
     excess: dict[int, float] = {}  # a node's largest change over the median
     over: dict[int, int] = {}  # how many of a node's layers and entries were beyond κ
     groups = _groups(accepted[0], spectra)
+    # per group: what each node was sent, each node's change and the round's median change
+    seen: dict[str, tuple[list[list[np.ndarray]], list[float], float]] = {}
     for name, keys in groups.items():
         before = [[sent[r.node].values[k] for k in keys] for r in accepted]
         # a dense entry was sent to every node as the same array: its norm is taken once
@@ -157,6 +217,7 @@ def spread_replies(server_round: int, accepted: Sequence[P.TrainReply],
                                    sent_sq=norms[tuple(map(id, arrays))])
                    for arrays, v in zip(before, values, strict=True)]
         median = float(np.median(changes))
+        seen[name] = (before, changes, median)
         if median > 0:
             metrics["update-spread-max"] = max(metrics.get("update-spread-max", 0.0),
                                                max(changes) / median)
@@ -171,9 +232,19 @@ def spread_replies(server_round: int, accepted: Sequence[P.TrainReply],
                 over[accepted[i].node] = over.get(accepted[i].node, 0) + 1
                 _count(metrics, "clipped-update-spread", 1.0)
     weights = {r.node: r.weight for r in accepted}
+    claims = weights if claimed is None else {n: claimed.get(n, w) for n, w in weights.items()}
     typical = statistics.median_low(weights.values())  # as max-weight-ratio's median
     warned = {n for n in notes if _out_of_line(excess[n], over[n], len(groups), kappa,
                                                weights[n] / typical if typical > 0 else 1.0)}
+    held = {n for n in warned if _out_of_line(excess[n], over[n], len(groups), kappa,
+                                              _believed(claims[n], typical))}
+    for i, r in enumerate(accepted):
+        if r.node in held:  # every change from the aligned reply to the median, κ or not
+            for name, keys in groups.items():
+                before, changes, median = seen[name]
+                if changes[i] > median:
+                    for k, b in zip(keys, before[i], strict=True):
+                        values[i][k] = shrink_change(b, r.values[k], median / changes[i])
     near = sorted(set(notes) - warned)
     if near:
         log(INFO, "Round %d: %d node(s) changed a few layers or entries more than "
@@ -184,20 +255,41 @@ def spread_replies(server_round: int, accepted: Sequence[P.TrainReply],
             ", ".join(f"{n}: {excess[n]:.3g}x" for n in near[:20]))
     if warned:
         metrics["update-spread-warned"] = float(len(warned))
+    if held:
+        metrics["update-spread-held"] = float(len(held))
     for node, what in notes.items():
-        if node not in warned:
-            continue
-        # with the same local epochs, a node holding more data takes more steps and moves
-        # further: an honest data-rich node can pass the bound, and the operator must see it
-        hint = (" A node holding much more data than most moves further with honest training: "
-                "if this node is honest, raise max-update-spread (0 turns the bound off)."
-                if weights[node] >= 2 * typical else "")
-        log(WARNING, "Round %d: node %d changed more than max-update-spread=%g times the "
-            "round's median change (%s); its change is shrunk to that bound. It is weighted "
-            "as %g examples, the round's median %g.%s", server_round, node, kappa,
-            one_line(", ".join(what[:8]), 600), weights[node], typical, hint)
-    return [replace(r, values=v) if r.node in notes else r
+        if node in held:
+            far = claims[node] > FAR_WEIGHT * typical
+            log(WARNING, "Round %d: node %d changed more than max-update-spread=%g times the "
+                "round's median change (%s), further than the %.0f examples it reports "
+                "explain (the round's median %g%s); it is aggregated as a typical node: each "
+                "of its changes is shrunk to the round's median change and it is weighted as "
+                "%g examples.", server_round, node, kappa, one_line(", ".join(what[:8]), 600),
+                claims[node], typical,
+                f"; a number beyond {FAR_WEIGHT:g} times it is not believed" if far else "",
+                min(weights[node], typical))
+        elif node in warned:
+            # with the same local epochs, a node holding more data takes more steps and moves
+            # further: an honest data-rich node can pass the bound, and the operator must see it
+            hint = (" A node holding much more data than most moves further with honest "
+                    "training: if this node is honest, raise max-update-spread (0 turns the "
+                    "bound off)." if weights[node] >= 2 * typical else "")
+            log(WARNING, "Round %d: node %d changed more than max-update-spread=%g times the "
+                "round's median change (%s); its change is shrunk to that bound. It is "
+                "weighted as %g examples, the round's median %g.%s", server_round, node,
+                kappa, one_line(", ".join(what[:8]), 600), weights[node], typical, hint)
+    return [replace(r, values=v, weight=min(r.weight, typical)) if r.node in held
+            else replace(r, values=v) if r.node in notes else r
             for r, v in zip(accepted, values, strict=True)]
+
+
+def _believed(claim: float, typical: float) -> float:
+    """A node's claimed data over the round's median weight, as the out-of-line test reads
+    it: at least 1, and 1 for a claim beyond :data:`FAR_WEIGHT` times the median (not
+    believed) or a round whose median weight is 0."""
+    if typical <= 0 or claim > FAR_WEIGHT * typical:
+        return 1.0
+    return max(1.0, claim / typical)
 
 
 def _out_of_line(excess: float, over: int, groups: int, kappa: float,

@@ -34,7 +34,13 @@ from fedshard.server.metrics import (
     send_metrics,
     weighted_means,
 )
-from fedshard.server.robust import align_replies, dense_rule, spread_replies
+from fedshard.server.robust import (
+    FAR_WEIGHT,
+    align_replies,
+    dense_rule,
+    spread_replies,
+    weight_bound,
+)
 from fedshard.settings import LocalTraining, ReplyPolicy, Sharding
 from fedshard.spectral.aggregate import DENSE_AGGREGATIONS, aggregate_state
 from fedshard.spectral.decompose import LayerSpectrum, layer_spectrum
@@ -135,7 +141,10 @@ class RoundState:
 
     def bound_weights(self, accepted: list[P.TrainReply]) -> list[P.TrainReply]:
         """``accepted`` with every weight above ``max_weight_ratio`` times the round's (lower)
-        median weight clipped to it, each logged; ``clipped-num-examples`` counts them."""
+        median weight clipped to it, one beyond :data:`~fedshard.server.robust.FAR_WEIGHT`
+        times the median set to the median (:func:`~fedshard.server.robust.weight_bound`),
+        each logged; ``clipped-num-examples`` counts them, ``held-num-examples`` those set to
+        the median."""
         ratio = self.replies.max_weight_ratio
         if not ratio or not accepted:
             return accepted
@@ -146,9 +155,12 @@ class RoundState:
         for r in accepted:
             if r.weight > cap:
                 capped.append((r.node, r.weight))
-                r = replace(r, weight=cap)
+                r = replace(r, weight=weight_bound(r.weight, median, ratio))
                 self.metrics["clipped-num-examples"] = (
                     self.metrics.get("clipped-num-examples", 0.0) + 1.0)
+                if r.weight < cap:
+                    self.metrics["held-num-examples"] = (
+                        self.metrics.get("held-num-examples", 0.0) + 1.0)
             out.append(r)
         log_weight_caps(self.server_round, capped, ratio, median)
         return out
@@ -161,10 +173,11 @@ class RoundState:
         client-side ones; logged)."""
         t0 = time.perf_counter()
         accepted, dropped, missing = self.collect(replies)
+        claimed = {r.node: r.weight for r in accepted}  # num-examples before the weight cap
         accepted = self.bound_weights(accepted)
         accepted = spread_replies(self.server_round, align_replies(
             self.server_round, accepted, self.sent, self.replies, self.metrics), self.sent,
-            self.spectra, self.replies, self.metrics)
+            self.spectra, self.replies, self.metrics, claimed)
         self.accepted = accepted
         new_arrays = self.aggregate(accepted) if accepted else None
         metrics = reply_metrics(self.metrics, accepted, dropped, missing,
@@ -369,7 +382,7 @@ def evaluate_round(server_round: int, replies: Iterable[Message], aggr_fn: Metri
         for i, (node, weight, values) in enumerate(checked):
             if weight > ratio * median:
                 capped.append((node, weight))
-                checked[i] = (node, ratio * median, values)
+                checked[i] = (node, weight_bound(weight, median, ratio), values)
                 row["clipped-eval-num-examples"] = row.get("clipped-eval-num-examples", 0) + 1.0
         log_weight_caps(server_round, capped, ratio, median)
     records = [_record(values, weight, weight_key) for _, weight, values in checked]
@@ -380,22 +393,19 @@ def evaluate_round(server_round: int, replies: Iterable[Message], aggr_fn: Metri
         "eval-nodes": float(len(records))})
 
 
-#: A ``num-examples`` beyond this multiple of the round's median is named in a WARNING; the
-#: nodes capped from below it (honest nodes holding more data than most get there) are listed
-#: in one INFO line per round.
-FAR_WEIGHT = 100.0
-
-
 def log_weight_caps(server_round: int, capped: Sequence[tuple[int, float]], ratio: float,
                     median: float) -> None:
     """Log the nodes whose ``num-examples`` was capped at ``ratio`` × ``median``: each one
-    beyond :data:`FAR_WEIGHT` × the median in a WARNING, the others in one INFO line."""
+    beyond :data:`~fedshard.server.robust.FAR_WEIGHT` × the median (weighted as the median)
+    in a WARNING, the others (honest nodes holding more data than most get there) in one INFO
+    line."""
     near = sorted((node, w) for node, w in capped if w <= FAR_WEIGHT * median)
     for node, weight in capped:
         if weight > FAR_WEIGHT * median:
-            log(WARNING, "Round %d: node %d reports num-examples=%.0f, more than "
-                "max-weight-ratio=%g times the round's median %g; it is weighted as %g.",
-                server_round, node, weight, ratio, median, ratio * median)
+            log(WARNING, "Round %d: node %d reports num-examples=%.0f, more than %g times "
+                "the round's median %g, which is not believed (max-weight-ratio=%g caps "
+                "honest nodes holding more data than most); it is weighted as the median, %g.",
+                server_round, node, weight, FAR_WEIGHT, median, ratio, median)
     if near:
         log(INFO, "Round %d: %d node(s) report num-examples above max-weight-ratio=%g times "
             "the round's median %g (up to %.3g times it; nodes %s): each is weighted as %g. "

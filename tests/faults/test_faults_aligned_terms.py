@@ -191,13 +191,18 @@ def test_a_round_aligns_and_clips_the_attacker_and_leaves_the_honest_replies(
     new, row = one_round(s, g)
     assert new is not None and row["replies-used"] == 3.0
     assert row["re-signed-terms"] == 5.0 and row["clipped-update-spread"] == 1.0
+    assert row["update-spread-held"] == 1.0
     assert "node 1000 returned terms in another sign or balance" in flower_logs.text
     assert "node 1000 changed more than max-update-spread=5" in flower_logs.text
-    # each node holds 24 examples: the weight is shown, and no hint about data-rich nodes
-    assert "It is weighted as 24 examples, the round's median 24." in flower_logs.text
+    # each node holds 24 examples: its change is out of line with what 24 examples explain,
+    # so it is held to the median, and no hint about data-rich nodes
+    assert ("further than the 24 examples it reports explain (the round's median 24); it is "
+            "aggregated as a typical node: each of its changes is shrunk to the round's median "
+            "change and it is weighted as 24 examples.") in flower_logs.text
     assert "raise max-update-spread" not in flower_logs.text
     sent = {m.metadata.dst_node_id: m for m in g.sent if m.metadata.message_type == "train"}
-    # the reference: node 1000's reply re-signed and clipped by hand, the others as sent back
+    # the reference: node 1000's reply re-signed and held to the median by hand (its weight
+    # is the median's, 24, as every node's), the others as sent back
     att = seen[1000].content[P.ARRAYS]
     su, sv = (sent[1000].content[P.ARRAYS][f"hidden.{p}"].numpy().astype(np.float64)
               for p in ("u", "v"))
@@ -212,7 +217,7 @@ def test_a_round_aligns_and_clips_the_attacker_and_leaves_the_honest_replies(
                                 / (np.sum(s_u ** 2) + np.sum(s_v ** 2))))
     mine = math.sqrt((np.sum((u - su) ** 2) + np.sum((v - sv) ** 2))
                      / (np.sum(su ** 2) + np.sum(sv ** 2)))
-    factor = 5.0 * sorted([mine, *honest])[1] / mine
+    factor = sorted([mine, *honest])[1] / mine  # held to the median change, not 5 x it
     att["hidden.u"] = Array((su + factor * (u - su)).astype(np.float32))
     att["hidden.v"] = Array((sv + factor * (v - sv)).astype(np.float32))
     want = _mean_and_rebuild(sent, seen, before, "hidden")
@@ -222,24 +227,33 @@ def test_a_round_aligns_and_clips_the_attacker_and_leaves_the_honest_replies(
 def test_a_clipped_node_weighted_twice_the_median_is_told_apart_in_the_log(
     flower_logs: pytest.LogCaptureFixture,
 ) -> None:
-    # honest training on much more data moves further; the operator reads which case it is
+    # honest training on much more data moves further; the operator reads which case it is.
+    # Factors x40 move ~9,700 x the median: more than 47 or 48 examples explain (held to the
+    # median); factors x5 move ~1,000 x: within what 90 x the median's data explains (named
+    # at the bound, with the hint, weighted 2 x the median)
     def data_rich(factor: float, examples: int):
         scale, claim = scale_arrays(factor, lambda k: k.endswith((".u", ".v"))), \
             set_metric(P.NUM_EXAMPLES, examples)
         return lambda reply: claim(scale(reply))
 
-    for examples, hinted in ((47, False), (48, True)):  # the median is 24
+    for factor, examples, held in ((40.0, 47, True), (40.0, 48, True), (5.0, 24 * 90, False)):
         flower_logs.clear()
         g = grid()
-        g.tamper[1000] = data_rich(40.0, examples)
+        g.tamper[1000] = data_rich(factor, examples)
         _, row = one_round(strategy(max_update_ratio=0.0, max_update_spread=5.0), g)
-        assert row["clipped-update-spread"] == 1.0
+        assert row["clipped-update-spread"] == 1.0 and row["update-spread-warned"] == 1.0
+        assert ("update-spread-held" in row) is held
         [line] = {r.getMessage() for r in flower_logs.records  # (one line, seen twice)
                   if "changed more than max-update-spread" in r.getMessage()}
         assert line.startswith("Round 1: node 1000 changed more than max-update-spread=5")
-        assert f"It is weighted as {examples} examples, the round's median 24." in line
-        assert ("if this node is honest, raise max-update-spread (0 turns the bound off)"
-                in line) is hinted
+        if held:
+            assert (f"further than the {examples} examples it reports explain (the round's "
+                    "median 24); it is aggregated as a typical node") in line
+            assert "raise max-update-spread" not in line
+        else:
+            assert "It is weighted as 48 examples, the round's median 24." in line
+            assert "if this node is honest, raise max-update-spread (0 turns the bound off)" \
+                in line
 
 
 def test_a_node_just_past_the_bound_is_listed_at_info_one_far_past_it_warned(

@@ -22,7 +22,7 @@ def flower_logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
     logging.getLogger("flwr").removeHandler(caplog.handler)
 
 
-def test_an_outsized_num_examples_is_clipped_to_a_multiple_of_the_median(flower_logs) -> None:
+def test_an_outsized_num_examples_is_weighted_as_the_median(flower_logs) -> None:
     g = grid()
 
     def zeroed_and_heavy(reply: Message) -> Message:
@@ -31,12 +31,13 @@ def test_an_outsized_num_examples_is_clipped_to_a_multiple_of_the_median(flower_
 
     g.tamper[1000] = zeroed_and_heavy
     new, row = one_round(strategy(), g)
-    assert row["clipped-num-examples"] == 1.0
-    assert row["num-examples"] == 24 + 24 + 2 * 24  # each node holds 24 examples
-    assert ("Round 1: node 1000 reports num-examples=1000000000000, more than "
-            "max-weight-ratio=2 times the round's median 24; it is weighted as 48") \
+    assert row["clipped-num-examples"] == 1.0 and row["held-num-examples"] == 1.0
+    assert row["num-examples"] == 24 + 24 + 24  # each node holds 24 examples
+    assert ("Round 1: node 1000 reports num-examples=1000000000000, more than 100 times the "
+            "round's median 24, which is not believed (max-weight-ratio=2 caps honest nodes "
+            "holding more data than most); it is weighted as the median, 24.") \
         in flower_logs.text
-    # the zeroed reply weighs 48/96 of the average, not all of it
+    # the zeroed reply weighs 24/72 of the average, as a typical node, not all of it
     head = new["head.weight"].numpy()
     assert abs(head).max() > 1e-3
 
@@ -128,15 +129,17 @@ def test_aggregating_a_round_never_configured_is_warned(flower_logs) -> None:
 
 def test_a_node_just_past_the_weight_cap_is_listed_at_info_one_far_past_it_warned(
         flower_logs) -> None:
-    # honest nodes holding more data than most pass 2 x the median: one INFO line per round;
-    # a claim beyond 100 x the median is named in a WARNING
+    # honest nodes holding more data than most pass 2 x the median: one INFO line per round,
+    # weighted as 2 x the median; a claim beyond 100 x the median is named in a WARNING and
+    # weighted as the median
     for claim, level in ((24 * 50, logging.INFO), (24 * 101, logging.WARNING)):
         flower_logs.clear()
         g = grid()
         g.tamper[1000] = set_metric("num-examples", claim)
         _, row = one_round(strategy(), g)
         assert row["clipped-num-examples"] == 1.0
-        assert row["num-examples"] == 24 + 24 + 2 * 24
+        assert ("held-num-examples" in row) is (level == logging.WARNING)
+        assert row["num-examples"] == 24 + 24 + (24 if level == logging.WARNING else 2 * 24)
         lines = {(r.levelno, r.getMessage()) for r in flower_logs.records  # (seen twice)
                  if "max-weight-ratio=2" in r.getMessage()}
         assert [lvl for lvl, _ in lines] == [level], lines
