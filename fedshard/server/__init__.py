@@ -12,8 +12,12 @@
 - :mod:`~fedshard.server.fedavg_cosine` - the paper's post-gradient analysis (Sec. 4.4).
 - :mod:`~fedshard.server.callbacks` - what a run does around its rounds (:class:`RoundCallback`:
   the strategy's own checks and stops, yours); :mod:`~fedshard.server.side_jobs` - central
-  evaluation and TensorBoard as callbacks.
+  evaluation and TensorBoard as callbacks; :mod:`~fedshard.server.progress` - is the run
+  learning (the slow start of a sharded model, an accuracy that keeps falling).
 - :mod:`~fedshard.server.privacy` - Flower's DP wrappers refused (they assume dense replies).
+- :mod:`~fedshard.server.legacy` - Flower's legacy server refused at once (fedshard needs the
+  Message API): the strategies get the legacy ``Strategy`` hooks, each raising
+  :class:`~fedshard.protocol.LegacyApiError` with the migration guide.
 """
 
 from fedshard.server.callbacks import (
@@ -32,8 +36,10 @@ from fedshard.server.callbacks import (
     UnchangingModel,
     default_callbacks,
 )
+from fedshard.server.legacy import message_api_only
 from fedshard.server.metrics import mean_client_metrics
 from fedshard.server.nodes import load_keep_ratio_table
+from fedshard.server.progress import FallingAccuracy, SlowStart
 from fedshard.server.schedule import cosine_lr
 from fedshard.server.side_jobs import CentralEvaluation, TensorBoardLog
 from fedshard.server.strategy import (
@@ -45,6 +51,10 @@ from fedshard.server.strategy import (
 from fedshard.server.width import WidthSlicing
 from fedshard.settings import LR_SCHEDULES
 
+# Here rather than on the class statement, so that the strategy module stays about the rounds;
+# WidthSlicing inherits the refusing hooks.
+message_api_only(SpectralSharding)
+
 __all__ = [
     "LR_SCHEDULES",
     "NO_TRAINING_PATIENCE",
@@ -52,10 +62,12 @@ __all__ = [
     "CentralEvaluation",
     "CompoundingMultipliers",
     "ConfigPrecedence",
+    "FallingAccuracy",
     "NoRoundTrainedError",
     "RoundCallback",
     "ShardingBudgetReport",
     "SingleNodeGroups",
+    "SlowStart",
     "SmallCohort",
     "SpectralSharding",
     "StopOnDivergence",
