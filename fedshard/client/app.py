@@ -1,8 +1,16 @@
 """Flower glue for existing projects: a ``ClientApp`` that declares its keep ratio, and a mod
-that turns a FedAvg-style ``train`` reply into a shard reply (see ``docs/integration.md``)."""
+that turns a FedAvg-style ``train`` reply into a shard reply (see ``docs/integration.md``).
+
+The app is a ClientApp of Flower's Message API: a legacy ``client_fn`` is refused when the app
+is built (:class:`~fedshard.protocol.LegacyApiError`), and so are Flower's mods that assume
+every node sends the dense model's arrays (:func:`refused_mod`): ``LocalDpMod``, the
+central-DP clipping mods and the secure-aggregation mods.
+"""
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from flwr.app import Context, Message
@@ -13,7 +21,73 @@ from fedshard.client.handlers import handle_query, keep_ratio_of, node_key_of
 from fedshard.client.keep_ratios import KeepRatioMixture, KeepRatios, node_keep_ratio
 from fedshard.client.shard import receipt_of, receiving, rules_metrics, shard_reply
 
-__all__ = ["ShardingClientApp", "sharding_mod"]
+__all__ = ["ShardingClientApp", "refused_mod", "sharding_mod"]
+
+#: Why Flower's own mods cannot wrap a fedshard node, by the mod's name (functions) or class.
+_REFUSED_MODS = {
+    "LocalDpMod": (
+        "it clips and noises each reply array against the sent array of the same key (local "
+        "DP on the dense model's update), and a shard reply has other keys (ω is left out, the "
+        "term indices are echoed) and factor arrays whose change is not the model's change, so "
+        "it answers every train message with an error reply (the training is lost). For "
+        "differential privacy on a node, train the received sub-model with DP-SGD (Opacus's "
+        "PrivacyEngine.make_private on shard.model, then shard.rules.attach(dp_optimizer)): "
+        "docs/integration.md, \"Differential privacy and secure aggregation\""),
+    "fixedclipping_mod": (
+        "it clips the node's update for Flower's central-DP strategy wrappers "
+        "(DifferentialPrivacyClientSide*Clipping), which assume every node sends the dense "
+        "model's arrays and cannot drive SpectralSharding (the strategy refuses them)"),
+    "adaptiveclipping_mod": (
+        "it clips the node's update for Flower's central-DP strategy wrappers "
+        "(DifferentialPrivacyClientSideAdaptiveClipping), which assume every node sends the "
+        "dense model's arrays and cannot drive SpectralSharding (the strategy refuses them)"),
+    "secaggplus_mod": (
+        "SecAgg+ masks each node's reply so that only the sum over nodes can be read, which "
+        "needs every node to send a vector of the same length in the same order; fedshard's "
+        "nodes send different terms, of different shapes (and the server averages each term "
+        "over the nodes that hold it, not over all). Secure aggregation is not supported"),
+    "secagg_mod": (
+        "SecAgg masks each node's reply so that only the sum over nodes can be read, which "
+        "needs every node to send a vector of the same length in the same order; fedshard's "
+        "nodes send different terms, of different shapes. Secure aggregation is not "
+        "supported"),
+}
+
+
+def refused_mod(mod: object) -> str | None:
+    """Why Flower's mod ``mod`` cannot wrap a fedshard node's handlers, or ``None`` for a mod
+    that can (your own, ``arrays_size_mod``, ``message_size_mod``, ...).
+
+    Recognized by name: ``LocalDpMod`` (an instance), ``fixedclipping_mod``,
+    ``adaptiveclipping_mod``, ``secagg_mod`` and ``secaggplus_mod``, from ``flwr.clientapp.mod``
+    or the legacy ``flwr.client.mod``.
+    """
+    if isinstance(mod, type):
+        return None
+    function = inspect.isfunction(mod)
+    module = mod.__module__ if function else type(mod).__module__
+    if not module.startswith("flwr."):
+        return None  # a mod of yours, whatever its name
+    return _REFUSED_MODS.get(_mod_name(mod))
+
+
+def _check_mods(mods: Sequence[Any] | None, where: str) -> list[Any]:
+    """``mods`` as a list; ``ValueError`` naming every mod that cannot wrap a fedshard node."""
+    mods = list(mods or [])
+    found = [(m, refused_mod(m)) for m in mods]
+    refused = [(m, why) for m, why in found if why is not None]
+    if refused:
+        lines = "; ".join(f"{_mod_name(m)}: {why}" for m, why in refused)
+        raise ValueError(
+            f"{where}(mods=[...]) got Flower's {', '.join(_mod_name(m) for m, _ in refused)}, "
+            f"which cannot wrap a node of spectral model sharding: {lines}. No app was built "
+            "(nothing was sent): leave these mods out.")
+    return mods
+
+
+def _mod_name(mod: object) -> str:
+    """A function's name, else the object's class name (``LocalDpMod(...)``)."""
+    return str(mod.__name__) if inspect.isfunction(mod) else type(mod).__name__
 
 
 def sharding_mod(msg: Message, context: Context, call_next: Any) -> Message:
@@ -81,18 +155,35 @@ class ShardingClientApp(ClientApp):
         :func:`keep_ratio_of`'s (node config, run config ``keep-ratio`` or ``keep-ratios``,
         ``default_keep_ratio``).
 
+    client_fn : callable, optional
+        Refused: a ``client_fn`` (Flower's legacy API) raises
+        :class:`~fedshard.protocol.LegacyApiError` naming the migration to the Message API.
+
     Raises
     ------
     ValueError, TypeError
-        For a ``keep_ratios`` that cannot be read (when the app is built, before any round).
+        For a ``keep_ratios`` that cannot be read, or one of Flower's mods that cannot wrap a
+        fedshard node (:func:`refused_mod`: ``LocalDpMod``, the DP clipping and
+        secure-aggregation mods), in ``mods`` or in a handler's ``@app.train(mods=...)``
+        (when the app is built, before any round).
+    fedshard.protocol.LegacyApiError
+        (a ``TypeError``) for a ``client_fn``.
     """
 
     def __init__(self, default_keep_ratio: float | None = None,
                  mods: list[Any] | None = None, *, keep_ratios: KeepRatios | None = None,
-                 ) -> None:
+                 client_fn: Callable[..., Any] | None = None) -> None:
+        if client_fn is not None or callable(default_keep_ratio):
+            raise P.legacy_api_error(
+                "ShardingClientApp(client_fn=...) got a client_fn, which builds a legacy "
+                "NumPyClient/Client",
+                "app = ShardingClientApp(); @app.train() def train(msg, context): shard = "
+                "receive(msg, Net()); ... return shard.reply(num_examples=...)",
+                "No app was built.")
         # the capability query is answered before any mod of yours: your mods see only the
         # messages of your handlers (a mod reading msg.content["config"] keeps working)
-        super().__init__(mods=[self._capabilities, sharding_mod, *(mods or [])])
+        mods = _check_mods(mods, "ShardingClientApp")
+        super().__init__(mods=[self._capabilities, sharding_mod, *mods])
         self.default_keep_ratio = default_keep_ratio
         if isinstance(keep_ratios, str):
             keep_ratios = KeepRatioMixture.parse(keep_ratios)  # a bad mix fails here
@@ -102,6 +193,21 @@ class ShardingClientApp(ClientApp):
                             "of the node config; no app was built")
         self.keep_ratios = keep_ratios
         self.query()(self._answer)  # Flower needs a query handler; the mod answers first
+
+    def train(self, action: str = "default", *, mods: list[Any] | None = None) -> Any:
+        """Flower's ``@app.train()``; a refused mod (:func:`refused_mod`) raises
+        ``ValueError``."""
+        return super().train(action, mods=_check_mods(mods, "@app.train") or None)
+
+    def evaluate(self, action: str = "default", *, mods: list[Any] | None = None) -> Any:
+        """Flower's ``@app.evaluate()``; a refused mod (:func:`refused_mod`) raises
+        ``ValueError``."""
+        return super().evaluate(action, mods=_check_mods(mods, "@app.evaluate") or None)
+
+    def query(self, action: str = "default", *, mods: list[Any] | None = None) -> Any:
+        """Flower's ``@app.query()``; a refused mod (:func:`refused_mod`) raises
+        ``ValueError``."""
+        return super().query(action, mods=_check_mods(mods, "@app.query") or None)
 
     def _capabilities(self, msg: Message, context: Context, call_next: Any) -> Message:
         """A mod, the app's first: answers fedshard's capability query and passes every other

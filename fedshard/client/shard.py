@@ -38,6 +38,7 @@ from fedshard.client.train.config import TrainConfig
 from fedshard.client.train.optim import build_optimizer
 from fedshard.client.train.rules import ClientRules, RulesReport
 from fedshard.spectral import LayerFactors, build_submodel
+from fedshard.spectral.per_sample import register_if_opacus_loaded
 
 __all__ = ["CLIP_LR_TERMS", "Shard", "SubmodelCache", "receipt_of", "receive", "receiving",
            "rules_metrics", "shard_reply", "submodel_from_record"]
@@ -158,7 +159,7 @@ class Shard:
     ----------
     model : nn.Module
         A copy of your model with each sharded layer replaced by its ``U·diag(ω)·Vᵀ`` layer
-        (trainable ``u``, ``v``; frozen buffer ``omega``), on ``device``.
+        (trainable ``u``, ``v``; frozen parameter ``omega``), on ``device``.
     settings : fedshard.protocol.TrainSettings
         The server's settings for this round: the recipe
         (:class:`~fedshard.settings.LocalTraining`: ``lr`` already scheduled, ``local_epochs``,
@@ -191,6 +192,7 @@ class Shard:
         telling an enclosing :func:`receiving` block."""
         settings = P.TrainSettings.from_record(msg.content.config_records[P.CONFIG])
         sub, layers = submodel_from_record(model, msg.content.array_records[P.ARRAYS], cache)
+        register_if_opacus_loaded()  # DP-SGD: Opacus takes the factorized layers' formulas
         dev = torch.device(device)
         sub = sub.to(dev)
         return cls(sub, settings, tuple(layers), msg, dev, ClientRules.of(sub, settings))
@@ -264,7 +266,8 @@ def receipt_of(report: RulesReport) -> P.Receipt:
     applied = report.steps > 0
     return P.Receipt(report.optimizer, report.lr, report.steps,
                      applied and report.clip_lr_tau is not None,
-                     applied and report.frobenius_decay > 0)
+                     applied and report.frobenius_decay > 0,
+                     report.dp_sgd, report.noise_multiplier, report.max_grad_norm)
 
 
 def rules_metrics(report: RulesReport, active: bool) -> dict[str, float]:

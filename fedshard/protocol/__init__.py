@@ -1,5 +1,9 @@
 """The wire contract between :class:`~fedshard.server.strategy.SpectralSharding` and its clients.
 
+It is a contract of Flower's Message API: the legacy API (``client_fn``, ``server_fn``, a
+``Strategy`` with ``configure_fit``) is refused with :class:`LegacyApiError`
+(:mod:`fedshard.protocol.message_api`).
+
 Every record key is defined here once; the strategy, the client handlers and the tests import
 them. Keys are kebab-case (Flower's convention), array keys follow ``state_dict`` names.
 
@@ -69,6 +73,7 @@ from fedshard.protocol.keys import (
     is_factor_key,
     layer_of,
 )
+from fedshard.protocol.message_api import MESSAGE_API_GUIDE, LegacyApiError, legacy_api_error
 from fedshard.protocol.receipts import RECEIPT_KEYS, Receipt, read_receipt
 from fedshard.protocol.settings import NODE_KEYS, RECIPE_KEYS, TRAIN_CONFIG_KEYS, TrainSettings
 from fedshard.protocol.shards import (
@@ -90,6 +95,7 @@ __all__ = [
     "EVAL_LOSS",
     "KEEP_RATIO",
     "LR",
+    "MESSAGE_API_GUIDE",
     "METRICS",
     "NODE_KEY",
     "NODE_KEYS",
@@ -104,6 +110,7 @@ __all__ = [
     "TRAIN_LOSS",
     "UPDATE_POLICIES",
     "Capabilities",
+    "LegacyApiError",
     "Receipt",
     "SentShard",
     "TrainReply",
@@ -120,6 +127,7 @@ __all__ = [
     "is_capability_query",
     "is_factor_key",
     "layer_of",
+    "legacy_api_error",
     "query_message",
     "read_capabilities",
     "read_count",

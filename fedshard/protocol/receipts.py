@@ -2,7 +2,10 @@
 
 The reply's ``"config"`` record (which echoes ``server-round``) carries the optimizer class that
 stepped the received factors, its learning rate at the first step, the number of steps the
-client rules applied to and whether ClipLR and Frobenius decay were applied. The server
+client rules applied to and whether ClipLR and Frobenius decay were applied; a node that trained
+with DP-SGD (Opacus) also says so, with its noise multiplier σ and clipping norm C
+(``trained-dp-sgd``, ``trained-noise-multiplier``, ``trained-max-grad-norm``; left out
+otherwise, so the replies of nodes without DP are as before). The server
 compares them with what it sent (:class:`fedshard.server.callbacks.TrainingReceipts`). A
 receipt is a node's word, bounded and checked like every other value a node sends; a reply
 without one (an older node) is used as before.
@@ -19,7 +22,8 @@ __all__ = ["RECEIPT_KEYS", "Receipt", "read_receipt"]
 
 #: The reply config's receipt keys.
 RECEIPT_KEYS = ("trained-optimizer", "trained-lr", "trained-steps", "trained-clip-lr",
-                "trained-frobenius-decay")
+                "trained-frobenius-decay", "trained-dp-sgd", "trained-noise-multiplier",
+                "trained-max-grad-norm")
 
 #: Longest optimizer name a receipt may carry.
 MAX_NAME = 64
@@ -41,6 +45,10 @@ class Receipt:
         Optimizer steps the client rules applied to.
     clip_lr, frobenius_decay : bool
         Whether ClipLR and Frobenius decay were applied (set and some step applied them).
+    dp_sgd : bool
+        Whether the factors' gradients were privatized by DP-SGD (Opacus's ``DPOptimizer``).
+    noise_multiplier, max_grad_norm : float or None
+        DP-SGD's noise multiplier σ and per-example clipping norm C, when known.
     """
 
     optimizer: str
@@ -48,14 +56,24 @@ class Receipt:
     steps: int
     clip_lr: bool
     frobenius_decay: bool
+    dp_sgd: bool = False
+    noise_multiplier: float | None = None
+    max_grad_norm: float | None = None
 
     def entries(self) -> dict[str, Any]:
-        """The reply config's entries (``trained-lr`` left out when unknown)."""
+        """The reply config's entries (``trained-lr`` left out when unknown; the DP-SGD
+        entries only for a node that trained with it)."""
         out: dict[str, Any] = {"trained-optimizer": self.optimizer, "trained-steps": self.steps,
                                "trained-clip-lr": self.clip_lr,
                                "trained-frobenius-decay": self.frobenius_decay}
         if self.lr is not None:
             out["trained-lr"] = float(self.lr)
+        if self.dp_sgd:
+            out["trained-dp-sgd"] = True
+            for key, value in (("trained-noise-multiplier", self.noise_multiplier),
+                               ("trained-max-grad-norm", self.max_grad_norm)):
+                if value is not None:
+                    out[key] = float(value)
         return out
 
 
@@ -79,4 +97,16 @@ def read_receipt(config: Mapping[str, Any] | None) -> Receipt | str | None:
     if not isinstance(clip, bool) or not isinstance(decay, bool):
         return (f"trained-clip-lr={clip!r:.20}, trained-frobenius-decay={decay!r:.20}: "
                 "expected True or False")
-    return Receipt(name, None if lr is None else float(lr), steps, clip, decay)
+    dp = config.get("trained-dp-sgd", False)
+    if not isinstance(dp, bool):
+        return f"trained-dp-sgd={dp!r:.20}: expected True or False"
+    dp_values: list[float | None] = []
+    for key in ("trained-noise-multiplier", "trained-max-grad-norm"):
+        value = config.get(key)
+        if value is not None and (not dp or isinstance(value, bool)
+                                  or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value < 0):
+            return (f"{key}={value!r:.40}: expected a finite number ≥ 0, with "
+                    "trained-dp-sgd=True")
+        dp_values.append(None if value is None else float(value))
+    return Receipt(name, None if lr is None else float(lr), steps, clip, decay, dp, *dp_values)

@@ -18,9 +18,13 @@
 - :mod:`~fedshard.server.fedavg_cosine` - the paper's post-gradient analysis (Sec. 4.4).
 - :mod:`~fedshard.server.callbacks` - what a run does around its rounds (:class:`RoundCallback`:
   the strategy's own checks and stops, yours); :mod:`~fedshard.server.side_jobs` - central
-  evaluation and TensorBoard as callbacks.
+  evaluation and TensorBoard as callbacks; :mod:`~fedshard.server.progress` - is the run
+  learning (the slow start of a sharded model, an accuracy that keeps falling).
 - :mod:`~fedshard.server.privacy` - Flower's DP wrappers and other strategies driving ours
   refused (they assume dense replies).
+- :mod:`~fedshard.server.legacy` - Flower's legacy server refused at once (fedshard needs the
+  Message API): the strategies get the legacy ``Strategy`` hooks, each raising
+  :class:`~fedshard.protocol.LegacyApiError` with the migration guide.
 """
 
 from fedshard.server.base import KeepRatioStrategy
@@ -44,6 +48,7 @@ from fedshard.server.callbacks import (
 )
 from fedshard.server.metrics import mean_client_metrics
 from fedshard.server.nodes import load_keep_ratio_table
+from fedshard.server.progress import FallingAccuracy, SlowStart
 from fedshard.server.schedule import cosine_lr
 from fedshard.server.side_jobs import CentralEvaluation, TensorBoardLog
 from fedshard.server.strategy import (
@@ -62,12 +67,14 @@ __all__ = [
     "CentralEvaluation",
     "CompoundingMultipliers",
     "ConfigPrecedence",
+    "FallingAccuracy",
     "KeepRatioStrategy",
     "NoRoundTrainedError",
     "RoundCallback",
     "SettingsSummary",
     "ShardingBudgetReport",
     "SingleNodeGroups",
+    "SlowStart",
     "SmallCohort",
     "SpectralSharding",
     "StopOnDivergence",

@@ -28,6 +28,7 @@ from fedshard import protocol as P
 from fedshard.server import callbacks as cb
 from fedshard.server import rounds
 from fedshard.server.callbacks import RoundCallback
+from fedshard.server.legacy import message_api_only
 from fedshard.server.metrics import mean_client_metrics
 from fedshard.server.nodes import NodeDirectory
 from fedshard.server.privacy import driving_strategy, refuse_foreign_driver
@@ -47,6 +48,7 @@ from fedshard.settings import (
 __all__ = ["KeepRatioStrategy"]
 
 
+@message_api_only  # Flower's legacy server gets a clear error (both families inherit it)
 class KeepRatioStrategy(FedAvg):
     """The base of strategies whose nodes each train a part of the model sized by the keep
     ratio r they declare.

@@ -36,7 +36,13 @@ callbacks in the same way, ``pfl/callback``):
   error, with the error in full and the likely fix;
 - :class:`StopWhenUntrained` - stops the run that trained nothing, with what to check;
 - :class:`UnchangingModel` - warns when rounds whose replies were aggregated leave the global
-  model unchanged (an lr that vanishes in float32, nodes that return what they were sent).
+  model unchanged (an lr that vanishes in float32, nodes that return what they were sent);
+- :class:`~fedshard.server.progress.SlowStart` - says at the first round how much of a
+  sharded layer's gradient a node's step can follow, and why a model started from a random
+  initialization learns more slowly than the dense one at the same lr (a WARNING in a short
+  run); warns when the dense factor step meets multipliers above 1;
+- :class:`~fedshard.server.progress.FallingAccuracy` - warns when an evaluation accuracy falls
+  round after round while every reply passes the server's checks.
 
 Metrics flow one way through :meth:`~RoundCallback.on_round`: each callback sees the round's
 row (the strategy's statistics and the client aggregates) and what the callbacks before it
@@ -469,13 +475,16 @@ class TrainingReceipts(RoundCallback):
     difference, with counts: nodes that trained at another lr than the one sent (their own
     optimizer's, so the lr schedule the server logs is not what they used), nodes whose
     factors no optimizer step moved with the client rules (Frobenius decay, ClipLR not
-    applied), receipts that cannot be read. :attr:`totals` sums them over the run (the app
-    puts them in ``summary.json``)."""
+    applied), receipts that cannot be read. Nodes that trained with DP-SGD (Opacus) are
+    logged at INFO, once per noise multiplier and clipping norm, with counts. :attr:`totals`
+    sums them over the run (the app puts them in ``summary.json``)."""
 
     def __init__(self) -> None:
         self.told: set[tuple[Any, ...]] = set()
         self.totals: dict[str, Any] = {"nodes": 0, "lr-differs": 0, "rules-not-applied": 0,
-                                       "unreadable": 0, "optimizers": {}}
+                                       "unreadable": 0, "optimizers": {}, "dp-sgd": 0}
+        #: the (noise multiplier, clipping norm) pairs DP-SGD nodes reported (None: unknown)
+        self.dp_settings: set[tuple[float | None, float | None]] = set()
 
     def on_aggregate(self, strategy: KeepRatioStrategy, server_round: int,
                      metrics: Mapping[str, float], state: RoundState | None) -> None:
@@ -483,6 +492,7 @@ class TrainingReceipts(RoundCallback):
             return
         sent = {m.metadata.dst_node_id: m.content[P.CONFIG] for m in state.messages}
         kinds: Counter[tuple[Any, ...]] = Counter()
+        private: Counter[tuple[float | None, float | None]] = Counter()
         nodes = 0
         for reply in state.accepted:
             receipt, config = reply.receipt, sent.get(reply.node)
@@ -492,6 +502,8 @@ class TrainingReceipts(RoundCallback):
             if isinstance(receipt, str):
                 kinds[("unreadable", receipt[:80])] += 1
                 continue
+            if receipt.dp_sgd:
+                private[(receipt.noise_multiplier, receipt.max_grad_norm)] += 1
             optimizers = self.totals["optimizers"]
             optimizers[receipt.optimizer] = optimizers.get(receipt.optimizer, 0) + 1
             lr = config.get(P.LR)
@@ -506,6 +518,15 @@ class TrainingReceipts(RoundCallback):
             if wanted and factored and receipt.steps == 0:
                 kinds[("rules",)] += 1
         self.totals["nodes"] += nodes
+        self.totals["dp-sgd"] += sum(private.values())
+        self.dp_settings.update(private)
+        for (sigma, clip), count in private.items():
+            if ("dp", sigma, clip) not in self.told:
+                self.told.add(("dp", sigma, clip))
+                logger.info("Round %d: %d of %d nodes trained with DP-SGD (Opacus), noise "
+                            "multiplier %s, clipping norm %s.", server_round, count, nodes,
+                            "unknown" if sigma is None else f"{sigma:g}",
+                            "unknown" if clip is None else f"{clip:g}")
         for kind, count in kinds.items():
             total = {"lr": "lr-differs", "rules": "rules-not-applied",
                      "unreadable": "unreadable"}[kind[0]]
@@ -728,9 +749,12 @@ class UnchangingModel(RoundCallback):
 def default_callbacks() -> list[RoundCallback]:
     """The strategy's own callbacks, in order (see the module docstring); fresh objects (each
     keeps its own state: what it already said, untrained rounds in a row)."""
+    from fedshard.server.progress import FallingAccuracy, SlowStart  # they build on this module
+
     return [SettingsSummary(), ShardingBudgetReport(), UntrainedChannels(), ConfigPrecedence(),
-            SingleNodeGroups(), SmallCohort(), CompoundingMultipliers(), TrainingReceipts(),
-            StopOnDivergence(), StopWhenEveryReplyFails(), StopWhenUntrained(),
+            SingleNodeGroups(), SmallCohort(), CompoundingMultipliers(), SlowStart(),
+            TrainingReceipts(), StopOnDivergence(), StopWhenEveryReplyFails(),
+            StopWhenUntrained(), FallingAccuracy(),
             UnchangingModel()]
 
 

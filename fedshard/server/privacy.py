@@ -38,10 +38,11 @@ WRAPPED_MESSAGE = (
     "differential-privacy wrappers (DifferentialPrivacy{{Server,Client}}Side{{Fixed,Adaptive}}"
     "Clipping) and other meta-strategies assume dense replies of the global model's shapes and "
     "cannot clip or noise per-term factor shards or width slices. The run is stopped before "
-    "round 1. fedshard has no differential privacy for factor shards yet (Flower's LocalDpMod "
-    "does not fit either: it requires the reply's arrays to have the keys that were sent, and "
-    "a shard reply leaves out omega). Use {strategy} without DP, or for a DP baseline wrap "
-    "Flower's own FedAvg on the dense model."
+    "round 1. fedshard has no central differential privacy for factor shards yet (Flower's "
+    "LocalDpMod does not fit either: it requires the reply's arrays to have the keys that were "
+    "sent, and a shard reply leaves out omega). For DP on the nodes, train the received "
+    "sub-model with DP-SGD (Opacus: docs/integration.md, \"Differential privacy and secure "
+    "aggregation\"); for a central-DP baseline wrap Flower's own FedAvg on the dense model."
 )
 
 

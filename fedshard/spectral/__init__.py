@@ -9,7 +9,8 @@ Torch only (no Flower). Typical client flow::
 Before the first round, :func:`sharding_budget` says what each keep ratio will receive, send
 and compute against the dense model (:func:`budget_summary`, :func:`budget_warnings`), and
 ``sharded_layer_names(model, policy="by-size", keep_ratio=r)`` picks the layers that hold
-the weights.
+the weights. For DP-SGD with Opacus, :func:`register_grad_samplers` gives it the factorized
+layers' per-example gradients (:func:`per_sample_gradients`).
 """
 
 from fedshard.spectral.budget import (
@@ -26,6 +27,7 @@ from fedshard.spectral.conv import SpectralConv2d
 from fedshard.spectral.cost import LayerCost, array_bytes, layer_cost
 from fedshard.spectral.decompose import check_indices, compose, decompose, num_terms, take_terms
 from fedshard.spectral.layers import SpectralLayer, SpectralLinear
+from fedshard.spectral.per_sample import per_sample_gradients, register_grad_samplers
 from fedshard.spectral.selection import (
     LAYER_POLICIES,
     check_shardable,
@@ -63,6 +65,8 @@ __all__ = [
     "layer_cost",
     "multipliers_can_compound",
     "num_terms",
+    "per_sample_gradients",
+    "register_grad_samplers",
     "shard_model",
     "shardable_layers",
     "sharded_layer_names",

@@ -7,8 +7,8 @@ zero terms (:attr:`SpectralConv2d.pad_terms_to`), or one dense convolution of
 and an unmerged form of one layer.
 
 State-dict names as every :class:`~fedshard.spectral.layers.SpectralLayer`: ``<layer>.u``
-``(c_out, n)``, ``<layer>.v`` ``(c_in*k_h*k_w, n)``, ``<layer>.omega`` ``(n,)`` (a buffer) and
-``<layer>.bias`` ``(c_out,)`` or absent.
+``(c_out, n)``, ``<layer>.v`` ``(c_in*k_h*k_w, n)``, ``<layer>.omega`` ``(n,)`` (a frozen
+parameter) and ``<layer>.bias`` ``(c_out,)`` or absent.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class SpectralConv2d(SpectralLayer):
         ``(in_channels * k_h * k_w, n)``, trainable; column ``j`` reshaped to
         ``(in_channels, k_h, k_w)`` is the kernel of the ``j``-th intermediate channel.
     omega : torch.Tensor
-        ``(n,)`` auxiliary multipliers, frozen buffer.
+        ``(n,)`` auxiliary multipliers, a frozen parameter.
     bias : torch.Tensor, optional
         ``(out_channels,)``, added by the ``1 x 1`` conv.
     in_channels : int

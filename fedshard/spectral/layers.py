@@ -4,7 +4,17 @@ class and the linear layer (the convolution is in :mod:`fedshard.spectral.conv`)
 Modelled on PEFT's ``SVDLinear``: the forward pass applies the factors, and
 ``from_dense`` / ``to_dense`` are an exact (float64) or float32-round-off round trip.
 State-dict names: ``<layer>.u`` ``(c_out, n)``, ``<layer>.v`` ``(c_in*k_h*k_w, n)``,
-``<layer>.omega`` ``(n,)`` (a buffer) and ``<layer>.bias`` ``(c_out,)`` or absent.
+``<layer>.bias`` ``(c_out,)`` or absent, and ``<layer>.omega`` ``(n,)`` (a frozen parameter).
+
+**Why ω is a frozen parameter, not a buffer.** ω is part of the layer's function but never
+trained, as a frozen base weight is in PEFT's LoRA layers: ``nn.Parameter(requires_grad=False)``.
+As a buffer it made every sharded layer "a trainable layer with buffers", which Opacus refuses
+(``GradSampleModule.validate``: a buffer is state that per-sample gradients would not account
+for, as BatchNorm's statistics). A frozen parameter keeps everything a buffer gave: the
+state-dict key and its place (registered after the bias), ``.to()``/``.double()``, copies,
+``torch.func.functional_call``; no optimizer moves it (it never has a gradient), and fedshard's
+optimizer groups leave it out explicitly. Per-sample gradients of ``u``, ``v`` and ``bias`` are
+:mod:`fedshard.spectral.per_sample` (registered with Opacus when it is imported).
 """
 
 from __future__ import annotations
@@ -27,7 +37,8 @@ class SpectralLayer(nn.Module):
     """Common base of :class:`SpectralLinear` and :class:`SpectralConv2d`.
 
     Holds the trainable factors ``u`` ``(c_out, n)`` and ``v`` ``(fan_in, n)``, the frozen
-    auxiliary multipliers ``omega`` ``(n,)`` (a buffer, so the optimizer never sees it) and the
+    auxiliary multipliers ``omega`` ``(n,)`` (a parameter with ``requires_grad=False``: no
+    optimizer step moves it, and Opacus takes the layer, see the module docstring) and the
     optional dense ``bias`` ``(c_out,)``. Use ``isinstance(m, SpectralLayer)`` to find the
     factorized layers of a sub-model.
 
@@ -49,7 +60,7 @@ class SpectralLayer(nn.Module):
 
     u: nn.Parameter
     v: nn.Parameter
-    omega: torch.Tensor
+    omega: nn.Parameter
     bias: nn.Parameter | None
 
     def __init__(
@@ -88,16 +99,31 @@ class SpectralLayer(nn.Module):
             )
         self.u = nn.Parameter(u.detach().clone())
         self.v = nn.Parameter(_like(v, u, copy=True))
-        self.register_buffer("omega", _like(omega, u, copy=True))
         if bias is None:
             self.register_parameter("bias", None)
         else:
             self.bias = nn.Parameter(_like(bias, u, copy=True))
+        # frozen, and after the bias: the state dict keeps the order it had as a buffer
+        self.omega = nn.Parameter(_like(omega, u, copy=True), requires_grad=False)
 
     @property
     def rank(self) -> int:
         """Number of terms ``n`` of this sub-layer."""
         return int(self.u.shape[1])
+
+    #: What a copy or a pickle of the layer leaves out: caches that their owner rebuilds when
+    #: they are missing. Opacus's ``torch.func`` fallback (a layer type without a registered
+    #: grad sampler) keeps a local function here, which cannot be pickled, so that
+    #: ``torch.save(model)`` and ``ModuleValidator.fix(model)`` (which clones through
+    #: ``torch.save``) failed with "Can't pickle local object"; Opacus recreates it when it is
+    #: missing. (torch's own ``Module.__getstate__`` drops its compiled call the same way.)
+    _TRANSIENT: ClassVar[tuple[str, ...]] = ("ft_compute_sample_grad",)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state: dict[str, Any] = super().__getstate__()
+        for key in self._TRANSIENT:
+            state.pop(key, None)
+        return state
 
     def dense_weight(self) -> torch.Tensor:
         """Effective weight ``U Ω V^T`` as a ``(c_out, fan_in)`` float64 matrix (for checks)."""
@@ -260,7 +286,7 @@ class SpectralLinear(SpectralLayer):
     v : torch.Tensor
         ``(in_features, n)``, trainable.
     omega : torch.Tensor
-        ``(n,)`` auxiliary multipliers, frozen buffer.
+        ``(n,)`` auxiliary multipliers, a frozen parameter.
     bias : torch.Tensor, optional
         ``(out_features,)``.
 

@@ -1,5 +1,5 @@
 """The integration page's snippets (docs/integration.md, "Use it in your own Flower project"),
-run exactly as printed on simulated
+the DP-SGD one too (with Opacus, the dp extra), run exactly as printed on simulated
 nodes (node config: partition-id/num-partitions only; the keep ratio comes from the run config)."""
 
 from __future__ import annotations
@@ -65,13 +65,19 @@ def task_module(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "task", task)
 
 
-def test_readme_has_the_three_snippets() -> None:
+DP_CLIENT = "client_app.py, DP-SGD with Opacus"
+
+
+def test_readme_has_the_four_snippets() -> None:
     assert set(snippets()) == {"server_app.py", "client_app.py",
-                               "client_app.py, your own training loop"}
+                               "client_app.py, your own training loop", DP_CLIENT}
 
 
-@pytest.mark.parametrize("client", ["client_app.py", "client_app.py, your own training loop"])
+@pytest.mark.parametrize("client", ["client_app.py", "client_app.py, your own training loop",
+                                    DP_CLIENT])
 def test_integration_snippets_train_on_simulated_nodes(client: str, task_module: None) -> None:
+    if client == DP_CLIENT:
+        pytest.importorskip("opacus")  # the dp extra (in the test extra)
     server_ns: dict = {}
     client_ns: dict = {}
     exec(compile(snippets()["server_app.py"], "integration.md:server_app.py", "exec"), server_ns)
@@ -96,6 +102,10 @@ def test_integration_snippets_train_on_simulated_nodes(client: str, task_module:
     for reply in train + [m for m in replies if m.metadata.message_type == "query"]:
         assert not reply.has_error(), reply.error.reason
     assert all(any(k.endswith(".indices") for k in m.content["arrays"]) for m in train)
+    private = [m.content["config"].get("trained-dp-sgd", False) for m in train]
+    assert private == [client == DP_CLIENT] * len(train)
+    if client == DP_CLIENT:
+        assert {m.content["config"]["trained-noise-multiplier"] for m in train} == {1.1}
 
 
 def test_keep_ratio_error_names_what_to_set(task_module: None) -> None:

@@ -113,7 +113,8 @@ def test_after_example_shards_lightnings_adam_run_and_trains(
     grid.tamper = dict.fromkeys(grid.contexts, keep)
     steps: list[tuple[str, int, float]] = []  # every optimizer step: class, tensors, lr
     hook = register_optimizer_step_pre_hook(lambda opt, args, kwargs: steps.append(
-        (type(opt).__name__, sum(len(g["params"]) for g in opt.param_groups),
+        (type(opt).__name__,  # the trainable tensors it holds (ω, frozen, is held, not trained)
+         sum(p.requires_grad for g in opt.param_groups for p in g["params"]),
          opt.param_groups[0]["lr"])))
     torch.manual_seed(0)
     initial = task.LitAutoEncoder()
@@ -143,8 +144,8 @@ def test_after_example_shards_lightnings_adam_run_and_trains(
     assert not warned, warned
 
     # (2) the only optimizer was the module's own Adam, built by Lightning at the module's lr,
-    # the lr the server sent, and it stepped the sub-model (10 tensors: u, v, bias of the 2
-    # sharded layers, weight and bias of the 2 dense ones; the dense model has 8); ClipLR
+    # the lr the server sent, and it stepped the sub-model (10 trainable tensors: u, v, bias of
+    # the 2 sharded layers, weight and bias of the 2 dense ones; the dense model has 8); ClipLR
     # acted on every node under it, and no round went without the client rules
     per_fit = -(-600 // 32)  # 600 training examples a node (60 % of 1000), batches of 32
     assert steps == [("Adam", 10, 1e-3)] * (8 * per_fit), sorted(set(steps))

@@ -129,8 +129,9 @@ def test_to_dense_includes_omega_and_matches_forward() -> None:
 def test_state_dict_names_and_trainable_set() -> None:
     layer = SpectralConv2d.from_dense(nn.Conv2d(2, 3, 3))
     assert list(layer.state_dict()) == ["u", "v", "bias", "omega"]
-    assert {n for n, _ in layer.named_parameters()} == {"u", "v", "bias"}
-    assert {n for n, _ in layer.named_buffers()} == {"omega"}
+    assert {n for n, p in layer.named_parameters() if p.requires_grad} == {"u", "v", "bias"}
+    # ω: a frozen parameter, not a buffer (Opacus refuses trainable layers with buffers)
+    assert not layer.omega.requires_grad and not list(layer.buffers())
     assert layer.u.shape == (3, 3) and layer.v.shape == (18, 3)
     assert SpectralLinear.from_dense(nn.Linear(2, 3, bias=False)).bias is None
 

@@ -24,7 +24,8 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, An
     """The trainable parameters of ``model`` in two optimizer groups: the spectral factors
     ``u``, ``v`` with ``weight_decay=0`` (they get Frobenius decay instead, from the client
     rules), and all other trainable parameters with ``weight_decay``. Empty groups are left
-    out.
+    out, and so is every layer's ω (a frozen parameter, never trained, even if someone set
+    its ``requires_grad``).
 
     Raises
     ------
@@ -32,10 +33,12 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, An
         If ``model`` has no trainable parameter.
     """
     factors: list[nn.Parameter] = []
+    omegas: set[int] = set()
     for m in model.modules():
         if isinstance(m, SpectralLayer):
             factors += [p for p in (m.u, m.v) if p.requires_grad]
-    factor_ids = {id(p) for p in factors}
+            omegas.add(id(m.omega))
+    factor_ids = {id(p) for p in factors} | omegas
     dense = [p for p in model.parameters() if p.requires_grad and id(p) not in factor_ids]
     groups: list[dict[str, Any]] = []
     if factors:

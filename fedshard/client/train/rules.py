@@ -21,6 +21,16 @@ fedshard's own step attaches them to the optimizer it builds, a user's loop to i
 (``shard.rules.attach(optimizer)``), a framework through the function that builds its
 optimizers (:meth:`ClientRules.attaching`), and the batched engine to the optimizer of its
 stacked factors. :meth:`ClientRules.report` tells what was applied.
+
+**DP-SGD (Opacus).** Attached to the ``DPOptimizer`` that ``PrivacyEngine.make_private``
+returns, the rules act on the optimizer it wraps, that is on the privatized gradient (each
+example's gradient clipped, the sum noised and averaged), right before the wrapped optimizer
+moves the factors: the ``DPOptimizer`` rebuilds every ``.grad`` from the per-example gradients
+inside its own ``step()``, so a rule applied before that would be overwritten. What the rules
+add or change (Frobenius decay, the dense factor step, ClipLR's scale) depends on the factors
+and ω only, never on the data: post-processing of the private gradient, which costs no privacy.
+The report, and so the reply's receipt, says the node trained with DP-SGD, its noise multiplier
+and clipping norm.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from fedshard.client.train.hooks import before_step
 from fedshard.client.train.precondition import DAMPING, dense_layer_gradients
 from fedshard.settings import LocalTraining, SettingsError, finite_real
 from fedshard.spectral.layers import SpectralLayer
+from fedshard.spectral.per_sample import register_grad_samplers
 
 __all__ = ["ClientRules", "Factors", "RulesHandle", "RulesReport"]
 
@@ -77,10 +88,18 @@ class RulesReport:
     columns : int
         All factor columns.
     optimizer : str
-        The class of the optimizer whose first step the rules applied to ("" before it).
+        The class of the optimizer whose first step the rules applied to ("" before it); under
+        DP-SGD the optimizer Opacus wraps (e.g. ``"SGD"``).
     lr : float or None
         That optimizer's learning rate at its first step (of the first parameter group that
         holds factors).
+    dp_sgd : bool
+        Whether that step's gradients were privatized by Opacus's ``DPOptimizer``.
+    noise_multiplier, max_grad_norm : float or None
+        The ``DPOptimizer``'s noise multiplier σ and per-example clipping norm C at that step
+        (the noise's standard deviation is σ·C); ``None`` without DP-SGD, or when the rules
+        were attached to the optimizer Opacus wraps rather than to the ``DPOptimizer`` itself
+        (then only ``dp_sgd`` is known).
     """
 
     steps: int
@@ -91,6 +110,9 @@ class RulesReport:
     columns: int
     optimizer: str = ""
     lr: float | None = None
+    dp_sgd: bool = False
+    noise_multiplier: float | None = None
+    max_grad_norm: float | None = None
 
 
 Built = TypeVar("Built")
@@ -102,7 +124,8 @@ class RulesHandle:
     Attributes
     ----------
     optimizer : torch.optim.Optimizer
-        The optimizer the rules act on.
+        The optimizer the rules were attached to (an Opacus ``DPOptimizer``: the rules' hooks
+        are on the optimizer it wraps, see :meth:`ClientRules.attach`).
     layers : int
         How many of the rules' sharded layers it steps (those whose ``u`` or ``v`` it holds).
     attached : bool
@@ -111,11 +134,13 @@ class RulesHandle:
     """
 
     def __init__(self, rules: ClientRules, optimizer: torch.optim.Optimizer, layers: int,
-                 hooks: Sequence[RemovableHandle]) -> None:
+                 hooks: Sequence[RemovableHandle],
+                 stepping: torch.optim.Optimizer | None = None) -> None:
         self._rules = weakref.ref(rules)
         self.optimizer = optimizer
         self.layers = layers
         self._hooks = list(hooks)
+        self._stepping = optimizer if stepping is None else stepping  # where the hooks are
 
     @property
     def attached(self) -> bool:
@@ -128,8 +153,8 @@ class RulesHandle:
             hook.remove()
         self._hooks = []
         rules = self._rules()
-        if rules is not None and rules._attached.get(self.optimizer) is self:
-            del rules._attached[self.optimizer]
+        if rules is not None and rules._attached.get(self._stepping) is self:
+            del rules._attached[self._stepping]
 
     def __enter__(self) -> RulesHandle:
         return self
@@ -200,8 +225,11 @@ class ClientRules:
         self.dense = factor_step == "dense"
         self.damping = damping
         self.steps = 0
-        self.optimizer = ""  # what the first step it applied to was, and its lr
+        self.optimizer = ""  # what the first step it applied to was, its lr, and DP-SGD
         self.lr: float | None = None
+        self.dp_sgd = False
+        self.noise_multiplier: float | None = None
+        self.max_grad_norm: float | None = None
         self._saved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         # the optimizers these rules are attached to (each holds its handle): per object, so
         # that attaching twice to one optimizer (every rule applied twice) is refused
@@ -281,7 +309,11 @@ class ClientRules:
         ----------
         optimizer : torch.optim.Optimizer
             Any torch optimizer over (some of) the layers' factors, e.g.
-            ``torch.optim.SGD(shard.model.parameters(), ...)``.
+            ``torch.optim.SGD(shard.model.parameters(), ...)``, or the ``DPOptimizer`` that
+            Opacus's ``make_private`` returns: the hooks then go on the optimizer it wraps, so
+            that the rules act on the privatized gradient (see the module docstring), and
+            fedshard's grad samplers are registered with Opacus
+            (:func:`fedshard.spectral.register_grad_samplers`).
 
         Returns
         -------
@@ -300,30 +332,38 @@ class ClientRules:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"ClientRules attach to a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}; nothing was attached.")
-        held = self._layers_of(optimizer)
+        stepping = _wrapped(optimizer)  # the optimizer whose step() moves the factors
+        held = self._layers_of(stepping)
         if self.layers and not held:
             raise ValueError(
                 f"ClientRules.attach: the {type(optimizer).__name__} optimizer steps none of "
                 f"the factors (u, v) of the {len(self.layers)} sharded layer(s) these rules "
                 "were made for; expected an optimizer over the model the rules came with "
-                "(e.g. torch.optim.SGD(shard.model.parameters(), ...)). Nothing was attached.")
-        if optimizer in self._attached:
+                "(e.g. torch.optim.SGD(shard.model.parameters(), ...)), not over a copy of it "
+                "(Opacus's ModuleValidator.fix returns a copy: a received sub-model needs no "
+                "fix, fix the model given to receive() instead). Nothing was attached.")
+        if stepping in self._attached:
+            wraps = "" if stepping is optimizer else \
+                f" (the {type(stepping).__name__} that this {type(optimizer).__name__} wraps)"
             raise ValueError(
                 f"ClientRules.attach: these rules are already attached to this "
-                f"{type(optimizer).__name__} optimizer; a second attachment would apply every "
-                "rule twice per step. Nothing was attached (remove the first handle to "
+                f"{type(optimizer).__name__} optimizer{wraps}; a second attachment would apply "
+                "every rule twice per step. Nothing was attached (remove the first handle to "
                 "attach again).")
+        if stepping is not optimizer:  # a DPOptimizer (Opacus is loaded)
+            register_grad_samplers()
+            self._note_dp(optimizer)
         if not self.active:
-            return RulesHandle(self, optimizer, len(held), [])
+            return RulesHandle(self, optimizer, len(held), [], stepping)
 
         def rewrite() -> None:
-            self._note(optimizer, held)
+            self._note(stepping, held, optimizer)
             self.before_step(held)
 
-        pre = optimizer.register_step_pre_hook(before_step(rewrite))
-        post = optimizer.register_step_post_hook(lambda *_: self.after_step())
-        handle = RulesHandle(self, optimizer, len(held), [pre, post])
-        self._attached[optimizer] = handle
+        pre = stepping.register_step_pre_hook(before_step(rewrite))
+        post = stepping.register_step_post_hook(lambda *_: self.after_step())
+        handle = RulesHandle(self, optimizer, len(held), [pre, post], stepping)
+        self._attached[stepping] = handle
         return handle
 
     def attaching(self, build: Callable[..., Built]) -> Callable[..., Built]:
@@ -364,17 +404,33 @@ class ClientRules:
         for handle in list(self._attached.values()):
             handle.remove()
 
-    def _note(self, optimizer: torch.optim.Optimizer, layers: Sequence[Factors]) -> None:
-        """Keep the optimizer of the first step and its lr (for the reply's receipt)."""
+    def _note(self, optimizer: torch.optim.Optimizer, layers: Sequence[Factors],
+              attached: torch.optim.Optimizer | None = None) -> None:
+        """Keep the optimizer of the first step, its lr and whether its gradients were
+        privatized by DP-SGD (for the reply's receipt); ``attached``: the optimizer the rules
+        were attached to (a ``DPOptimizer`` around ``optimizer``)."""
         if self.optimizer:
             return
         self.optimizer = type(optimizer).__name__
+        if attached is not None and attached is not optimizer:  # Opacus's DPOptimizer
+            self._note_dp(attached)
+        else:  # attached to the optimizer a DPOptimizer wraps: Opacus has just summed the
+            # clipped per-example gradients into summed_grad (reset by its zero_grad)
+            self.dp_sgd = self.dp_sgd or any(getattr(f, "summed_grad", None) is not None
+                                             for layer in layers for f in (layer.u, layer.v))
         ids = {id(f) for layer in layers for f in (layer.u, layer.v)}
         for group in optimizer.param_groups:
             if any(id(p) in ids for p in group["params"]):
                 lr = group.get("lr")
                 self.lr = float(lr) if isinstance(lr, (int, float)) else None
                 return
+
+    def _note_dp(self, dp_optimizer: torch.optim.Optimizer) -> None:
+        """Keep an Opacus ``DPOptimizer``'s noise multiplier and clipping norm (read at
+        attachment and again at the first step: the values the round trained with)."""
+        self.dp_sgd = True
+        self.noise_multiplier = _number(getattr(dp_optimizer, "noise_multiplier", None))
+        self.max_grad_norm = _number(getattr(dp_optimizer, "max_grad_norm", None))
 
     def _layers_of(self, optimizer: torch.optim.Optimizer) -> list[Factors]:
         """The layers whose factors ``optimizer`` steps, in the rules' order."""
@@ -392,11 +448,32 @@ class ClientRules:
                 scaled += int((layer.omega > self.tau).sum())
         return RulesReport(self.steps, self.gamma, self.tau,
                            "dense" if self.dense else "plain", scaled, columns,
-                           self.optimizer, self.lr)
+                           self.optimizer, self.lr, self.dp_sgd, self.noise_multiplier,
+                           self.max_grad_norm)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(layers={len(self.layers)}, frobenius_decay={self.gamma}, "
                 f"clip_lr_tau={self.tau}, factor_step={'dense' if self.dense else 'plain'!r})")
+
+
+def _wrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer whose ``step()`` moves the parameters: ``optimizer`` itself, or, for an
+    Opacus ``DPOptimizer`` (recognized by its ``original_optimizer``, ``noise_multiplier`` and
+    ``max_grad_norm``, without importing Opacus), the optimizer it wraps (innermost)."""
+    while True:
+        inner = getattr(optimizer, "original_optimizer", None)
+        if not (isinstance(inner, torch.optim.Optimizer) and inner is not optimizer
+                and hasattr(optimizer, "noise_multiplier")
+                and hasattr(optimizer, "max_grad_norm")):
+            return optimizer
+        optimizer = inner
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a float if it is a real number, else ``None``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
 
 
 def _optimizers_in(result: Any) -> list[torch.optim.Optimizer]:

@@ -34,10 +34,11 @@ from fedshard.spectral import SpectralLinear, shard_model
 
 
 def _factor_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """Module name -> module, for every module with ``u``, ``v`` and an ``omega`` buffer."""
+    """Module name -> module, for every module with trainable ``u``, ``v`` and a frozen
+    ``omega`` (a parameter without gradient)."""
     return {name: m for name, m in model.named_modules()
-            if "omega" in dict(m.named_buffers(recurse=False))
-            and {"u", "v"} <= set(dict(m.named_parameters(recurse=False)))}
+            if {"u", "v", "omega"} <= set(dict(m.named_parameters(recurse=False)))
+            and m.u.requires_grad and m.v.requires_grad and not m.omega.requires_grad}
 
 
 def _reference_penalty(layers: dict[str, nn.Module]) -> torch.Tensor:

@@ -1,0 +1,211 @@
+"""Is the run learning (fedshard.server.progress): the gradient share a node's step can follow
+against the dimension of the tangent space counted by brute force; the first round's slow-start
+message (INFO, a WARNING in a short run) and the dense factor step's with multipliers above 1;
+the WARNING of an evaluation accuracy that falls round after round."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from flower_grid import InProcessGrid
+from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.clientapp import ClientApp
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from fedshard import (
+    Cohort,
+    LocalTraining,
+    NodePolicy,
+    Sharding,
+    SpectralSharding,
+    handle_query,
+    handle_train,
+)
+from fedshard.protocol import Receipt
+from fedshard.server import (
+    FallingAccuracy,
+    RoundCallback,
+    SlowStart,
+    StopWhenUntrained,
+    TrainingReceipts,
+    default_callbacks,
+)
+from fedshard.server.progress import gradient_share, is_evaluation_accuracy
+
+
+# ---------------------------------------------------------------------------- the share
+@pytest.mark.parametrize(("m", "k", "n"), [(4, 3, 1), (4, 3, 2), (5, 6, 3), (3, 3, 3)])
+def test_gradient_share_is_the_tangent_spaces_dimension_over_the_weights(m: int, k: int,
+                                                                          n: int) -> None:
+    """The trace of the projection G -> P_U G + G P_V - P_U G P_V on m x k matrices, built
+    column by column from the standard basis, is the tangent space's dimension; over m k it
+    is the share of an isotropic gradient the step can follow."""
+    rng = np.random.default_rng([m, k, n])
+    u = np.linalg.qr(rng.standard_normal((m, n)))[0]
+    v = np.linalg.qr(rng.standard_normal((k, n)))[0]
+    pu, pv = u @ u.T, v @ v.T
+    trace = 0.0
+    for i, j in itertools.product(range(m), range(k)):
+        basis = np.zeros((m, k))
+        basis[i, j] = 1.0
+        trace += (pu @ basis + basis @ pv - pu @ basis @ pv)[i, j]
+    assert gradient_share(m, k, n) == pytest.approx(trace / (m * k), abs=1e-12)
+    assert gradient_share(m, k, min(m, k)) == 1.0 or n < min(m, k)
+
+
+# ---------------------------------------------------------------------------- the first round
+def net() -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU(),
+                             nn.Linear(12, 3))
+
+
+def round_1(keep: float, num_rounds: int, lr: float = 0.001, nodes: int = 2,
+            **training: Any) -> SpectralSharding:
+    """Round 1 through the strategy's hooks (as a loop of one's own drives them), nodes
+    training with fedshard's loop at ``lr``; the strategy's run has ``num_rounds`` rounds."""
+    app = ClientApp()
+
+    @app.query()
+    def _q(msg: Message, context: object) -> Message:
+        return handle_query(msg, keep)
+
+    @app.train()
+    def _t(msg: Message, context: object) -> Message:
+        g = torch.Generator().manual_seed(5)
+        data = TensorDataset(torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,),
+                                                                           generator=g))
+        return handle_train(msg, net(), data)
+
+    s = SpectralSharding(sharded_layers=["2"], sharding=Sharding(method="collective"),
+                         training=LocalTraining(lr=lr, lr_schedule="constant", **training),
+                         num_rounds=num_rounds,
+                         cohort=Cohort(min_train_nodes=nodes, min_available_nodes=nodes,
+                                       fraction_evaluate=0.0),
+                         nodes=NodePolicy(query_timeout=5, node_wait_timeout=5))
+    grid = InProcessGrid(app, [{}] * nodes)
+    initial = ArrayRecord(net().state_dict())
+    messages = list(s.configure_train(1, initial, ConfigRecord(), grid))
+    arrays, _ = s.aggregate_train(1, grid.send_and_receive(messages))
+    assert arrays is not None  # (no evaluation on the nodes: aggregate_train ends round 1)
+    return s
+
+
+def _said(caplog: pytest.LogCaptureFixture, level: int, text: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.levelno == level and text in r.getMessage()]
+
+
+def test_a_short_run_at_a_small_keep_ratio_is_warned_at_round_1(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="fedshard")
+    round_1(keep=0.25, num_rounds=3)
+    (said,) = _said(caplog, logging.WARNING, "its step can follow")
+    share = gradient_share(12, 16, 3)  # layer "2": (12, 16), N = 12, n = 3
+    assert said.startswith(f"Round 1: a node at keep ratio r = 0.25 trains 3 of 12 terms of 2: "
+                           f"its step can follow at most {100 * share:.0f} % of a sharded "
+                           "layer's gradient")
+    assert "Round 1 moved the sharded layers' weights by at most " in said
+    assert "% of their norm (2): a small step, the slow start of training. With 3 rounds the " \
+           "first rounds are most of this run." in said
+    assert "raise the lr" in said and "A project's own small learning rate" in said
+
+
+def test_a_long_run_a_large_keep_ratio_or_a_large_step_is_told_at_info(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="fedshard")
+    round_1(keep=0.25, num_rounds=50)
+    round_1(keep=0.75, num_rounds=3)
+    round_1(keep=0.25, num_rounds=3, lr=0.5, local_epochs=10)  # moves the weights > 10 %
+    assert not _said(caplog, logging.WARNING, "its step can follow")
+    told = _said(caplog, logging.INFO, "its step can follow")
+    assert len(told) == 3 and "a small step" not in told[2] and "% of their norm (2)." in told[2]
+
+
+def test_the_dense_factor_step_with_multipliers_above_1_is_warned(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="fedshard")
+    round_1(keep=0.25, num_rounds=50, nodes=3, factor_step="dense")
+    (said,) = _said(caplog, logging.WARNING, "factor_step='dense' with multipliers")
+    assert "along term i they move 1/ω_i of that" in said
+    assert "keep the paper's step (factor_step='plain', the default)" in said
+    round_1(keep=0.25, num_rounds=50, nodes=3)  # the paper's step: nothing to say
+    assert len(_said(caplog, logging.WARNING, "factor_step='dense' with multipliers")) == 1
+
+
+def test_slow_start_and_falling_accuracy_are_default_callbacks() -> None:
+    kinds = [type(c) for c in default_callbacks()]
+    assert SlowStart in kinds and FallingAccuracy in kinds
+
+
+# ---------------------------------------------------------------------------- falling accuracy
+def run_rounds(values: list[float | None], callbacks: list[Any] | None = None,
+               key: str = "test-accuracy") -> SpectralSharding:
+    """Rounds 0, 1, ... whose evaluation (a callback before the others, as
+    ``CentralEvaluation``) reports ``values`` (None: no evaluation)."""
+
+    class Evaluation(RoundCallback):
+        def on_round(self, strategy: Any, server_round: int, arrays: ArrayRecord,
+                     metrics: Any) -> Any:
+            return None if values[server_round] is None else {key: values[server_round]}
+
+    if callbacks is None:  # (no round aggregates here: the stop of an untrained run is left out)
+        callbacks = [c for c in default_callbacks() if not isinstance(c, StopWhenUntrained)]
+    s = SpectralSharding(sharded_layers=["2"], num_rounds=len(values) - 1,
+                         callbacks=[Evaluation(), *callbacks])
+    for server_round in range(len(values)):
+        s.history[server_round] = {"replies-used": 4.0, "replies-dropped": 0.0}
+        s.end_round(server_round, ArrayRecord(net().state_dict()))
+    return s
+
+
+def test_an_accuracy_falling_two_rounds_in_a_row_is_warned_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="fedshard")
+    run_rounds([0.10, 0.150, 0.123, 0.107, 0.101])
+    (said,) = _said(caplog, logging.WARNING, "has fallen")
+    assert said.startswith("Round 3: test-accuracy has fallen 2 evaluations in a row, 0.150 → "
+                           "0.123 → 0.107 (rounds 1-3), while those rounds aggregated their "
+                           "replies as usual (used: 4, 4; dropped: 0)")
+    assert "Likely causes: an lr too large" in said
+
+
+def test_rises_small_dips_and_training_accuracy_do_not_count(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="fedshard")
+    run_rounds([0.10, 0.30, 0.25, 0.35, 0.30, 0.40])  # never two falls in a row
+    run_rounds([0.50, 0.499, 0.498, 0.497])  # below min_drop
+    run_rounds([0.5, 0.4, 0.3], key="train-accuracy")
+    run_rounds([0.5, None, 0.4, None, 0.3])  # evaluated every other round: two falls
+    said = _said(caplog, logging.WARNING, "has fallen")
+    assert len(said) == 1 and said[0].startswith("Round 4: test-accuracy has fallen 2 "
+                                                 "evaluations in a row, 0.500 → 0.400 → 0.300 "
+                                                 "(rounds 0-4)")
+    assert is_evaluation_accuracy("client/eval_acc") and is_evaluation_accuracy("accuracy")
+    assert not is_evaluation_accuracy("client/train-accuracy")
+    assert not is_evaluation_accuracy("backlog-accesses")
+
+
+def test_under_dp_sgd_the_warning_names_its_noise(caplog: pytest.LogCaptureFixture) -> None:
+    receipts = TrainingReceipts()
+    receipts.totals["dp-sgd"] = 12
+    receipts.dp_settings.add((1.1, 1.0))
+    caplog.set_level(logging.WARNING, logger="fedshard")
+    run_rounds([0.10, 0.150, 0.123, 0.107], callbacks=[receipts, FallingAccuracy()])
+    (said,) = _said(caplog, logging.WARNING, "has fallen")
+    assert "The nodes' receipts say 12 node replies trained with DP-SGD, noise multiplier " \
+           "1.1: DP-SGD's noise" in said
+    assert Receipt("SGD", 0.1, 3, False, False, True, 1.1, 1.0).dp_sgd
+
+
+def test_falling_accuracy_checks_its_settings() -> None:
+    with pytest.raises(ValueError, match=r"FallingAccuracy\(patience=0, min_drop=0.005\): "
+                                         r"expected an integer patience ≥ 1"):
+        FallingAccuracy(patience=0)
