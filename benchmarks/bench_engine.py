@@ -41,9 +41,24 @@ Presets:
 
 ``--tiny`` shrinks either preset to seconds (for a test). Prints one JSON object.
 
+``--profile`` adds where the ``sequential`` engine's round goes: cProfile over whole rounds
+after the first, seconds per round of each part of :data:`PARTS` (receiving the sub-model,
+training and within it the client rules' step hooks, the reply, the server's configure,
+reply checks, receipts, robust aggregation, the end-of-round callbacks and central
+evaluation, the array codec), under ``profile``. The profiler slows Python-heavy parts more
+than torch's kernels, so compare parts within a profile and profiles with each other.
+
+``--against REV`` is the regression guard: the ``sequential`` engine of git revision ``REV``
+(its files from ``git archive``) and of this work tree, side by side on the same machine in
+one invocation, each run in its own process importing its own tree (``--code``), alternating
+(the side that goes first swaps every repeat), the same benchmark code on both sides; it
+prints one JSON with both sides' ``engine_vs_bare`` (the median of every paired round),
+s/round and, with ``--profile``, both profiles.
+
 Usage: ``python benchmarks/bench_engine.py [--preset fmnist|cifar10] [--device cpu|cuda]
-[--repeats 5] [--rounds 4] [--paths bare,sequential,flower] [--tiny] [--out FILE]``;
-``--out`` also writes the JSON (with the machine, torch version, date and command) there.
+[--repeats 5] [--rounds 4] [--paths bare,sequential,flower] [--tiny] [--profile]
+[--against REV] [--out FILE]``; ``--out`` also writes the JSON (with the machine, torch
+version, date, command and load average) there.
 """
 
 from __future__ import annotations
@@ -51,9 +66,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import cProfile
 import fcntl
 import json
+import os
+import pstats
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -65,8 +84,24 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _code_tree(argv: list[str]) -> Path:
+    """The tree whose ``fedshard`` and ``fedshard_lab`` this process runs: ``--code DIR``
+    (read before anything imports them; ``--against`` starts its runs with it), else this
+    repository."""
+    for i, arg in enumerate(argv):
+        if arg == "--code" and i + 1 < len(argv):
+            return Path(argv[i + 1]).resolve()
+        if arg.startswith("--code="):
+            return Path(arg.split("=", 1)[1]).resolve()
+    return ROOT
+
+
+CODE = _code_tree(sys.argv)
 sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(CODE / "lab"))
+sys.path.insert(0, str(CODE))
 
 import fakedata  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -316,6 +351,201 @@ def max_rel_diff_float64(settings: dict[str, Any], clients: int, engines: list[s
     return worst
 
 
+# ---------------------------------------------------------------------------- profile
+#: The parts of a round that ``--profile`` reports, by name ("a/b": part b, inside part a):
+#: the functions (a file's path, ending as given, and the function's name) whose time with
+#: what they call (cProfile's cumulative time) is that part.
+PARTS: dict[str, tuple[tuple[str, str], ...]] = {
+    # the nodes' side (the engine's grid calls fedshard's handlers)
+    "client/receive": (("fedshard/client/shard.py", "from_message"),),
+    "client/receive/settings": (("fedshard/protocol/settings.py", "from_record"),),
+    "client/receive/submodel": (("fedshard/client/shard.py", "submodel_from_record"),),
+    "client/train": (("fedshard/client/train/loop.py", "_epochs"),),
+    "client/train/forward-loss": (("fedshard/client/train/step.py", "loss"),),
+    "client/train/backward": (("torch/_tensor.py", "backward"),),
+    "client/train/optimizer-step": (("torch/optim/optimizer.py", "wrapper"),),
+    "client/train/optimizer-step/rules": (("fedshard/client/train/rules.py", "before_step"),
+                                          ("fedshard/client/train/rules.py", "after_step")),
+    "client/reply": (("fedshard/client/shard.py", "reply"),),
+    # the server's side
+    "server/configure": (("fedshard/server/base.py", "configure_train"),),
+    "server/configure/callbacks": (("fedshard/server/callbacks.py", "run_configure"),),
+    "server/aggregate": (("fedshard/server/rounds.py", "finish"),),
+    "server/aggregate/reply-checks": (("fedshard/protocol/shards.py", "check_train_reply"),),
+    "server/aggregate/receipts": (("fedshard/protocol/receipts.py", "read_receipt"),),
+    "server/aggregate/robust": (("fedshard/server/robust.py", "align_replies"),
+                                ("fedshard/server/robust.py", "spread_replies"),
+                                ("fedshard/server/rounds.py", "bound_weights")),
+    "server/aggregate/combine": (("fedshard/server/rounds.py", "aggregate"),),
+    "server/end-round": (("fedshard/server/callbacks.py", "run_round"),),
+    "server/end-round/central-evaluation": (("fedshard/client/train/loop.py", "evaluate"),),
+    # across both sides
+    "array-codec": (("fedshard/protocol/arrays.py", "decode_array"),
+                    ("fedshard/protocol/arrays.py", "encode_array")),
+}
+
+
+def part_seconds(stats: pstats.Stats, rounds: int) -> dict[str, float | None]:
+    """Seconds per round of each of :data:`PARTS` in ``stats`` (``rounds`` rounds), ``None``
+    for a part none of whose functions ran (or exists in the code measured)."""
+    table: dict[tuple[str, int, str], tuple[Any, ...]] = stats.stats  # type: ignore[attr-defined]
+    out: dict[str, float | None] = {}
+    for part, functions in PARTS.items():
+        found = [row[3] for (file, _, name), row in table.items()
+                 if any(name == fn and file.replace(os.sep, "/").endswith(path)
+                        for path, fn in functions)]
+        out[part] = round(sum(found) / rounds, 4) if found else None
+    return out
+
+
+def profile_round(settings: dict[str, Any], clients: int, device: str) -> dict[str, Any]:
+    """Where the engine's round goes: cProfile over the rounds after the first (from the
+    training of round 2 to the training of the last round: whole rounds, warm), seconds per
+    round of each of :data:`PARTS`, with ``round`` the profiled round and ``other`` what no
+    top-level part holds. The profiler slows Python-heavy parts more than torch's kernels:
+    compare parts within a profile and profiles with each other, not with unprofiled
+    times."""
+    cfg = RunConfig.from_mapping(settings)
+    if cfg.num_server_rounds < 3:
+        raise SystemExit("bench_engine: --profile needs --rounds ≥ 3 (it profiles whole "
+                         "rounds after the first)")
+    grid = engine_grid(cfg, clients, engine="sequential", device=device)
+    inner, calls = grid.trainer, [0]
+    profiler = cProfile.Profile()
+
+    def trainer(jobs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 2:
+            profiler.enable()
+        elif calls[0] == cfg.num_server_rounds:
+            profiler.disable()
+        return inner(jobs)
+
+    grid.trainer = trainer
+    run_server(grid, cfg, device=device)
+    rounds = cfg.num_server_rounds - 2
+    stats = pstats.Stats(profiler)
+    parts = part_seconds(stats, rounds)
+    total = stats.total_tt / rounds  # type: ignore[attr-defined]
+    top = [v for k, v in parts.items() if "/" in k and k.count("/") == 1
+           and k.split("/")[0] in ("client", "server") and v is not None]
+    return {"round": round(total, 4), **parts, "other": round(total - sum(top), 4)}
+
+
+# ---------------------------------------------------------------------------- against
+def _git(*args: str) -> str:
+    out = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
+                         check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"bench_engine: git {' '.join(args)} failed: {out.stderr.strip()}")
+    return out.stdout.strip()
+
+
+def resolve_revision(rev: str) -> str:
+    """The commit ``rev`` names in this repository.
+
+    Raises
+    ------
+    SystemExit
+        Naming ``rev`` when git does not know it (nothing was run)."""
+    out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet",
+                          f"{rev}^{{commit}}"], capture_output=True, text=True, check=False)
+    if out.returncode != 0 or not out.stdout.strip():
+        raise SystemExit(f"bench_engine: --against {rev!r}: not a commit of {ROOT} (expected "
+                         "a revision git knows, e.g. a commit hash, tag or branch); nothing "
+                         "was run")
+    return out.stdout.strip()
+
+
+def child_command(args: argparse.Namespace, code: Path) -> list[str]:
+    """One side of ``--against``: this script, one repeat of the bare loop and the
+    ``sequential`` engine, over the ``fedshard``/``fedshard_lab`` of ``code``."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--code", str(code),
+           "--preset", args.preset, "--device", args.device, "--repeats", "1",
+           "--rounds", str(args.rounds), "--paths", "bare,sequential",
+           "--equality-rounds", "0", "--fmnist", str(args.fmnist)]
+    if args.methods:
+        cmd += ["--methods", args.methods]
+    if args.tiny:
+        cmd.append("--tiny")
+    if args.profile:
+        cmd.append("--profile")
+    return cmd
+
+
+def against_plan(args: argparse.Namespace, trees: dict[str, Path]
+                 ) -> list[tuple[str, list[str]]]:
+    """The runs of ``--against``, in order: ``args.repeats`` of each side, alternating, the
+    side that goes first swapping every repeat (ABBA: a drift of the machine's speed over
+    the runs moves both sides alike)."""
+    names = list(trees)
+    plan = []
+    for rep in range(args.repeats):
+        for name in names if rep % 2 == 0 else names[::-1]:
+            plan.append((name, child_command(args, trees[name])))
+    return plan
+
+
+def run_against(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine of revision ``args.against`` and of this work tree side by side: each run
+    in its own process (:func:`child_command`, over :func:`against_plan`), the revision's
+    files from ``git archive`` into a temporary folder."""
+    commit = resolve_revision(args.against)
+    runs: dict[str, list[dict[str, Any]]] = {"against": [], "work-tree": []}
+    with tempfile.TemporaryDirectory(prefix="bench-engine-against-") as tmp:
+        tree = Path(tmp) / commit[:12]
+        tree.mkdir()
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", commit],
+                                 capture_output=True, check=False)
+        if archive.returncode != 0:
+            raise SystemExit(f"bench_engine: git archive {commit} failed: "
+                             f"{archive.stderr.decode(errors='replace').strip()}")
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+        env = {**os.environ, "PYTHONPATH": ""}  # each side imports its own tree (--code)
+        for name, cmd in against_plan(args, {"against": tree, "work-tree": ROOT}):
+            out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env,
+                                 cwd=ROOT)
+            if out.returncode != 0:
+                raise SystemExit(f"bench_engine: the {name} run failed ({out.returncode}):\n"
+                                 + out.stderr[-3000:])
+            runs[name].append(json.loads(out.stdout))
+    first = runs["work-tree"][0]
+    methods = list(first["s_per_round"]["sequential"])
+
+    def median_of(side: str, pick: Any) -> dict[str, float]:
+        return {m: round(statistics.median(x for r in runs[side] for x in pick(r, m)), 4)
+                for m in methods}
+
+    def per_part(side: str, m: str) -> dict[str, float | None]:
+        rows = [r["profile"][m] for r in runs[side]]
+        out: dict[str, float | None] = {}
+        for k in rows[0]:
+            vals = [row.get(k) for row in rows]
+            out[k] = (round(statistics.median(v for v in vals if v is not None), 4)
+                      if all(v is not None for v in vals) else None)
+        return out
+
+    sides = ("against", "work-tree")
+    status = _git("status", "--porcelain")
+    return {
+        "against": {"revision": args.against, "commit": commit},
+        "work_tree": {"commit": _git("rev-parse", "HEAD"),
+                      "uncommitted_changes": len(status.splitlines())},
+        "preset": first["preset"], "shape": first["shape"], "repeats": args.repeats,
+        "rounds": args.rounds, "engine": "sequential", "torch_threads": first["torch_threads"],
+        "engine_vs_bare": {side: median_of(side, lambda r, m: r["engine_vs_bare_rounds"][m])
+                           for side in sides},
+        "s_per_round": {side: {path: median_of(side, lambda r, m, p=path:
+                                               [r["s_per_round"][p][m]])
+                               for path in ("bare", "sequential")} for side in sides},
+        "profile": {side: {m: per_part(side, m) for m in methods} for side in sides}
+        if args.profile else None,
+        "runs": {side: [{"engine_vs_bare": r["engine_vs_bare"],
+                         "load-average": r["load-average"]} for r in runs[side]]
+                 for side in sides},
+    }
+
+
 # ---------------------------------------------------------------------------- main
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -336,8 +566,25 @@ def main() -> None:
                     "fastest per-client baseline on a GPU; the batched engine does not use it")
     ap.add_argument("--equality-rounds", type=int, default=1, help="0: skip the check")
     ap.add_argument("--equality-examples", type=int, default=100)
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile the sequential engine's round (cProfile, rounds after "
+                    "the first): seconds per round of each part (PARTS), under 'profile'")
+    ap.add_argument("--against", metavar="REV", default=None,
+                    help="run the sequential engine of git revision REV and of this work "
+                    "tree side by side (alternating, one process per run, --repeats of each; "
+                    "paths bare,sequential) and print one JSON with both")
+    ap.add_argument("--code", type=Path, default=None,
+                    help="the tree whose fedshard and fedshard_lab run (default: this "
+                    "repository; --against sets it for its runs)")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = ap.parse_args()
+    if args.against is not None:
+        if args.rounds < (3 if args.profile else 2) or args.repeats < 1 or args.paths:
+            raise SystemExit("bench_engine: --against runs the paths bare,sequential (no "
+                             "--paths) and needs --repeats ≥ 1 and --rounds ≥ 2 (≥ 3 with "
+                             "--profile); nothing was run")
+        emit({**provenance(args.device), **run_against(args)}, args.out)
+        return
     if args.device == "cpu":
         torch.set_num_threads(1)  # the bare loop and the engine; Ray's workers set their own
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" \
@@ -371,6 +618,7 @@ def main() -> None:
                       for m in methods}
         times: dict[str, dict[str, list[float]]] = {p: {m: [] for m in methods} for p in paths}
         paired: dict[str, dict[str, list[float]]] = {p: {m: [] for m in methods} for p in paths}
+        profiles: dict[str, dict[str, Any]] = {}
         for rep in range(args.repeats):
             for path in paths:
                 for m in methods:
@@ -383,6 +631,10 @@ def main() -> None:
                         t, ratios = run_in_process(s, clients, path, device)
                         paired[path][m] += ratios
                     times[path][m].append(t)
+        if args.profile:
+            for m in methods:
+                profiles[m] = profile_round({**per_method[m], "run-name": f"profile-{m}"},
+                                            clients, device)
         equality = None
         if args.equality_rounds > 0:
             engines = [p for p in paths if p in ("sequential", "batched")] or [engine]
@@ -416,6 +668,10 @@ def main() -> None:
         "speedup_vs_flower": ratio("flower", engine),
         "speedup_batched_vs_sequential": ratio("sequential", "batched"),
         "max_rel_diff_float64": equality,
+        "engine_vs_bare_rounds": {m: [round(x, 4) for x in v] for m, v in paired[engine].items()}
+        if engine in paired else None,
+        "profile": profiles or None,
+        "code": "this repository" if CODE == ROOT else "another tree (--code)",
     }, args.out)
 
 

@@ -186,6 +186,41 @@ def _engine() -> list[str]:
             f"`max_rel_diff_float64` = {r['max_rel_diff_float64']}"]
 
 
+#: The parts of the engine's round that docs/performance.md tabulates from the profile.
+ENGINE_PARTS = ("round", "client/receive", "client/receive/settings", "client/train",
+                "client/train/optimizer-step/rules", "client/reply", "server/configure",
+                "server/aggregate", "server/aggregate/reply-checks", "server/aggregate/receipts",
+                "server/aggregate/robust", "server/end-round",
+                "server/end-round/central-evaluation", "array-codec")
+
+
+def _seconds(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3f}"
+
+
+def _engine_against() -> list[str]:
+    r = _record("engine-against")
+    vs, s, profile = r["engine_vs_bare"], r["s_per_round"], r["profile"]
+    old = r["against"]["commit"][:7]
+    facts = [_command(r), r["date"], r["torch"], "results/performance/engine-against.json",
+             f"load average {r['load-average'][0]:.1f}",
+             f"Collective this release took {vs['work-tree']['collective']:.3f}× against "
+             f"{vs['against']['collective']:.3f}×",
+             f"sharding {vs['work-tree']['none']:.3f}× against {vs['against']['none']:.3f}×",
+             f"{r['repeats']} runs of {r['rounds']} rounds per side"]
+    for side, label in (("against", f"`{old}` (main, the last release)"),
+                        ("work-tree", "this release")):
+        facts.append(f"| {label} | {vs[side]['none']:.3f} | {vs[side]['collective']:.3f} | "
+                     f"{s[side]['sequential']['none']:.3f} s / {s[side]['bare']['none']:.3f} s | "
+                     f"{s[side]['sequential']['collective']:.3f} s / "
+                     f"{s[side]['bare']['collective']:.3f} s |")
+    for part in ENGINE_PARTS:
+        cells = [_seconds(profile[side][m][part]) for m in ("none", "collective")
+                 for side in ("against", "work-tree")]
+        facts.append(f"| `{part}` | " + " | ".join(cells) + " |")
+    return facts
+
+
 def _client_step() -> list[str]:
     r = _record("client-step")
     ms = r["step_time_ms"]["fedshard"]
@@ -275,8 +310,8 @@ def _first_runs() -> list[str]:
             f"reached {100 * defaults['final-test-accuracy']:.1f} %"]
 
 
-@pytest.mark.parametrize("facts", [_finding, _engine, _client_step, _receive, _batches,
-                                   _server, _standardize, _scale, _first_runs])
+@pytest.mark.parametrize("facts", [_finding, _engine, _engine_against, _client_step, _receive,
+                                   _batches, _server, _standardize, _scale, _first_runs])
 def test_each_figure_of_the_performance_page_is_its_records(facts: Any) -> None:
     """Every figure docs/performance.md prints, beside the command, date and torch version of
     the record it comes from, is that record's (results/performance/*.json)."""

@@ -34,6 +34,7 @@ from fedshard import protocol as P
 from fedshard.app.config import RunConfig
 from fedshard.app.task import declared_keep_ratio
 from fedshard.client.keep_ratios import KeepRatioMixture
+from fedshard.client.train.rules import ClientRules
 
 
 def net() -> nn.Module:
@@ -121,6 +122,50 @@ def test_each_rule_against_its_formula() -> None:
                                atol=1e-14)
     scaled = int((w > 1.0).sum() + (shard.model[4].omega > 1.0).sum())
     assert (w > 1.0).any() and shard.rules.report().scaled_columns == scaled
+
+
+def _one_step_against_formula(shard: Any, x: torch.Tensor, y: torch.Tensor, gamma: float,
+                              tau: float, opt: torch.optim.Optimizer) -> None:
+    """One plain-SGD step (lr 0.1) of ``shard`` against numpy's
+    u' = u - lr·(∂CE/∂u + 2γ U(ωωᵀ ⊙ VᵀV))·min(1, τ/ω), with the ω the layer holds now."""
+    layer = shard.model[2]
+    opt.zero_grad(set_to_none=True)
+    F.cross_entropy(shard.model(x), y).backward()
+    g_data = layer.u.grad.numpy().copy()
+    u, v, w = (layer.u.detach().numpy().copy(), layer.v.detach().numpy().copy(),
+               layer.omega.numpy().copy())
+    expected = (g_data + 2 * gamma * u @ (np.outer(w, w) * (v.T @ v))) * np.minimum(1, tau / w)
+    opt.step()
+    np.testing.assert_allclose(layer.u.detach().numpy(), u - 0.1 * expected, rtol=1e-10,
+                               atol=1e-14)
+
+
+def test_the_rules_follow_an_omega_written_between_steps() -> None:
+    """What ω gives the rules is kept between steps; writing ω in place (as a CUDA graph's
+    static buffer is written) is seen at the next step, for decay and ClipLR alike, and a step
+    where ClipLR scales no column is the optimizer's own step exactly."""
+    msg = message(gamma=0.05, tau=1.0)
+    shard = receive(msg, net())
+    layer = shard.model[2]
+    opt = torch.optim.SGD(shard.model.parameters(), lr=0.1)
+    shard.rules.attach(opt)
+    x, y = batches()[0]
+    assert (layer.omega > 1.0).any()  # ClipLR scales some columns
+    _one_step_against_formula(shard, x, y, 0.05, 1.0, opt)
+    with torch.no_grad():
+        layer.omega.mul_(0.5)  # in place: same tensor, new values
+    _one_step_against_formula(shard, x, y, 0.05, 1.0, opt)
+    with torch.no_grad():
+        layer.omega.clamp_(max=0.9)  # now ClipLR scales no column of this layer
+        shard.model[4].omega.clamp_(max=0.9)
+    plain = receive(msg, net())
+    plain.model.load_state_dict(shard.model.state_dict())
+    plain_opt = torch.optim.SGD(plain.model.parameters(), lr=0.1)
+    ClientRules([plain.model[2], plain.model[4]], frobenius_decay=0.05).attach(plain_opt)
+    _one_step_against_formula(shard, x, y, 0.05, 1.0, opt)
+    _one_step_against_formula(plain, x, y, 0.05, 1.0, plain_opt)
+    for a, b in zip(shard.model.parameters(), plain.model.parameters(), strict=True):
+        assert torch.equal(a, b)  # bit for bit: no ClipLR is the step itself
 
 
 def test_shard_helpers_and_fedshards_loop_do_not_apply_the_rules_twice() -> None:

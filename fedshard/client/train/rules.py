@@ -203,9 +203,12 @@ class ClientRules:
     result. For SGD with momentum this equals the paper's gradient scaling exactly (the
     momentum buffer is linear in the gradients and ``s`` is constant within a round: the
     buffer of scaled gradients is ``s`` times the buffer of unscaled ones); columns with
-    ``s_i = 1`` are left exactly as the optimizer moved them. Everything is read from the
-    layers at each step (ω may be overwritten between steps) and nothing waits for the
-    device, so a captured CUDA graph of the step replays the rules too.
+    ``s_i = 1`` are left exactly as the optimizer moved them. The factors are read at each
+    step; what ω gives (``2γ ωωᵀ``, the scales) is computed once per value of ω (ω may be
+    overwritten between steps: a new value is noticed by its version counter), and on a CPU
+    a step that scales no column skips ClipLR's copy and blend. Nothing waits for an
+    accelerator, and a captured CUDA graph of the step computes it all from ω, so its
+    replays apply the rules too.
     """
 
     def __init__(self, layers: Sequence[Factors], *, frobenius_decay: float = 0.0,
@@ -231,6 +234,8 @@ class ClientRules:
         self.noise_multiplier: float | None = None
         self.max_grad_norm: float | None = None
         self._saved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # what each layer's ω gives the rules, kept while that ω is unchanged (_OmegaTerms)
+        self._terms: dict[int, _OmegaTerms] = {}
         # the optimizers these rules are attached to (each holds its handle): per object, so
         # that attaching twice to one optimizer (every rule applied twice) is refused
         self._attached: weakref.WeakKeyDictionary[torch.optim.Optimizer, RulesHandle] = \
@@ -256,19 +261,21 @@ class ClientRules:
         gradients for the dense factor step, and keep the factors for ClipLR."""
         self._saved = []
         for layer in self.layers if layers is None else layers:
+            terms = self._omega_terms(layer)
             if self.gamma:
-                self._add_decay(layer)
+                self._add_decay(layer, terms.decay)
             if self.dense:
                 new = dense_layer_gradients(layer, self.damping)  # both read before either is set
                 for factor, grad in zip((layer.u, layer.v), new, strict=True):
                     if grad is not None:
                         assert factor.grad is not None
                         factor.grad.copy_(grad)
-            if self.tau is not None:
-                scale = torch.clamp(self.tau / layer.omega, max=1.0).unsqueeze(-2)  # (..., 1, n)
+            if terms.scale is not None and terms.scaled is not None and terms.clips:
+                # (else the optimizer's result stays as it is)
                 for factor in (layer.u, layer.v):
                     if factor.grad is not None:
-                        self._saved.append((factor, factor.detach().clone(), scale, scale < 1))
+                        self._saved.append((factor, factor.detach().clone(), terms.scale,
+                                            terms.scaled))
 
     @torch.no_grad()
     def after_step(self) -> None:
@@ -280,9 +287,36 @@ class ClientRules:
         self._saved = []
         self.steps += 1
 
-    def _add_decay(self, layer: Factors) -> None:
+    def _omega_terms(self, layer: Factors) -> _OmegaTerms:
+        """What ``layer``'s ω gives the rules (Frobenius decay's ``2γ ωωᵀ``, ClipLR's scale
+        and whether it scales any column), computed once per value of ω.
+
+        ω is constant within a round, so these are the same numbers at every step: they are
+        kept and computed again only when ω is another tensor or was written in place (its
+        version counter, which every in-place write advances). Whether ClipLR scales any
+        column is read back once per value of ω; a step that scales none is left exactly as
+        the optimizer moved it (what ``where(scale < 1, ...)`` gives). That is read only where
+        ω is in host memory (a CPU); on an accelerator it is not (a step never waits for the
+        device) and every step applies the scale. While a CUDA graph is being captured,
+        nothing is kept: the captured step computes all of it from ω, so that its replays
+        follow ω's later values."""
         omega = layer.omega
-        weight = 2.0 * self.gamma * (omega.unsqueeze(-1) * omega.unsqueeze(-2))  # 2γ ωωᵀ
+        on_host = omega.device.type == "cpu"
+        if omega.is_cuda and torch.cuda.is_current_stream_capturing():
+            return _OmegaTerms.of(omega, self.gamma, self.tau, read_back=False)
+        kept = self._terms.get(id(layer))
+        if kept is not None and kept.omega is omega and kept.version == omega._version:
+            return kept
+        kept = _OmegaTerms.of(omega, self.gamma, self.tau, read_back=on_host)
+        self._terms[id(layer)] = kept
+        return kept
+
+    def _add_decay(self, layer: Factors, weight: torch.Tensor | None = None) -> None:
+        """Add Frobenius decay's gradient to ``layer``'s factors' gradients; ``weight``:
+        ``2γ ωωᵀ`` (computed from ω when not given)."""
+        omega = layer.omega
+        if weight is None:
+            weight = 2.0 * self.gamma * (omega.unsqueeze(-1) * omega.unsqueeze(-2))  # 2γ ωωᵀ
         gram_u, gram_v = layer.u.mT @ layer.u, layer.v.mT @ layer.v  # (..., n, n) each
         # U's gradient mixes with V's Gram matrix and vice versa
         for factor, gram in ((layer.u, gram_v), (layer.v, gram_u)):
@@ -454,6 +488,45 @@ class ClientRules:
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(layers={len(self.layers)}, frobenius_decay={self.gamma}, "
                 f"clip_lr_tau={self.tau}, factor_step={'dense' if self.dense else 'plain'!r})")
+
+
+@dataclass(frozen=True)
+class _OmegaTerms:
+    """What one value of a layer's ω gives the rules (:meth:`ClientRules._omega_terms`).
+
+    Attributes
+    ----------
+    omega : torch.Tensor
+        The ω they were computed from, ``(..., n)``, and its ``version`` then.
+    decay : torch.Tensor or None
+        Frobenius decay's ``2γ ωωᵀ``, ``(..., n, n)`` (``None`` without decay).
+    scale, scaled : torch.Tensor or None
+        ClipLR's ``min(1, τ/ω_i)`` and ``scale < 1``, ``(..., 1, n)`` (``None``: ClipLR off).
+    clips : bool
+        Whether ClipLR scales some column (``True`` when not read back).
+    """
+
+    omega: torch.Tensor
+    version: int
+    decay: torch.Tensor | None
+    scale: torch.Tensor | None
+    scaled: torch.Tensor | None
+    clips: bool
+
+    @classmethod
+    def of(cls, omega: torch.Tensor, gamma: float, tau: float | None, *,
+           read_back: bool) -> _OmegaTerms:
+        """The terms of ``omega`` (the same operations, in the same order, as every step
+        computed them before they were kept: the same numbers bit for bit)."""
+        decay = 2.0 * gamma * (omega.unsqueeze(-1) * omega.unsqueeze(-2)) if gamma else None
+        scale = scaled = None
+        clips = True
+        if tau is not None:
+            scale = torch.clamp(tau / omega, max=1.0).unsqueeze(-2)  # (..., 1, n)
+            scaled = scale < 1
+            if read_back:
+                clips = bool(scaled.any())
+        return cls(omega, omega._version, decay, scale, scaled, clips)
 
 
 def _wrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -1,12 +1,20 @@
 """``benchmarks/bench_engine.py``'s GPU preset (CIFAR-10 shape, batched engine) runs on the CPU
-at a tiny size: one JSON object with every figure, and the engines' float64 equality."""
+at a tiny size: one JSON object with every figure, and the engines' float64 equality; its
+``--against REV`` plans one process per run over each tree and refuses what it cannot run
+(nothing timed here)."""
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -29,3 +37,72 @@ def test_cifar10_preset_runs_tiny_on_the_cpu(tmp_path: Path) -> None:
     assert got["speedup_batched_vs_sequential"]["collective"] > 0
     assert got["flower_vs_bare"] is None  # flwr run is not a path of this preset by default
     assert 0 <= got["max_rel_diff_float64"] <= 1e-10
+
+
+def _bench_module() -> Any:
+    spec = importlib.util.spec_from_file_location("bench_engine_under_test",
+                                                  ROOT / "benchmarks" / "bench_engine.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # its `machine` module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return module
+
+
+def test_against_alternates_the_two_trees_in_separate_processes(tmp_path: Path) -> None:
+    """``--against REV``: one process per run, each importing its own tree (``--code``), the
+    side that goes first swapping every repeat; nothing is timed here."""
+    bench = _bench_module()
+    args = argparse.Namespace(preset="fmnist", device="cpu", rounds=3, methods="collective",
+                              tiny=True, profile=True, repeats=3,
+                              fmnist=Path("/data/fmnist"))
+    old, new = tmp_path / "old", ROOT
+    plan = bench.against_plan(args, {"against": old, "work-tree": new})
+    assert [name for name, _ in plan] == ["against", "work-tree", "work-tree", "against",
+                                          "against", "work-tree"]
+    for name, cmd in plan:
+        assert cmd[1].endswith("benchmarks/bench_engine.py")
+        assert cmd[cmd.index("--code") + 1] == str(old if name == "against" else new)
+        assert cmd[cmd.index("--paths") + 1] == "bare,sequential"
+        assert cmd[cmd.index("--repeats") + 1] == "1"
+        assert cmd[cmd.index("--equality-rounds") + 1] == "0"
+        assert cmd[cmd.index("--methods") + 1] == "collective"
+        assert cmd[cmd.index("--rounds") + 1] == "3"
+        assert "--tiny" in cmd and "--profile" in cmd
+    assert bench._code_tree(["x", "--code", str(old)]) == old.resolve()
+    assert bench._code_tree(["x", f"--code={old}"]) == old.resolve()
+    assert bench._code_tree(["x"]) == ROOT
+
+
+def test_against_names_a_revision_git_does_not_know() -> None:
+    bench = _bench_module()
+    with pytest.raises(SystemExit, match=r"--against 'no-such-revision-xyz': not a commit of "
+                       r".*nothing was run"):
+        bench.resolve_revision("no-such-revision-xyz")
+    assert len(bench.resolve_revision("HEAD")) == 40
+
+
+def test_against_refuses_paths_and_too_few_rounds_before_running() -> None:
+    for extra in (["--paths", "bare"], ["--rounds", "2", "--profile"]):
+        out = subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / "bench_engine.py"), "--against", "HEAD",
+             "--tiny", *extra], capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert out.returncode != 0
+        assert "--against runs the paths bare,sequential" in out.stderr
+        assert "nothing was run" in out.stderr
+
+
+def test_profile_parts_name_functions_that_exist() -> None:
+    """Every part ``--profile`` reports is made of functions this tree has (a renamed
+    function would silently report nothing)."""
+    bench = _bench_module()
+    for part, functions in bench.PARTS.items():
+        for path, name in functions:
+            if path.startswith("torch/"):
+                source = (Path(torch.__file__).parent / path.removeprefix("torch/")).read_text()
+            else:
+                source = (ROOT / path).read_text()
+            assert f"def {name}(" in source, (part, path, name)

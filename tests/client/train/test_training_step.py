@@ -443,9 +443,10 @@ def test_training_reads_the_device_only_every_32_steps() -> None:
     with _HostReads() as reads:
         train(model, loader, TrainConfig(log_every_epoch=False))
     # checks after steps 32, 64, 96 and at the epoch end, 3 reads for the TrainResult, one
-    # for the client rules' report (ω above τ in the one sharded layer), and the DataLoader's
-    # own base seed (a CPU generator)
-    assert reads.count == 96 // 32 + 1 + 3 + 1 + 1
+    # for the client rules' report (ω above τ in the one sharded layer), one for whether
+    # ClipLR scales any column of that ω (once per value of ω, and only where ω is in host
+    # memory: no device wait), and the DataLoader's own base seed (a CPU generator)
+    assert reads.count == 96 // 32 + 1 + 3 + 1 + 1 + 1
 
 
 def _broken() -> nn.Module:
