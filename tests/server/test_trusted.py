@@ -1,0 +1,238 @@
+"""Trusted data (FLTrust) and the nodes' agreement record, against references written here:
+the trust weights and the aggregate computed by brute force in numpy from the replies, a
+negated node left out, a record that names an anti-aligned node and no honest one, a resume
+that restores it, and bad input refused with a clear error."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from flower_grid import InProcessGrid
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from test_strategy import LAYERS, initial, make_net, strategy
+
+from fedshard import protocol as P
+from fedshard.client import handle_query
+from fedshard.server.trusted import TrustedReference, TrustRecord
+
+SEED = 11
+REF = 7  # the stream of the reference direction (no node of the grid)
+
+
+def _direction(node: int, key: str, shape: tuple[int, ...], server_round: int) -> np.ndarray:
+    """A fixed pseudo-random update per (node, key, round)."""
+    tag = sum(map(ord, key))
+    return np.random.default_rng([SEED, server_round, tag, node]).normal(size=shape)
+
+
+def _move(msg: Message, node: int, scale: float, mix: float = 0.0) -> dict[str, np.ndarray]:
+    """What ``msg``'s arrays become: each float array (not ω) plus ``scale`` times the
+    reference direction mixed with ``mix`` of the node's own direction; a factor key moves
+    per term (its direction drawn per term index), so that nodes holding the same term agree."""
+    rec, rnd = msg.content[P.ARRAYS], int(msg.content[P.CONFIG]["server-round"])
+    out = {}
+    for k, a in rec.items():
+        x = a.numpy().astype(np.float64)
+        if k.endswith((".omega", ".indices")):
+            out[k] = a.numpy()
+            continue
+        if k.endswith((".u", ".v")):
+            idx = rec[k[:-2] + ".indices"].numpy()
+            ref = np.stack([_direction(REF, f"{k}{t}", x.shape[:1], rnd) for t in idx], axis=1)
+            own = np.stack([_direction(node, f"{k}{t}", x.shape[:1], rnd) for t in idx], axis=1)
+        else:
+            ref, own = _direction(REF, k, x.shape, rnd), _direction(node, k, x.shape, rnd)
+        out[k] = (x + 1e-3 * scale * ((1 - mix) * ref + mix * own)).astype(a.numpy().dtype)
+    return out
+
+
+def _reply(msg: Message, arrays: dict[str, np.ndarray], n: int) -> Message:
+    return Message(RecordDict({P.ARRAYS: ArrayRecord({k: Array(v) for k, v in arrays.items()
+                                                      if not k.endswith(".omega")}),
+                               P.METRICS: MetricRecord({P.NUM_EXAMPLES: n})}), reply_to=msg)
+
+
+#: node -> (scale, mix with its own direction): an honest-ish node, another, one further off
+#: its own way, and a negated one; and their num-examples
+NODES = {1000: (1.0, 0.3), 1001: (2.0, 0.6), 1002: (0.5, 0.9), 1003: (-1.0, 0.2)}
+SIZES = {1000: 30, 1001: 20, 1002: 40, 1003: 10}
+
+
+def _app(msg: Message, context: Context) -> Message:
+    if msg.metadata.message_type == "query":
+        return handle_query(msg, context.node_config["keep-ratio"])
+    scale, mix = NODES[context.node_id]
+    return _reply(msg, _move(msg, context.node_id, scale, mix), SIZES[context.node_id])
+
+
+def _reference(msg: Message) -> Message:
+    """The server's clean training: the reference direction at twice the base size."""
+    return _reply(msg, _move(msg, REF, 2.0), 100)
+
+
+def _flat(d: dict[str, np.ndarray], keys: list[str]) -> np.ndarray:
+    return np.concatenate([d[k].ravel() for k in keys])
+
+
+def _expected(msgs: list[Message], replies: dict[int, dict[str, np.ndarray]], layers: list[str]
+              ) -> tuple[dict[str, np.ndarray], dict[int, float]]:
+    """Brute force: per node the cosine of its update with the reference's on its own
+    message (every float array it returns), trust ReLU(cos), the update rescaled to the
+    reference's norm, weight trust × num-examples; then each term's u and v and each dense
+    entry averaged over the nodes holding it with those weights, W = Σ u vᵀ."""
+    sent = {m.metadata.dst_node_id: {k: a.numpy().astype(np.float64)
+                                     for k, a in m.content[P.ARRAYS].items()} for m in msgs}
+    ref = {m.metadata.dst_node_id: _move(m, REF, 2.0) for m in msgs}
+    trust, moved = {}, {}
+    for node, got in replies.items():
+        keys = sorted(k for k in got if not k.endswith((".omega", ".indices")))
+        g = _flat({k: got[k].astype(np.float64) - sent[node][k] for k in keys}, keys)
+        g0 = _flat({k: ref[node][k].astype(np.float64) - sent[node][k] for k in keys}, keys)
+        c = float(g @ g0 / (np.linalg.norm(g) * np.linalg.norm(g0)))
+        trust[node] = max(0.0, c)
+        s = np.linalg.norm(g0) / np.linalg.norm(g)
+        moved[node] = {k: sent[node][k] + s * (got[k].astype(np.float64) - sent[node][k])
+                       for k in keys}
+    w = {n: trust[n] * SIZES[n] for n in replies}
+    out = {}
+    used = [n for n in replies if w[n] > 0]
+    for key in moved[used[0]]:
+        if key.endswith((".u", ".v")):
+            continue
+        out[key] = sum(w[n] * moved[n][key] for n in used) / sum(w[n] for n in used)
+    arrays = initial()
+    for layer in layers:
+        base = arrays[f"{layer}.weight"].numpy().astype(np.float64)
+        w2 = base.reshape(base.shape[0], -1)
+        U, lam, Vt = np.linalg.svd(w2, full_matrices=False)
+        num_u, num_v = np.zeros((w2.shape[0], lam.size)), np.zeros((w2.shape[1], lam.size))
+        den = np.zeros(lam.size)
+        for n in used:
+            idx = sent[n][f"{layer}.indices"].astype(np.int64)
+            num_u[:, idx] += w[n] * moved[n][f"{layer}.u"]
+            num_v[:, idx] += w[n] * moved[n][f"{layer}.v"]
+            den[idx] += w[n]
+        expect = np.zeros_like(w2)
+        for i in range(lam.size):
+            expect += (np.outer(num_u[:, i] / den[i], num_v[:, i] / den[i]) if den[i] > 0
+                       else lam[i] * np.outer(U[:, i], Vt[i]))
+        out[f"{layer}.weight"] = expect.reshape(base.shape)
+    return out, trust
+
+
+def _round(method: str, ratios: list[float], **kw: object):
+    grid = InProcessGrid(_app, [{"keep-ratio": r} for r in ratios])
+    s = strategy(method=method, align_factors=False, max_update_spread=0.0,
+                 max_weight_ratio=0.0, trusted=TrustedReference(_reference), **kw)
+    msgs = list(s.configure_train(1, initial(), ConfigRecord(), grid))
+    replies = list(grid.send_and_receive(msgs))
+    got = {r.metadata.src_node_id: {k: a.numpy() for k, a in r.content[P.ARRAYS].items()}
+           for r in replies}
+    new, _ = s.aggregate_train(1, replies)
+    return s, msgs, got, new
+
+
+@pytest.mark.parametrize(("method", "ratios", "layers"), [
+    ("none", [1.0] * 4, []),  # dense replies (FedAvg)
+    ("unbiased", [0.5, 0.5, 1.0, 0.5], LAYERS),  # factor shards
+])
+def test_fltrust_aggregate_matches_a_brute_force_one(method, ratios, layers) -> None:
+    s, msgs, got, new = _round(method, ratios)
+    expect, trust = _expected(msgs, got, layers)
+    assert new is not None
+    assert trust[1003] == 0.0 and all(trust[n] > 0 for n in (1000, 1001, 1002))
+    for key, value in expect.items():
+        np.testing.assert_allclose(new[key].numpy(), value, rtol=2e-4, atol=1e-6,
+                                   err_msg=key)
+    assert s.history[1]["trust-zero"] == 1.0  # the negated node: weight 0, left out
+    assert s.history[1]["replies-used"] == 3
+    assert math.isclose(s.history[1]["trust-mean"], np.mean(list(trust.values())), rel_tol=1e-6)
+
+
+def _rounds(s, grid, k: int) -> None:
+    arrays = initial()
+    for rnd in range(1, k + 1):
+        msgs = list(s.configure_train(rnd, arrays, ConfigRecord(), grid))
+        new, _ = s.aggregate_train(rnd, grid.send_and_receive(msgs))
+        arrays = new if new is not None else arrays
+
+
+@pytest.mark.parametrize("trusted", [True, False])
+def test_the_record_names_the_anti_aligned_node_and_no_honest_one(trusted, caplog) -> None:
+    grid = InProcessGrid(_app, [{"keep-ratio": 0.5}] * 4)
+    s = strategy(method="collective", num_rounds=6,
+                 trusted=TrustedReference(_reference) if trusted else None)
+    _rounds(s, grid, 5)
+    named = {int(m.split("node ")[1].split()[0]) for m in caplog.messages if " is distrusted" in m}
+    assert named == {1003}
+    assert "median of -" in next(m for m in caplog.messages if "node 1003 is distrusted" in m)
+    assert "Round 3: node 1003" in caplog.text  # named once it has 3 rounds of record
+    assert s.trust.record.level(1003) < 0 < min(s.trust.record.level(n) for n in (1000, 1001))
+
+
+def test_exclude_distrusted_leaves_the_named_node_out_of_later_rounds() -> None:
+    grid = InProcessGrid(_app, [{"keep-ratio": 0.5}] * 4)
+    s = strategy(method="collective", num_rounds=6, exclude_distrusted=True)
+    _rounds(s, grid, 5)
+    assert s.trust.excluded == {1003}
+    assert s.history[5]["distrusted-excluded"] == 1.0
+    assert "distrusted-excluded" not in s.history[3]  # named in round 3, left out after
+
+
+def test_resume_restores_the_record() -> None:
+    grid = InProcessGrid(_app, [{"keep-ratio": 0.5}] * 4)
+    s = strategy(method="collective", num_rounds=6)
+    _rounds(s, grid, 3)
+    state = s.trust_state()
+    assert set(state) == set(NODES) and all(len(v) == 3 for v in state.values())
+    t = strategy(method="collective", num_rounds=6)
+    t.resume(3, s.capability_table(), s.history, state)
+    assert t.trust_state() == state and t.trust.record.level(1003) == s.trust.record.level(1003)
+    with pytest.raises(ValueError, match="expected node ids mapped to lists of cosines"):
+        t.resume(3, s.capability_table(), s.history, {1000: [2.0]})
+
+
+def test_the_record_is_bounded() -> None:
+    r = TrustRecord()
+    for rnd in range(8):
+        r.add(1, 0.5 - rnd)  # beyond the window: the oldest go
+    assert len(r.cosines[1]) == 5 and r.level(1) == pytest.approx(np.median([0.5 - k for k in
+                                                                           range(3, 8)]))
+    assert r.level(2) is None
+
+
+def test_bad_trusted_input_is_refused_clearly() -> None:
+    with pytest.raises(ValueError, match="trusted data set is empty"):
+        TrustedReference.from_data([], model=make_net())
+    with pytest.raises(ValueError, match=r"expected model= .* or family="):
+        TrustedReference.from_data([1, 2])
+    with pytest.raises(TypeError, match="expected a callable taking a train Message"):
+        TrustedReference("not a function")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="expected a TrustedReference"):
+        strategy(trusted=_reference)
+
+    def wrong_shape(msg: Message) -> Message:
+        arrays = {k: a.numpy() for k, a in msg.content[P.ARRAYS].items()}
+        arrays["head.bias"] = np.zeros(7, np.float32)
+        return _reply(msg, arrays, 1)
+
+    grid = InProcessGrid(_app, [{"keep-ratio": 0.5}] * 4)
+    s = strategy(method="collective", trusted=TrustedReference(wrong_shape))
+    msgs = list(s.configure_train(1, initial(), ConfigRecord(), grid))
+    with pytest.raises(ValueError, match=r"head.bias \(7,\), expected \(3,\)"):
+        s.aggregate_train(1, grid.send_and_receive(msgs))
+
+
+def test_a_real_reference_trains_as_a_node_does() -> None:
+    """from_data: fedshard's own node loop on the trusted examples; honest nodes on the same
+    task agree with it (positive cosines)."""
+    from test_strategy import grid_with, local_data
+
+    data = local_data(99)
+    s = strategy(method="collective", trusted=TrustedReference.from_data(data, model=make_net()))
+    grid = grid_with([0.5, 0.5, 1.0])
+    msgs = list(s.configure_train(1, initial(), ConfigRecord(), grid))
+    new, _ = s.aggregate_train(1, grid.send_and_receive(msgs))
+    assert new is not None and "trust-mean" in s.history[1]
