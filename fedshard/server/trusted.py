@@ -24,9 +24,13 @@ update lives in the node's own coordinates, and the cosine is taken over exactly
 the node returns (each factor column and dense entry, minus what it was sent). We chose this
 over a dense reference compared with the node's rebuilt ``ΔW = Δ(U diag(ω) Vᵀ)`` because a
 node at keep ratio 0.2 moves only its terms: its ``ΔW`` is confined to a subspace the dense
-reference's ``ΔW`` mostly leaves, so their cosine is small for honest and dishonest nodes
-alike, and a node's factor moves are what the per-term averages use. The price is one short
-local training per sampled node per round on the server (``n_trusted`` examples each).
+reference's ``ΔW`` mostly leaves, so their cosine would be small for honest and dishonest nodes
+alike, and a node's factor moves are what the per-term averages use. The price is one
+local training per sampled node per round on the server, as long as a node's: the reference
+trains ``local-epochs`` × round(median ``num-examples`` / trusted-set size) epochs over the
+trusted set (:meth:`TrustedReference.epochs_for`), so that its update has a node's length (a
+single pass over a few hundred examples is a fraction of a typical node's steps, and
+rescaling every update to that length would shrink every round's step as much).
 
 **The weights** (FLTrust's Eq. 4–6 per node): with ``g_i`` the node's update and ``g_0,i``
 the reference's on the same message, ``t_i = max(0, cos(g_i, g_0,i))``; the node's update is
@@ -226,8 +230,9 @@ class TrustedReference:
 def _longer(msg: Message, epochs: int) -> Message:
     """A copy of ``msg`` whose ``local-epochs`` is ``epochs`` times the node's (the arrays
     shared, read-only)."""
-    config = ConfigRecord(dict(msg.content[P.CONFIG]))
-    config[_EPOCHS] = int(config.get(_EPOCHS, 1)) * epochs  # type: ignore[call-overload]
+    config = ConfigRecord(dict(msg.content.config_records[P.CONFIG]))
+    sent = config.get(_EPOCHS, 1)
+    config[_EPOCHS] = (sent if isinstance(sent, int) else 1) * epochs
     out = Message(RecordDict({P.ARRAYS: msg.content[P.ARRAYS], P.CONFIG: config}),
                   dst_node_id=msg.metadata.dst_node_id,
                   message_type=msg.metadata.message_type, group_id=msg.metadata.group_id)

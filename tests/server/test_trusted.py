@@ -236,3 +236,93 @@ def test_a_real_reference_trains_as_a_node_does() -> None:
     msgs = list(s.configure_train(1, initial(), ConfigRecord(), grid))
     new, _ = s.aggregate_train(1, grid.send_and_receive(msgs))
     assert new is not None and "trust-mean" in s.history[1]
+
+
+def test_the_held_out_set_is_no_nodes_data(tmp_path) -> None:
+    """The app's trusted set: drawn from the training set with its own stream, and kept from
+    every partition (the partitions and the held-out set cover the training set once)."""
+    import torch
+    from fakedata import write_fashion_mnist
+
+    from fedshard.data import held_out_indices, load_held_out, load_partition
+
+    images = write_fashion_mnist(tmp_path, 200, 10, np.random.default_rng(3))["train"][0]
+    held = load_held_out("fashion-mnist", 40, data_dir=tmp_path, seed=5)
+    parts = [load_partition("fashion-mnist", i, 4, data_dir=tmp_path, seed=5, held_out=40)
+             for i in range(4)]
+    assert len(held) == 40 and sum(len(p) for p in parts) == 160
+    idx = held_out_indices(200, 40, 5)
+    assert np.array_equal(idx, held_out_indices(200, 40, 5))
+    assert not np.array_equal(idx, held_out_indices(200, 40, 6))
+    seen = {bytes(x.numpy()) for p in parts for x in p._images}  # type: ignore[attr-defined]
+    assert all(bytes(torch.tensor(images[i]).numpy()) not in seen for i in idx)
+    with pytest.raises(ValueError, match="held_out=150: expected 1 to 100 examples"):
+        held_out_indices(200, 150, 0)
+
+
+@pytest.mark.parametrize(("keys", "message"), [
+    ({"trusted-data": -1}, "trusted-data=-1: expected 0 .off. or the number"),
+    ({"trusted-data-dir": "/no/such/folder"}, "trusted-data-dir='/no/such/folder': no such"),
+    ({"trusted-data": 100, "trusted-data-dir": "/tmp"}, "expected one of them"),
+    ({"distrust-below": 2.0}, "expected a cosine in .-1, 1."),
+])
+def test_trusted_run_config_is_checked_where_it_enters(keys, message) -> None:
+    from fedshard.app.config import ConfigError, RunConfig
+
+    with pytest.raises(ConfigError, match=message):
+        RunConfig.from_mapping(keys)
+
+
+def test_width_slicing_weighs_each_narrow_reply_against_its_own_reference() -> None:
+    """Width slicing: the reference trains each node's narrow model (its message, fedshard's
+    node loop); honest nodes on the reference's task agree with it, a negated one gets 0."""
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    from fedshard import WidthSlicing
+    from fedshard.client import handle_node_train
+    from fedshard.settings import Cohort, LocalTraining, NodePolicy, Sharding, Slicing
+    from fedshard.width.slicing import WidthFamily
+
+    class Net(nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(6, width), nn.Linear(width, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.relu(self.a(x)))
+
+    family = WidthFamily(Net, 8)
+    teacher = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 3, generator=teacher)
+
+    def data(seed: int) -> TensorDataset:
+        x = torch.randn(64, 6, generator=torch.Generator().manual_seed(seed))
+        return TensorDataset(x, (x @ w).argmax(1))
+
+    def app(msg: Message, context: Context) -> Message:
+        if msg.metadata.message_type == "query":
+            return handle_query(msg, context.node_config["keep-ratio"])
+        reply = handle_node_train(msg, data(context.node_id), family=family)
+        if context.node_id == 1002:  # negated: sent - (trained - sent)
+            sent, rec = msg.content[P.ARRAYS], reply.content[P.ARRAYS]
+            for k in list(rec.keys()):
+                rec[k] = Array(2 * sent[k].numpy() - rec[k].numpy())
+        return reply
+
+    s = WidthSlicing(family=family, slicing=Slicing(width_match="keep-ratio"),
+                     sharding=Sharding(method="heterofl"), num_rounds=2, seed=3,
+                     training=LocalTraining(lr=0.1),
+                     nodes=NodePolicy(query_timeout=5, node_wait_timeout=5),
+                     cohort=Cohort(fraction_evaluate=0.0, min_train_nodes=1,
+                                   min_evaluate_nodes=1, min_available_nodes=1),
+                     trusted=TrustedReference.from_data(data(99), family=family))
+    grid = InProcessGrid(app, [{"keep-ratio": r} for r in (1.0, 0.5, 1.0)])
+    arrays = ArrayRecord({k: v.detach().clone() for k, v in family(8).state_dict().items()})
+    msgs = list(s.configure_train(1, arrays, ConfigRecord(), grid))
+    new, _ = s.aggregate_train(1, grid.send_and_receive(msgs))
+    assert new is not None
+    assert s.history[1]["trust-zero"] == 1.0 and s.history[1]["replies-used"] == 2
+    cos = {n: r[-1] for n, r in s.trust_state().items()}
+    assert cos[1002] < 0 < min(cos[1000], cos[1001])
