@@ -29,7 +29,10 @@ Each defence is a set of run-config keys on top of the defaults (:data:`DEFENCES
 paper's plain averages (no alignment, no spread bound). Accuracy is the mean test accuracy of
 the last ``--last`` rounds; Δ in the docs is against the same defence's clean run of the same
 seed. Per cell it also counts the rounds in which the server's WARNING lines named a dishonest
-node, and the honest nodes they named. Prints one JSON object (machine, torch, date, seeds);
+node, the honest nodes they named, and the round by which every dishonest node had been named
+(``round-all-dishonest-named``). ``trusted-data`` is the defaults with the server's own
+reference update on 500 training examples held out of the nodes' (FLTrust,
+:mod:`fedshard.server.trusted`). Prints one JSON object (machine, torch, date, seeds);
 the tables made from it are in ``docs/robustness.md``.
 
 Usage: ``OMP_NUM_THREADS=1 python benchmarks/attack_table.py [--attacks a,b] [--defences d,e]

@@ -326,3 +326,22 @@ def test_width_slicing_weighs_each_narrow_reply_against_its_own_reference() -> N
     assert s.history[1]["trust-zero"] == 1.0 and s.history[1]["replies-used"] == 2
     cos = {n: r[-1] for n, r in s.trust_state().items()}
     assert cos[1002] < 0 < min(cos[1000], cos[1001])
+
+
+def test_the_checkpoint_keeps_the_record(tmp_path) -> None:
+    """The app's checkpoint holds the record (a file without one reads as none), and a
+    record of other values is refused with the file named."""
+    import torch
+
+    from fedshard.app.checkpoint import Checkpoint, CheckpointError
+
+    arrays = {"w": np.ones(2, np.float32)}
+    Checkpoint(3, arrays, {}, trust={1000: [0.5, -0.25]}).save(tmp_path)
+    assert Checkpoint.load(tmp_path).trust == {1000: [0.5, -0.25]}
+    Checkpoint(4, arrays, {}).save(tmp_path)
+    assert Checkpoint.load(tmp_path).trust == {}
+    payload = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    payload["trust"] = {1000: [3.0]}
+    torch.save(payload, tmp_path / "checkpoint.pt")
+    with pytest.raises(CheckpointError, match="'trust' must map node ids to lists of cosines"):
+        Checkpoint.load(tmp_path)
