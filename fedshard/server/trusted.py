@@ -313,7 +313,14 @@ class TrustStage:
         (:func:`fltrust_weights`; a node of trust 0 left out); each node's cosine recorded and
         a node whose record stays below ``distrust_below`` named in a WARNING (counted in
         ``distrusted-nodes``; ``trust-zero`` counts the replies left out by the reference,
-        ``trust-mean`` is the round's mean trust score)."""
+        ``trust-mean`` is the round's mean trust score).
+
+        Raises
+        ------
+        ValueError
+            If the reference's reply does not match what a node was sent
+            (:meth:`TrustedReference.update`): the round is not aggregated.
+        """
         out = [r for r in accepted if r.node not in self.excluded]
         if len(out) < len(accepted):
             metrics["distrusted-excluded"] = float(len(accepted) - len(out))
