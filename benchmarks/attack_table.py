@@ -29,7 +29,10 @@ Each defence is a set of run-config keys on top of the defaults (:data:`DEFENCES
 paper's plain averages (no alignment, no spread bound). Accuracy is the mean test accuracy of
 the last ``--last`` rounds; Δ in the docs is against the same defence's clean run of the same
 seed. Per cell it also counts the rounds in which the server's WARNING lines named a dishonest
-node, and the honest nodes they named. Prints one JSON object (machine, torch, date, seeds);
+node, the honest nodes they named, and the round by which every dishonest node had been named
+(``round-all-dishonest-named``). ``trusted-data`` is the defaults with the server's own
+reference update on 500 training examples held out of the nodes' (FLTrust,
+:mod:`fedshard.server.trusted`). Prints one JSON object (machine, torch, date, seeds);
 the tables made from it are in ``docs/robustness.md``.
 
 Usage: ``OMP_NUM_THREADS=1 python benchmarks/attack_table.py [--attacks a,b] [--defences d,e]
@@ -104,6 +107,8 @@ DEFENCES: dict[str, dict[str, Any]] = {
                   "max-update-spread": 0.0},
     "krum": {"aggregation": "krum", "trim-fraction": 0.3, "align-factors": False,
              "max-update-spread": 0.0},
+    # the defaults and FLTrust's reference on 500 training examples held out of the nodes'
+    "trusted-data": {"trusted-data": 500},
 }
 
 Attack = Callable[[Message, Message, dict[str, Any]], Message]
@@ -435,13 +440,21 @@ def run_cell(root: Path, base: dict[str, Any], attack: str | None, attackers: in
     acc = [r["test-accuracy"] for r in rows if "test-accuracy" in r and r.get("round", 0) > 0]
     counts = {k: sum(r.get(k, 0.0) for r in rows) for k in (
         "clipped-update-spread", "clipped-update-norm", "clipped-num-examples",
-        "re-signed-terms", "rebalanced-terms", "update-spread-held", "held-num-examples")}
+        "re-signed-terms", "rebalanced-terms", "update-spread-held", "held-num-examples",
+        "trust-zero", "distrusted-nodes")}
     honest_named = {n for nodes in named.named.values() for n in nodes if n not in bad}
+    seen: set[int] = set()
+    all_named = None  # the round by which every dishonest node had been named
+    for rnd in sorted(named.named):
+        seen |= named.named[rnd] & set(bad)
+        if bad and all_named is None and seen == set(bad):
+            all_named = rnd
     return {"accuracy": round(float(np.mean(acc[-last:])), 4) if acc else None,
             "final": round(float(acc[-1]), 4) if acc else None, "status": status,
             "rounds-naming-attacker": sum(1 for nodes in named.named.values()
                                           if nodes & set(bad)),
             "honest-nodes-named": len(honest_named),
+            **({"round-all-dishonest-named": all_named} if bad else {}),
             **{k: v for k, v in counts.items() if v},
             "s": round(time.perf_counter() - t0, 1)}
 

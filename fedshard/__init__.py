@@ -79,7 +79,7 @@ from fedshard.client import (
 )
 from fedshard.client.train import evaluate, train
 from fedshard.logs import route_to_flower
-from fedshard.server import SHARDING_METHODS, SpectralSharding, WidthSlicing
+from fedshard.server import SHARDING_METHODS, SpectralSharding, TrustedReference, WidthSlicing
 from fedshard.settings import (
     Cohort,
     LocalTraining,
@@ -109,6 +109,7 @@ __all__ = [
     "Slicing",
     "SpectralSharding",
     "TrainConfig",
+    "TrustedReference",
     "WidthFamily",
     "WidthSlicing",
     "__version__",

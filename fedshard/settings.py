@@ -506,6 +506,16 @@ class ReplyPolicy(Settings):
         further than the data it reports explains, is aggregated as a typical node: each
         change shrunk to the round's median change, its weight to the median weight
         (``update-spread-held``). 0: off.
+    distrust_below : float
+        In ``[-1, 1]`` (default 0.02): a node whose updates' cosine with the server's trusted
+        reference update (with trusted data) or with the round's accepted aggregate (without)
+        has a median below this over its last rounds (at least 3 of the last 5 it took
+        part in) is named in a WARNING with its cosines (:mod:`fedshard.server.trusted`;
+        counted in ``distrusted-nodes``). -1: never named.
+    exclude_distrusted : bool
+        Off by default. On: a node once named under ``distrust_below`` is left out of every
+        later round's aggregate (its replies are still received; ``distrusted-excluded``
+        counts them).
     max_diverged_fraction : float
         In ``[0, 1]``: the run stops (``TrainingDivergedError``, logged as an ERROR) after a
         round in which more than this share of the nodes that replied, and at least two of
@@ -527,6 +537,9 @@ class ReplyPolicy(Settings):
     max_weight_ratio: float = setting(2.0, _BOUND)
     align_factors: bool = setting(True, BOOL)
     max_update_spread: float = setting(2.0, _BOUND)
+    distrust_below: float = setting(0.02, rule(lambda v: finite_real(v) and -1 <= v <= 1,
+                                               "expected a cosine in [-1, 1] (-1: off)"))
+    exclude_distrusted: bool = setting(False, BOOL)
     max_diverged_fraction: float = setting(
         0.5, rule(lambda v: finite_real(v) and 0 <= v <= 1,
                   "expected a share in [0, 1] (1: never stop)"))

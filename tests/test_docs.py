@@ -194,3 +194,42 @@ def test_robustness_pages_width_tables_are_the_committed_measurements(
     out = json.loads(path.read_text())
     assert all(table["keys"].get("method") for table in out["results"].values())
     assert at.markdown([str(path)]) in (DOCS / "robustness.md").read_text(encoding="utf-8")
+
+
+TRUSTED = sorted((DOCS.parent / "results" / "robustness").glob("attacks-trusted-data-*.json"))
+
+
+@pytest.mark.parametrize("path", TRUSTED, ids=[p.stem for p in TRUSTED])
+def test_robustness_pages_trusted_data_tables_are_the_committed_measurements(
+        path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/robustness.md's trusted-data tables are what benchmarks/attack_table.py prints from
+    the committed outputs, table for table."""
+    at = _attack_table(monkeypatch)
+    out = json.loads(path.read_text())
+    assert [t["keys"] for t in out["results"].values()] == [{"trusted-data": 500}]
+    assert at.markdown([str(path)]) in (DOCS / "robustness.md").read_text(encoding="utf-8")
+
+
+def test_robustness_pages_trusted_data_figures_are_the_committed_measurements() -> None:
+    """The trusted-data section's lead figures (per share of dishonest nodes the worst mean
+    cost and the worst seed, the clean runs and the honest nodes they named) are the
+    committed outputs'."""
+    text = (DOCS / "robustness.md").read_text(encoding="utf-8")
+    tables = [json.loads(p.read_text())["results"]["trusted-data"] for p in TRUSTED]
+    assert tables, "no trusted-data table is committed"
+    facts = []
+    for k, share in (("3", "three"), ("1", "one")):
+        cells = [c for t in tables for key, c in t["attacks"].items()
+                 if key.endswith(f"/{k}")]
+        if not cells:
+            continue
+        worst = min(c["delta-points-mean"] for c in cells)
+        seed = min(s["delta-points"] for c in cells for s in c["seeds"].values())
+        facts.append(f"{share} in ten {-worst:.1f} points on average at most (worst seed "
+                     f"{-seed:.1f})")
+    clean = tables[0]["clean"].values()
+    facts.append(" / ".join(f"{c['accuracy']:.3f}" for c in clean))
+    facts.append(f"named {sum(c['honest-nodes-named'] for c in clean)} of "
+                 f"{10 * len(clean)} honest nodes")
+    missing = [f for f in facts if f not in text]
+    assert not missing, missing

@@ -148,6 +148,6 @@ class Checkpointing(RoundCallback):
         (see :meth:`Checkpoint.save`)."""
         if server_round > 0:
             Checkpoint(server_round, {k: decode_array(a) for k, a in arrays.items()},
-                       self.config, strategy.capability_table(), strategy.history
-                       ).save(self.directory)
+                       self.config, strategy.capability_table(), strategy.history,
+                       trust=strategy.trust_state()).save(self.directory)
         return None

@@ -104,6 +104,12 @@ def _payload_problems(payload: Any) -> list[str]:
         for k, v in caps.items()
     ):
         problems.append("'capabilities' must map node ids to (keep ratio, reason) pairs")
+    trust = payload.get("trust", {})
+    if not isinstance(trust, dict) or not all(
+        isinstance(k, int) and isinstance(v, list)
+        and all(isinstance(c, float) and -1 <= c <= 1 for c in v) for k, v in trust.items()
+    ):
+        problems.append("'trust' must map node ids to lists of cosines in [-1, 1]")
     history = payload["history"]
     if not isinstance(history, dict) or not all(
         isinstance(k, int) and isinstance(v, dict) for k, v in history.items()
@@ -144,6 +150,7 @@ def _read(path: Path) -> Checkpoint:
                       for k, v in payload["capabilities"].items()},
         history={int(k): dict(v) for k, v in payload["history"].items()},
         path=path,
+        trust={int(k): [float(c) for c in v] for k, v in payload.get("trust", {}).items()},
     )
 
 
@@ -166,6 +173,8 @@ class Checkpoint:
     capabilities: dict[int, tuple[float, str]] = field(default_factory=dict)
     history: dict[int, dict[str, float]] = field(default_factory=dict)
     path: Path | None = None  # the file it was loaded from (None: not loaded)
+    # node -> its last rounds' cosines (fedshard.server.trusted.TrustRecord); optional in a file
+    trust: dict[int, list[float]] = field(default_factory=dict)
 
     def save(self, directory: Path) -> Path:
         """Write ``directory/checkpoint.pt`` atomically, keeping the one before it.
@@ -213,6 +222,7 @@ class Checkpoint:
             "config": self.config,
             "capabilities": self.capabilities,
             "history": self.history,
+            **({"trust": self.trust} if self.trust else {}),
         }
         try:
             fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)  # not via a link

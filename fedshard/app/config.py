@@ -127,6 +127,8 @@ class RunConfig:
     diagnostics: bool = _app(False)
     eval_at_budgets: bool = _app(False)
     reference_run: str = _app("")
+    trusted_data: int = _app(0)
+    trusted_data_dir: str = _app("")
 
     def __post_init__(self) -> None:
         problems = self._problems()
@@ -306,6 +308,19 @@ class RunConfig:
                  "trains with its own step (a width drawn per batch), which the fast path "
                  "cannot run; expected them off for this method (HeteroFL and FedRolex "
                  "train with them)")
+        need(0 <= self.trusted_data <= 100_000,
+             f"trusted-data={self.trusted_data}: expected 0 (off) or the number of training "
+             "examples held out for the server's reference update (FLTrust uses 100-500)")
+        need(not self.trusted_data_dir or Path(self.trusted_data_dir).expanduser().is_dir(),
+             f"trusted-data-dir={self.trusted_data_dir!r}: no such folder (expected the "
+             "server's clean examples in the data set's layout, or empty)")
+        need(not (self.trusted_data and self.trusted_data_dir),
+             f"trusted-data={self.trusted_data} with trusted-data-dir="
+             f"{self.trusted_data_dir!r}: expected one of them (a held-out share of the "
+             "training data in simulation, or a folder of the server's own)")
+        need(not (self.trusted_data and self.dataset == "shakespeare"),
+             "trusted-data with dataset='shakespeare': its split is by speaking role; give "
+             "the server a folder of its own (trusted-data-dir)")
         need(not self.keep_ratio_file or Path(self.keep_ratio_file).expanduser().is_file(),
              f"keep-ratio-table={self.keep_ratio_file!r}: no such file (expected a TOML file "
              "of '\"<node key>\" = <ratio>' lines, or empty for no table)")

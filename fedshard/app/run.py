@@ -33,6 +33,7 @@ from fedshard.app.task import (
     example_input,
     grid_runtime,
     resolve_device,
+    trusted_reference,
     width_family,
 )
 from fedshard.data import dataset_info
@@ -57,10 +58,11 @@ def build_strategy(cfg: RunConfig, model: nn.Module, device: str = "cpu") -> Kee
     if cfg.sharding.method in WIDTH_METHODS:
         return WidthSlicing.from_model(model, family=width_family(cfg),
                                        example_input=example_input(cfg),
-                                       slicing=cfg.slicing, **_common(cfg))
+                                       slicing=cfg.slicing, **_common(cfg),
+                                       trusted=trusted_reference(cfg))
     return SpectralSharding.from_model(
         model, example_input=example_input(cfg), device=None if device == "cpu" else device,
-        **_common(cfg))
+        **_common(cfg), trusted=trusted_reference(cfg))
 
 
 def _common(cfg: RunConfig) -> dict[str, Any]:
@@ -127,7 +129,7 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
         checkpoint.check_arrays({k: tuple(v.shape) for k, v in model.state_dict().items()})
         model.load_state_dict({k: torch.from_numpy(v) for k, v in checkpoint.arrays.items()})
         initial = ArrayRecord(model.state_dict())
-        strategy.resume(done, checkpoint.capabilities, checkpoint.history)
+        strategy.resume(done, checkpoint.capabilities, checkpoint.history, checkpoint.trust)
         logger.info("Resuming %s after round %d of %d: this launch runs rounds %d-%d. Flower's "
                     "[ROUND k/%d] lines count this launch's rounds (k = run round - %d); "
                     "fedshard's lines give the run's round.", directory, done,

@@ -27,7 +27,8 @@ from fedshard.client.keep_ratios import (  # re-exported: the library's rule
     node_keep_ratio,
 )
 from fedshard.client.node import handle_node_train
-from fedshard.data import ImageDataset, dataset_info, load_partition
+from fedshard.data import ImageDataset, dataset_info, load_held_out, load_partition
+from fedshard.server.trusted import TrustedReference
 from fedshard.width import WidthFamily
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "resolve_device",
     "template_model",
     "train_node",
+    "trusted_reference",
     "warn_if_looks_simulated",
     "width_family",
 ]
@@ -155,6 +157,32 @@ def train_node(msg: Message, cfg: RunConfig, data: Dataset[Any], *, device: str,
         family=functools.partial(width_family, cfg), device=device, **options)
 
 
+def trusted_reference(cfg: RunConfig, device: str = "cpu") -> TrustedReference | None:
+    """The server's reference training (:class:`~fedshard.server.trusted.TrustedReference`)
+    on its trusted set: ``trusted-data`` examples held out of the training set (a simulated
+    node never trains on them; never test data), or every training example in
+    ``trusted-data-dir`` (a deployment's folder in the data set's layout); ``None`` when
+    neither is set. It trains as a node does (:func:`train_node`)."""
+    if cfg.trusted_data:
+        data = load_held_out(cfg.dataset, cfg.trusted_data, data_dir=cfg.data_dir or None,
+                             seed=cfg.seed, download=cfg.download)
+    elif cfg.trusted_data_dir:
+        data = load_partition(cfg.dataset, 0, 1, data_dir=cfg.trusted_data_dir,
+                              seed=cfg.seed)
+    else:
+        return None
+    if len(data) == 0:  # type: ignore[arg-type]
+        raise ValueError(f"trusted-data-dir={cfg.trusted_data_dir!r} holds no training "
+                         "examples; expected the server's clean examples (100-500)")
+    return TrustedReference(functools.partial(_train_trusted, cfg=cfg, data=data,
+                                              device=device), len(data))  # type: ignore[arg-type]
+
+
+def _train_trusted(msg: Message, *, cfg: RunConfig, data: Dataset[Any], device: str
+                   ) -> Message:
+    return train_node(msg, cfg, data, device=device, fast=cfg.fast)
+
+
 def _need_images(cfg: RunConfig, info: Any) -> None:
     if info.task != "image":
         raise ValueError(
@@ -211,7 +239,7 @@ def client_dataset(cfg: RunConfig, partition_id: int, num_partitions: int) -> Da
     alpha = None if info.task == "next-char" or cfg.dirichlet_alpha == 0 else cfg.dirichlet_alpha
     budget = _cache_budget()
     key = (cfg.dataset, cfg.data_dir, cfg.download, alpha, cfg.seed, partition_id,
-           num_partitions)
+           num_partitions, cfg.trusted_data)
     dataset = _DATASETS.get(key)
     if dataset is not None:
         _DATASETS.move_to_end(key)
@@ -221,7 +249,7 @@ def client_dataset(cfg: RunConfig, partition_id: int, num_partitions: int) -> Da
         return dataset
     dataset = load_partition(
         cfg.dataset, partition_id, num_partitions, data_dir=cfg.data_dir or None,
-        alpha=alpha, seed=cfg.seed, download=cfg.download,
+        alpha=alpha, seed=cfg.seed, download=cfg.download, held_out=cfg.trusted_data,
     )
     if isinstance(dataset, ImageDataset):
         dataset.example_tensors()  # standardize now, once: the data set keeps the tensors

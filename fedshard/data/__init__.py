@@ -14,7 +14,13 @@
 """
 
 from fedshard.data.images import ImageDataset, per_image_standardization
-from fedshard.data.loading import clear_cache, load_partition, load_test_set
+from fedshard.data.loading import (
+    clear_cache,
+    held_out_indices,
+    load_held_out,
+    load_partition,
+    load_test_set,
+)
 from fedshard.data.partition import dirichlet_partition, pachinko_partition, partition_sizes
 from fedshard.data.registry import (
     DATASETS,
@@ -38,6 +44,8 @@ __all__ = [
     "dataset_info",
     "default_cache_dir",
     "dirichlet_partition",
+    "held_out_indices",
+    "load_held_out",
     "load_partition",
     "load_test_set",
     "pachinko_partition",

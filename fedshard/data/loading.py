@@ -28,7 +28,9 @@ from fedshard.data.registry import (
 )
 from fedshard.data.shakespeare import ShakespeareDataset
 
-__all__ = ["clear_cache", "load_partition", "load_test_set"]
+__all__ = [
+    "clear_cache", "held_out_indices", "load_held_out", "load_partition", "load_test_set",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,7 @@ PathLike = str | os.PathLike[str]
 # Stream tag of the partition randomness: the split for seed s uses default_rng([s, tag]), so it
 # is independent of any other stream derived from the same run seed.
 _PARTITION_STREAM = zlib.crc32(b"fedshard.data.partition")
+_HELD_OUT_STREAM = zlib.crc32(b"fedshard.data.held-out")
 
 _DOWNLOADABLE = ("fashion-mnist", "cifar10", "cifar100")
 
@@ -175,6 +178,7 @@ def load_partition(
     alpha_fine: float | None = None,
     seed: int = 0,
     download: bool = False,
+    held_out: int = 0,
 ) -> Dataset:
     """Training examples of one simulated client.
 
@@ -205,6 +209,9 @@ def load_partition(
         first (:func:`fedshard.data.image_files.download`); Fashion-MNIST and CIFAR-10/100
         only. Off by default here, so that a library call never touches the network unasked;
         fedshard's app turns it on (run config ``download``).
+    held_out : int
+        Examples of the training set kept from every client (:func:`held_out_indices`, the
+        server's trusted set, :func:`load_held_out`); 0 (default): none. Images only.
 
     Returns
     -------
@@ -282,7 +289,49 @@ def load_partition(
         name, folder, num_partitions, alpha_value, alpha_fine_value, _check_int(seed, "seed")
     )
     arrays = _image_split(name, folder, "train")
-    return ImageDataset(arrays.subset(parts[partition_id]))
+    part = parts[partition_id]
+    if held_out:
+        part = np.setdiff1d(part, held_out_indices(len(arrays.labels), held_out, seed))
+    return ImageDataset(arrays.subset(part))
+
+
+def held_out_indices(total: int, count: int, seed: int) -> np.ndarray:
+    """``count`` sorted indices of a training set of ``total`` examples, drawn with the stream
+    ``default_rng([seed, tag])`` of their own (independent of the split's).
+
+    Raises
+    ------
+    ValueError
+        If ``count`` is not in ``[1, total / 2]``.
+    """
+    count = _check_int(count, "held_out")
+    if not 1 <= count <= total // 2:
+        raise ValueError(f"held_out={count}: expected 1 to {total // 2} examples (at most half "
+                         f"of the {total} training examples); no data was loaded.")
+    rng = np.random.default_rng([seed, _HELD_OUT_STREAM])
+    return np.sort(rng.choice(total, size=count, replace=False))
+
+
+def load_held_out(name: str, count: int, *, data_dir: PathLike | None = None, seed: int = 0,
+                  download: bool = False) -> Dataset:
+    """The ``count`` training examples :func:`load_partition` keeps from every client with
+    ``held_out=count`` (the same ``seed``): a clean set of the server's own (FLTrust's root
+    data set), never test data. Images only.
+
+    Raises
+    ------
+    ValueError
+        For a data set without images (Shakespeare), or ``count`` outside ``[1, N / 2]``.
+    """
+    info = dataset_info(name)
+    if info.partition == "natural":
+        raise ValueError(f"held_out: {name} is split by speaking role; a held-out set of its "
+                         "training data is not supported: give the server a folder of its "
+                         "own (trusted-data-dir); no data was loaded.")
+    folder = str(_resolve(name, "train", data_dir, download))
+    arrays = _image_split(name, folder, "train")
+    return ImageDataset(arrays.subset(held_out_indices(len(arrays.labels), count,
+                                                       _check_int(seed, "seed"))))
 
 
 def _spread(total: int, max_examples: int | None) -> np.ndarray | None:

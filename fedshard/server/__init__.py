@@ -57,6 +57,7 @@ from fedshard.server.strategy import (
     SpectralSharding,
     TrainingDivergedError,
 )
+from fedshard.server.trusted import TrustedReference
 from fedshard.server.width import WidthSlicing
 from fedshard.settings import LR_SCHEDULES
 
@@ -84,6 +85,7 @@ __all__ = [
     "TensorBoardLog",
     "TrainingDivergedError",
     "TrainingReceipts",
+    "TrustedReference",
     "UnchangingModel",
     "UntrainedChannels",
     "WidthSlicing",

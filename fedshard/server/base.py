@@ -33,6 +33,7 @@ from fedshard.server.metrics import mean_client_metrics
 from fedshard.server.nodes import NodeDirectory
 from fedshard.server.privacy import driving_strategy, refuse_foreign_driver
 from fedshard.server.schedule import RunRounds, round_recipe
+from fedshard.server.trusted import TrustedReference, TrustStage
 from fedshard.settings import (
     CONCERNS,
     Cohort,
@@ -82,6 +83,12 @@ class KeepRatioStrategy(FedAvg):
     callbacks : sequence of RoundCallback, optional
         What the run does around its rounds, in order; default
         :func:`~fedshard.server.callbacks.default_callbacks`.
+    trusted : fedshard.server.trusted.TrustedReference, optional
+        The server's own training on a small clean set (opt-in, FLTrust): each reply is
+        weighted by its cosine with the reference update on the same message and rescaled to
+        the reference's norm (:mod:`fedshard.server.trusted`). Without it the replies are
+        averaged as the reply bounds leave them; either way each node's agreement is recorded
+        and a node whose record stays below ``replies.distrust_below`` is named.
     problems : sequence of Problem
         What the subclass found wrong with its own arguments: reported with these arguments'
         problems in one :class:`~fedshard.settings.SettingsError`.
@@ -134,6 +141,7 @@ class KeepRatioStrategy(FedAvg):
         train_metrics_aggr_fn: rounds.MetricsAggrFn | None = None,
         evaluate_metrics_aggr_fn: rounds.MetricsAggrFn | None = None,
         callbacks: Sequence[RoundCallback] | None = None,
+        trusted: TrustedReference | None = None,
         problems: Sequence[Problem] = (),
     ) -> None:
         given: dict[str, tuple[Any, type]] = {
@@ -151,6 +159,9 @@ class KeepRatioStrategy(FedAvg):
         if callbacks is not None and not all(isinstance(c, RoundCallback) for c in callbacks):
             found.append(Problem((("callbacks", list(callbacks)),),
                                  "expected RoundCallback objects (fedshard.server.callbacks)"))
+        if trusted is not None and not isinstance(trusted, TrustedReference):
+            found.append(Problem((("trusted", trusted),), "expected a TrustedReference "
+                                 "(fedshard.server.trusted), or None"))
         method = getattr(sharding, "method", None)
         if method is not None and method not in self.METHODS:
             found.append(Problem((("method", method),), self._wrong_method))
@@ -185,6 +196,8 @@ class KeepRatioStrategy(FedAvg):
         self.current_arrays: ArrayRecord | None = None
         self._round: rounds.RoundState | None = None  # what the open round sent
         self._configured: int | None = None  # the last round configure_train was called for
+        # each node's agreement record, and the trusted reference's weights where given
+        self.trust = TrustStage(trusted, self.replies)
 
     # ------------------------------------------------------------------ settings and state
     @property
@@ -235,7 +248,8 @@ class KeepRatioStrategy(FedAvg):
         return kwargs
 
     def resume(self, completed_rounds: int, capabilities: Mapping[int, tuple[float, str]],
-               history: Mapping[int, Mapping[str, float]]) -> None:
+               history: Mapping[int, Mapping[str, float]],
+               trust: Mapping[int, Sequence[float]] | None = None) -> None:
         """Continue a run after ``completed_rounds`` rounds (see :mod:`fedshard.app.checkpoint`):
         the nodes' capabilities and the metrics history as the checkpoint holds them.
 
@@ -243,21 +257,30 @@ class KeepRatioStrategy(FedAvg):
         completed_rounds)``: Flower's round k is the run's round ``completed_rounds + k``, and
         every random stream continues as if uninterrupted.
 
+        ``trust`` is the nodes' agreement record (:meth:`trust_state`; ``None``: none kept).
+
         Raises
         ------
         ValueError
-            If ``completed_rounds`` is not in ``[0, num_rounds)``; nothing is changed.
+            If ``completed_rounds`` is not in ``[0, num_rounds)``, or ``trust`` is not a
+            record; nothing is changed.
         """
         total = self.run_rounds.total
         if not (isinstance(completed_rounds, int)
                 and 0 <= completed_rounds < (total or completed_rounds + 1)):
             raise ValueError(f"completed_rounds={completed_rounds}: expected in [0, "
                              f"num_rounds={total}); the strategy is not resumed")
+        if trust is not None:
+            self.trust.record.restore(trust)
         self.run_rounds.completed = completed_rounds
         self.nodes.capabilities = {n: P.Capabilities(r, k) for n, (r, k) in capabilities.items()}
         self.history = {int(r): dict(m) for r, m in history.items()}
         self.rounds_trained = int(max([0, *(m.get("rounds-trained", 0)
                                             for m in self.history.values())]))
+
+    def trust_state(self) -> dict[int, list[float]]:
+        """node id -> its last rounds' cosines: the agreement record as a checkpoint stores it."""
+        return self.trust.record.state()
 
     def capability_table(self) -> dict[int, tuple[float, str]]:
         """node id -> (keep ratio, key): the capability cache as a checkpoint stores it."""
@@ -316,6 +339,7 @@ class KeepRatioStrategy(FedAvg):
         training, lr, _ = round_recipe(self.training, config, server_round, self.num_rounds)
         messages, self._round = self.plan_round(server_round, arrays, nodes, config,
                                                 training, lr)
+        self._round.trust = self.trust
         cb.run_configure(self.callbacks, self, server_round, config, messages)
         return messages
 

@@ -41,6 +41,7 @@ from fedshard.server.robust import (
     spread_replies,
     weight_bound,
 )
+from fedshard.server.trusted import TrustStage
 from fedshard.settings import LocalTraining, ReplyPolicy, Sharding
 from fedshard.spectral.aggregate import DENSE_AGGREGATIONS, aggregate_state
 from fedshard.spectral.decompose import LayerSpectrum, layer_spectrum
@@ -77,6 +78,7 @@ class RoundState:
     references: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)  # node -> state
     dropped: list[tuple[int, str]] = field(default_factory=list)  # (node, full reason), in order
     accepted: list[P.TrainReply] = field(default_factory=list)  # the replies used (finish)
+    trust: TrustStage | None = None  # the record and trusted reference (after the bounds)
 
     def collect(self, replies: Iterable[Message]) -> tuple[list[P.TrainReply], Counter[str], int]:
         """The valid replies, the dropped ones counted by reason (each logged), and the
@@ -178,6 +180,9 @@ class RoundState:
         accepted = spread_replies(self.server_round, align_replies(
             self.server_round, accepted, self.sent, self.replies, self.metrics), self.sent,
             self.spectra, self.replies, self.metrics, claimed)
+        if self.trust is not None:
+            accepted = self.trust.weigh(self.server_round, accepted, self.sent, self.messages,
+                                        self.metrics)
         self.accepted = accepted
         new_arrays = self.aggregate(accepted) if accepted else None
         metrics = reply_metrics(self.metrics, accepted, dropped, missing,

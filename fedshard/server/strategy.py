@@ -21,6 +21,7 @@ from fedshard.server.callbacks import (
     RoundCallback,
     TrainingDivergedError,
 )
+from fedshard.server.trusted import TrustedReference
 from fedshard.settings import (
     Cohort,
     LocalTraining,
@@ -157,6 +158,7 @@ class SpectralSharding(KeepRatioStrategy):
         train_metrics_aggr_fn: rounds.MetricsAggrFn | None = None,
         evaluate_metrics_aggr_fn: rounds.MetricsAggrFn | None = None,
         callbacks: Sequence[RoundCallback] | None = None,
+        trusted: TrustedReference | None = None,
     ) -> None:
         problems = []
         if len(set(sharded_layers)) != len(sharded_layers):
@@ -167,7 +169,7 @@ class SpectralSharding(KeepRatioStrategy):
             training=training, replies=replies, nodes=nodes, cohort=cohort, seed=seed,
             train_metrics_aggr_fn=train_metrics_aggr_fn,
             evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn, callbacks=callbacks,
-            problems=problems)
+            trusted=trusted, problems=problems)
         self.sharded_layers = tuple(sharded_layers) if self.sharding.method != "none" else ()
         self.device = device
         # set by from_model: the model has no normalization layer (CompoundingMultipliers),

@@ -27,6 +27,7 @@ from fedshard.server.base import KeepRatioStrategy
 from fedshard.server.callbacks import RoundCallback
 from fedshard.server.metrics import send_metrics
 from fedshard.server.rounds import MetricsAggrFn, RoundState
+from fedshard.server.trusted import TrustedReference
 from fedshard.settings import (
     WIDTH_METHODS,
     Cohort,
@@ -190,6 +191,7 @@ class WidthSlicing(KeepRatioStrategy):
         train_metrics_aggr_fn: MetricsAggrFn | None = None,
         evaluate_metrics_aggr_fn: MetricsAggrFn | None = None,
         callbacks: Sequence[RoundCallback] | None = None,
+        trusted: TrustedReference | None = None,
     ) -> None:
         slicing = slicing if slicing is not None else Slicing()
         problems = []
@@ -215,7 +217,7 @@ class WidthSlicing(KeepRatioStrategy):
             num_rounds=num_rounds, training=training, replies=replies, nodes=nodes,
             cohort=cohort, seed=seed, train_metrics_aggr_fn=train_metrics_aggr_fn,
             evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn, callbacks=callbacks,
-            problems=problems)
+            trusted=trusted, problems=problems)
         self.slicing = slicing
         self.family = family
         self.model, self.example_input = model, example_input

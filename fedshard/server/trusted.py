@@ -1,0 +1,425 @@
+"""Trust in a node's updates: the server's own reference update on a small clean set
+(FLTrust, Cao et al., NDSS 2021), and each node's agreement record across rounds.
+
+A round's replies alone cannot tell three dishonest nodes in ten with honest-sized updates
+from honest nodes on other data (Dirichlet α = 1). Two things can:
+
+* :class:`TrustedReference` (opt-in): the server trains, each round, what each node was sent
+  on its own clean examples with the nodes' recipe and client rules (the same ``train``
+  message, :func:`fedshard.client.handle_node_train`), and weighs each node by how far its
+  update points the same way (:func:`fltrust_weights`);
+* :class:`TrustRecord`: each node's cosines over its last rounds (with the reference, or,
+  without one, with the round's accepted aggregate), so that a node whose updates keep
+  pointing elsewhere is named, and, with ``exclude-distrusted``, no longer used.
+
+:class:`TrustStage` joins the two and is what a round calls, once, after the reply bounds
+(:meth:`TrustStage.weigh`).
+
+Notes
+-----
+**Where the comparison happens.** A factor-shard node returns ``u``, ``v`` of its own terms
+only; a width-slicing node its narrow slice. The reference is trained on the very message the
+node got (its sub-model, its terms and ω, its lr, seed and client rules), so the reference's
+update lives in the node's own coordinates, and the cosine is taken over exactly the arrays
+the node returns (each factor column and dense entry, minus what it was sent). We chose this
+over a dense reference compared with the node's rebuilt ``ΔW = Δ(U diag(ω) Vᵀ)`` because a
+node at keep ratio 0.2 moves only its terms: its ``ΔW`` is confined to a subspace the dense
+reference's ``ΔW`` mostly leaves, so their cosine would be small for honest and dishonest nodes
+alike, and a node's factor moves are what the per-term averages use. The price is one
+local training per sampled node per round on the server, as long as a node's: the reference
+trains ``local-epochs`` × round(median ``num-examples`` / trusted-set size) epochs over the
+trusted set (:meth:`TrustedReference.epochs_for`), so that its update has a node's length (a
+single pass over a few hundred examples is a fraction of a typical node's steps, and
+rescaling every update to that length would shrink every round's step as much).
+
+**The weights** (FLTrust's Eq. 4–6 per node): with ``g_i`` the node's update and ``g_0,i``
+the reference's on the same message, ``t_i = max(0, cos(g_i, g_0,i))``; the node's update is
+rescaled to the reference's norm, ``g_i ← (‖g_0,i‖ / ‖g_i‖) g_i``, and its weight becomes
+``t_i · w_i`` (``w_i`` its ``num-examples`` after the weight cap, so that nodes agreeing
+equally keep FedAvg's relative weights). A node with ``t_i = 0`` (a negated, anti-aligned,
+zero or orthogonal update) is left out of the round.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from logging import INFO, WARNING
+from typing import Any
+
+import numpy as np
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.common.logger import log
+
+from fedshard import protocol as P
+from fedshard.settings import ReplyPolicy
+
+__all__ = ["TrainFn", "TrustRecord", "TrustStage", "TrustedReference", "fltrust_weights",
+           "update_of"]
+
+#: The server's training function: a ``train`` message as a node would get it -> the reply
+#: a node would send (fedshard's ``train_reply`` layout: the trained arrays under ``arrays``).
+TrainFn = Callable[[Message], Message]
+
+#: The ``train`` config key of the local epochs.
+_EPOCHS = "local-epochs"
+
+#: Rounds of a node's record kept (its last ones) and the fewest before it can be named.
+RECORD_WINDOW = 5
+RECORD_MIN_ROUNDS = 3
+#: Nodes a record keeps (the least recently seen goes first): a bound on the server's memory
+#: and on a checkpoint's size, whatever the federation's churn.
+RECORD_MAX_NODES = 10_000
+
+
+def update_of(values: Mapping[str, np.ndarray], sent: Mapping[str, np.ndarray]
+              ) -> dict[str, np.ndarray]:
+    """``values − sent`` in float64 for every floating key of ``sent`` (a node's update in its
+    own coordinates: its factor columns and dense entries, or its narrow slice)."""
+    return {k: np.asarray(values[k], np.float64) - np.asarray(s, np.float64)
+            for k, s in sent.items() if np.issubdtype(np.asarray(s).dtype, np.floating)}
+
+
+def _flat(update: Mapping[str, np.ndarray]) -> np.ndarray:
+    keys = sorted(update)
+    return (np.concatenate([update[k].ravel() for k in keys]) if keys
+            else np.zeros(0))
+
+
+def cosine(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> float:
+    """The cosine of two updates over the keys of ``a`` (0 where either is zero)."""
+    x, y = _flat(a), _flat({k: b[k] for k in a})
+    nx, ny = float(np.linalg.norm(x)), float(np.linalg.norm(y))
+    if not (nx > 0 and ny > 0 and math.isfinite(nx * ny)):
+        return 0.0
+    return float(np.clip(x @ y / (nx * ny), -1.0, 1.0))
+
+
+def fltrust_weights(updates: Sequence[Mapping[str, np.ndarray]],
+                    references: Sequence[Mapping[str, np.ndarray]],
+                    weights: Sequence[float]) -> tuple[list[float], list[float], list[float]]:
+    """FLTrust's trust scores per node: ``(t_i · w_i, s_i, cos_i)`` with ``t_i = ReLU(cos_i)``
+    the node's cosine with its reference update and ``s_i = ‖g_0,i‖ / ‖g_i‖`` the factor
+    that rescales its update to the reference's norm (0 where ``t_i = 0``).
+
+    Notes
+    -----
+    Cao et al. (NDSS 2021), Eq. (4)–(6), with one reference per node (see the module's
+    Notes) and the trust score multiplying the node's (capped) ``num-examples`` weight.
+    """
+    out_w, out_s, out_c = [], [], []
+    for g, g0, w in zip(updates, references, weights, strict=True):
+        c = cosine(g, g0)
+        t = max(0.0, c)
+        ng, n0 = float(np.linalg.norm(_flat(g))), float(np.linalg.norm(_flat(g0)))
+        out_w.append(t * float(w))
+        out_s.append(n0 / ng if t > 0 and ng > 0 else 0.0)
+        out_c.append(c)
+    return out_w, out_s, out_c
+
+
+class TrustedReference:
+    """The server's own update on a clean set, for each node's message (FLTrust's root data
+    set): ``train_fn(message) -> reply``, trained as a node trains it.
+
+    Parameters
+    ----------
+    train_fn : callable
+        A ``train`` message as a node gets it -> the reply a node would send (its arrays
+        under ``"arrays"``, the keys and shapes the node returns). Build one from a model and
+        a data set with :meth:`from_data`.
+    size : int, optional
+        Examples in the trusted set: the reference then trains ``local-epochs`` times
+        :meth:`epochs_for` the round's median ``num-examples`` (a node's number of steps);
+        ``None``: the node's ``local-epochs`` as sent.
+
+    Raises
+    ------
+    TypeError
+        If ``train_fn`` is not callable.
+    ValueError
+        If ``size`` is not a positive integer.
+    """
+
+    def __init__(self, train_fn: TrainFn, size: int | None = None) -> None:
+        if not callable(train_fn):
+            raise TypeError(f"train_fn={train_fn!r}: expected a callable taking a train "
+                            "Message and returning the reply a node would send (or use "
+                            "TrustedReference.from_data(data, model=...)); no reference")
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int)
+                                 or size < 1):
+            raise ValueError(f"size={size!r}: expected the trusted set's number of examples "
+                             "(≥ 1), or None; no reference")
+        self.train_fn, self.size = train_fn, size
+
+    @classmethod
+    def from_data(cls, data: Any, *, model: Any = None, family: Any = None,
+                  device: str = "cpu", **options: Any) -> TrustedReference:
+        """The reference trained by fedshard's own node loop
+        (:func:`fedshard.client.handle_node_train`) on ``data``: ``model`` for spectral
+        sharding and FedAvg, ``family`` for width slicing (either, or a factory of it);
+        ``options`` (``fast``, ...) as the nodes' loop takes them.
+
+        Raises
+        ------
+        ValueError
+            If ``data`` holds no examples, or neither ``model`` nor ``family`` is given.
+        """
+        size = len(data) if hasattr(data, "__len__") else None
+        if size == 0:
+            raise ValueError("trusted data set is empty: expected a few hundred clean "
+                             "examples (FLTrust uses 100-500); no reference is built")
+        if model is None and family is None:
+            raise ValueError("TrustedReference.from_data: expected model= (spectral sharding, "
+                             "FedAvg) or family= (width slicing); no reference is built")
+        from fedshard.client.node import handle_node_train  # the nodes' own loop
+
+        def train(msg: Message) -> Message:
+            return handle_node_train(msg, data, model=model, family=family, device=device,
+                                     **options)
+
+        return cls(train, size)
+
+    def epochs_for(self, examples: float) -> int:
+        """How many times the node's ``local-epochs`` the reference trains, so that it takes
+        about the steps of a node holding ``examples`` (the round's median ``num-examples``):
+        ``max(1, round(examples / size))``; 1 where the trusted set's size is unknown. Its
+        update then has a node's length, the length FLTrust rescales every update to."""
+        if not self.size or not math.isfinite(examples):
+            return 1
+        return max(1, min(1000, round(examples / self.size)))
+
+    def update(self, msg: Message, sent: P.SentShard, epochs: int = 1
+               ) -> dict[str, np.ndarray]:
+        """The reference's update on ``msg`` (its ``local-epochs`` times ``epochs``), in the
+        node's coordinates (:func:`update_of`).
+
+        Raises
+        ------
+        ValueError
+            If the reply is no ``Message``, an error reply, has no ``arrays`` record, or lacks
+            a key the node was sent or has another shape for it.
+        """
+        reply = self.train_fn(_longer(msg, epochs) if epochs > 1 else msg)
+        if not isinstance(reply, Message):
+            raise ValueError(f"the trusted train_fn returned a {type(reply).__name__}; "
+                             "expected the reply Message a node would send")
+        if reply.has_error():
+            raise ValueError(f"the trusted train_fn returned an error reply "
+                             f"({reply.error.reason}); expected trained arrays")
+        record = reply.content.array_records.get(P.ARRAYS)
+        if record is None:
+            raise ValueError(f"the trusted train_fn's reply has no {P.ARRAYS!r} ArrayRecord; "
+                             "expected the arrays a node returns")
+        values, wrong = {}, []
+        for k, s in sent.values.items():
+            if k not in record:
+                wrong.append(f"{k} missing")
+                continue
+            values[k] = P.decode_array(record[k])
+            if values[k].shape != np.shape(s):
+                wrong.append(f"{k} {values[k].shape}, expected {np.shape(s)}")
+        if wrong:
+            raise ValueError("the trusted train_fn's reply does not match what the node was "
+                             f"sent: {'; '.join(wrong[:5])}; expected the same keys and shapes")
+        return update_of(values, sent.values)
+
+
+def _longer(msg: Message, epochs: int) -> Message:
+    """A copy of ``msg`` whose ``local-epochs`` is ``epochs`` times the node's (the arrays
+    shared, read-only)."""
+    config = ConfigRecord(dict(msg.content.config_records[P.CONFIG]))
+    sent = config.get(_EPOCHS, 1)
+    config[_EPOCHS] = (sent if isinstance(sent, int) else 1) * epochs
+    out = Message(RecordDict({P.ARRAYS: msg.content[P.ARRAYS], P.CONFIG: config}),
+                  dst_node_id=msg.metadata.dst_node_id,
+                  message_type=msg.metadata.message_type, group_id=msg.metadata.group_id)
+    out.metadata.__dict__["_message_id"] = msg.metadata.message_id  # its reply answers it
+    return out
+
+
+class TrustRecord:
+    """Each node's cosines over its last rounds: bounded (:data:`RECORD_WINDOW` rounds per
+    node, :data:`RECORD_MAX_NODES` nodes) and checkpointed (:meth:`state` /
+    :meth:`restore`)."""
+
+    def __init__(self) -> None:
+        self.cosines: OrderedDict[int, deque[float]] = OrderedDict()
+
+    def add(self, node: int, value: float) -> None:
+        """Record one round's cosine of ``node``."""
+        row = self.cosines.pop(node, None) or deque(maxlen=RECORD_WINDOW)
+        row.append(float(value))
+        self.cosines[node] = row
+        while len(self.cosines) > RECORD_MAX_NODES:
+            self.cosines.popitem(last=False)
+
+    def level(self, node: int) -> float | None:
+        """The median of ``node``'s recorded cosines (``None``: fewer than
+        :data:`RECORD_MIN_ROUNDS`): one odd round (an honest node's update in a round of
+        tiny lr is mostly noise) does not move it."""
+        row = self.cosines.get(node)
+        return float(np.median(row)) if row and len(row) >= RECORD_MIN_ROUNDS else None
+
+    def state(self) -> dict[int, list[float]]:
+        """The record as plain data (node -> cosines, oldest first), for a checkpoint."""
+        return {n: list(r) for n, r in self.cosines.items()}
+
+    def restore(self, state: Mapping[int, Sequence[float]]) -> None:
+        """The record of :meth:`state` (a checkpoint's).
+
+        Raises
+        ------
+        ValueError
+            If it is not node ids mapped to finite cosines in [-1, 1]; nothing is changed.
+        """
+        bad = [n for n, r in state.items()
+               if isinstance(n, bool) or not isinstance(n, int) or isinstance(r, (str, bytes))
+               or not all(isinstance(c, (int, float)) and math.isfinite(c) and -1 <= c <= 1
+                          for c in r)]
+        if bad or not isinstance(state, Mapping):
+            raise ValueError(f"trust record {bad[:5]!r}: expected node ids mapped to lists of "
+                             "cosines in [-1, 1]; the record is not restored")
+        self.cosines = OrderedDict((int(n), deque((float(c) for c in r),
+                                                  maxlen=RECORD_WINDOW))
+                                   for n, r in state.items())
+
+
+class TrustStage:
+    """What a round does with trust, after the reply bounds: exclude distrusted nodes (with
+    ``exclude_distrusted``), weigh by the reference (with one), record, name.
+
+    Parameters
+    ----------
+    reference : TrustedReference, optional
+        The server's clean training; ``None``: the record uses each node's cosine with the
+        round's accepted aggregate, and nothing is reweighted.
+    policy : fedshard.settings.ReplyPolicy
+        ``distrust_below`` (the median cosine under which a node is named) and
+        ``exclude_distrusted``.
+    """
+
+    def __init__(self, reference: TrustedReference | None, policy: ReplyPolicy) -> None:
+        self.reference, self.policy = reference, policy
+        self.record = TrustRecord()
+        self.excluded: set[int] = set()
+
+    def weigh(self, server_round: int, accepted: Sequence[P.TrainReply],
+              sent: Mapping[int, P.SentShard], messages: Sequence[Message],
+              metrics: dict[str, float]) -> list[P.TrainReply]:
+        """``accepted`` without the excluded nodes and, with a reference, FLTrust-weighted
+        (:func:`fltrust_weights`; a node of trust 0 left out); each node's cosine recorded and
+        a node whose record stays below ``distrust_below`` named in a WARNING (counted in
+        ``distrusted-nodes``; ``trust-zero`` counts the replies left out by the reference,
+        ``trust-mean`` is the round's mean trust score).
+
+        Raises
+        ------
+        ValueError
+            If the reference's reply does not match what a node was sent
+            (:meth:`TrustedReference.update`): the round is not aggregated.
+        """
+        out = [r for r in accepted if r.node not in self.excluded]
+        if len(out) < len(accepted):
+            metrics["distrusted-excluded"] = float(len(accepted) - len(out))
+        if not out:
+            return out
+        updates = [update_of(r.values, sent[r.node].values) for r in out]
+        if self.reference is not None:
+            by_node = {m.metadata.dst_node_id: m for m in messages}
+            epochs = self.reference.epochs_for(float(np.median([r.weight for r in out])))
+            refs = [self.reference.update(by_node[r.node], sent[r.node], epochs) for r in out]
+            if not any(np.any(v) for g0 in refs for v in g0.values()):
+                log(INFO, "Round %d: the trusted reference did not move (lr 0?); the replies "
+                    "are not reweighted.", server_round)
+                cosines = [cosine(g, g0) for g, g0 in zip(updates, refs, strict=True)]
+            else:
+                weights, scales, cosines = fltrust_weights(updates, refs, [r.weight for r in out])
+                out = self._rescaled(out, sent, weights, scales, metrics)
+                metrics["trust-mean"] = float(np.mean([max(0.0, c) for c in cosines]))
+            source = "the server's trusted reference update"
+        else:
+            cosines = _aggregate_cosines(out, updates, sent)
+            source = "the round's accepted aggregate"
+        for r, c in zip(out, cosines, strict=True):
+            self.record.add(r.node, c)
+        self._name(server_round, [r.node for r in out], source, metrics)
+        if self.reference is not None:
+            out = [r for r in out if r.weight > 0]
+        return out
+
+    def _rescaled(self, out: list[P.TrainReply], sent: Mapping[int, P.SentShard],
+                  weights: list[float], scales: list[float], metrics: dict[str, float],
+                  ) -> list[P.TrainReply]:
+        new = []
+        for r, w, s in zip(out, weights, scales, strict=True):
+            if w <= 0:
+                metrics["trust-zero"] = metrics.get("trust-zero", 0.0) + 1.0
+                new.append(replace(r, weight=0.0))
+                continue
+            values = dict(r.values)
+            for k, before in sent[r.node].values.items():
+                if np.issubdtype(np.asarray(before).dtype, np.floating):
+                    b = np.asarray(before, np.float64)
+                    values[k] = (b + s * (np.asarray(r.values[k], np.float64) - b)).astype(
+                        r.values[k].dtype)
+            new.append(replace(r, values=values, weight=w))
+        return new
+
+    def _name(self, server_round: int, nodes: Sequence[int], source: str,
+              metrics: dict[str, float]) -> None:
+        named = 0
+        for node in nodes:
+            level = self.record.level(node)
+            if level is None or level >= self.policy.distrust_below:
+                continue
+            named += 1
+            row = self.record.cosines[node]
+            action = ("; exclude-distrusted: its replies are not used from now on"
+                      if self.policy.exclude_distrusted else
+                      "; exclude-distrusted = true would leave it out of later rounds")
+            log(WARNING, "Round %d: node %d is distrusted: its updates' cosine with %s "
+                "has a median of %.3f over its last %d rounds (%s), below distrust-below=%g%s.",
+                server_round, node, source, level, len(row),
+                ", ".join(f"{c:+.2f}" for c in row), self.policy.distrust_below, action)
+            if self.policy.exclude_distrusted:
+                self.excluded.add(node)
+        if named:
+            metrics["distrusted-nodes"] = float(named)
+
+
+def _aggregate_cosines(out: Sequence[P.TrainReply], updates: Sequence[dict[str, np.ndarray]],
+                       sent: Mapping[int, P.SentShard]) -> list[float]:
+    """Each node's cosine with the round's weighted mean update, in its own coordinates: per
+    factor column the mean over the nodes holding that term (the same sent column), per dense
+    entry or slice over the nodes sent the same shape."""
+    sums: dict[tuple[str, Any], np.ndarray] = {}
+    totals: dict[tuple[str, Any], float] = {}
+
+    def slots(node: int, key: str, x: np.ndarray) -> list[tuple[tuple[str, Any], np.ndarray]]:
+        layer = key.rsplit(".", 1)[0]
+        idx = sent[node].indices.get(layer)
+        if key.endswith((".u", ".v")) and idx is not None and x.ndim == 2:
+            return [((key, int(t)), x[:, j]) for j, t in enumerate(idx)]
+        return [((key, x.shape), x)]
+
+    for r, g in zip(out, updates, strict=True):
+        for k, x in g.items():
+            for slot, part in slots(r.node, k, x):
+                sums[slot] = sums.get(slot, 0.0) + r.weight * part
+                totals[slot] = totals.get(slot, 0.0) + r.weight
+    cosines = []
+    for r, g in zip(out, updates, strict=True):
+        mean: dict[str, np.ndarray] = {}
+        for k, x in g.items():
+            parts = [sums[s] / totals[s] if totals[s] > 0 else np.zeros_like(p)
+                     for s, p in slots(r.node, k, x)]
+            if not parts:  # a factor key of no terms
+                mean[k] = np.zeros_like(x)
+                continue
+            factor = k.endswith((".u", ".v")) and x.ndim == 2 and parts[0].ndim == 1
+            mean[k] = np.stack(parts, axis=1) if factor else parts[0]
+        cosines.append(cosine(g, mean))
+    return cosines

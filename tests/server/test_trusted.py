@@ -1,0 +1,347 @@
+"""Trusted data (FLTrust) and the nodes' agreement record, against references written here:
+the trust weights and the aggregate computed by brute force in numpy from the replies, a
+negated node left out, a record that names an anti-aligned node and no honest one, a resume
+that restores it, and bad input refused with a clear error."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from flower_grid import InProcessGrid
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from test_strategy import LAYERS, initial, make_net, strategy
+
+from fedshard import protocol as P
+from fedshard.client import handle_query
+from fedshard.server.trusted import TrustedReference, TrustRecord
+
+SEED = 11
+REF = 7  # the stream of the reference direction (no node of the grid)
+
+
+def _direction(node: int, key: str, shape: tuple[int, ...], server_round: int) -> np.ndarray:
+    """A fixed pseudo-random update per (node, key, round)."""
+    tag = sum(map(ord, key))
+    return np.random.default_rng([SEED, server_round, tag, node]).normal(size=shape)
+
+
+def _move(msg: Message, node: int, scale: float, mix: float = 0.0) -> dict[str, np.ndarray]:
+    """What ``msg``'s arrays become: each float array (not ω) plus ``scale`` times the
+    reference direction mixed with ``mix`` of the node's own direction; a factor key moves
+    per term (its direction drawn per term index), so that nodes holding the same term agree."""
+    rec, rnd = msg.content[P.ARRAYS], int(msg.content[P.CONFIG]["server-round"])
+    out = {}
+    for k, a in rec.items():
+        x = a.numpy().astype(np.float64)
+        if k.endswith((".omega", ".indices")):
+            out[k] = a.numpy()
+            continue
+        if k.endswith((".u", ".v")):
+            idx = rec[k[:-2] + ".indices"].numpy()
+            ref = np.stack([_direction(REF, f"{k}{t}", x.shape[:1], rnd) for t in idx], axis=1)
+            own = np.stack([_direction(node, f"{k}{t}", x.shape[:1], rnd) for t in idx], axis=1)
+        else:
+            ref, own = _direction(REF, k, x.shape, rnd), _direction(node, k, x.shape, rnd)
+        out[k] = (x + 1e-3 * scale * ((1 - mix) * ref + mix * own)).astype(a.numpy().dtype)
+    return out
+
+
+def _reply(msg: Message, arrays: dict[str, np.ndarray], n: int) -> Message:
+    return Message(RecordDict({P.ARRAYS: ArrayRecord({k: Array(v) for k, v in arrays.items()
+                                                      if not k.endswith(".omega")}),
+                               P.METRICS: MetricRecord({P.NUM_EXAMPLES: n})}), reply_to=msg)
+
+
+#: node -> (scale, mix with its own direction): an honest-ish node, another, one further off
+#: its own way, and a negated one; and their num-examples
+NODES = {1000: (1.0, 0.3), 1001: (2.0, 0.6), 1002: (0.5, 0.9), 1003: (-1.0, 0.2)}
+SIZES = {1000: 30, 1001: 20, 1002: 40, 1003: 10}
+
+
+def _app(msg: Message, context: Context) -> Message:
+    if msg.metadata.message_type == "query":
+        return handle_query(msg, context.node_config["keep-ratio"])
+    scale, mix = NODES[context.node_id]
+    return _reply(msg, _move(msg, context.node_id, scale, mix), SIZES[context.node_id])
+
+
+def _reference(msg: Message) -> Message:
+    """The server's clean training: the reference direction at twice the base size."""
+    return _reply(msg, _move(msg, REF, 2.0), 100)
+
+
+def _flat(d: dict[str, np.ndarray], keys: list[str]) -> np.ndarray:
+    return np.concatenate([d[k].ravel() for k in keys])
+
+
+def _expected(msgs: list[Message], replies: dict[int, dict[str, np.ndarray]], layers: list[str]
+              ) -> tuple[dict[str, np.ndarray], dict[int, float]]:
+    """Brute force: per node the cosine of its update with the reference's on its own
+    message (every float array it returns), trust ReLU(cos), the update rescaled to the
+    reference's norm, weight trust × num-examples; then each term's u and v and each dense
+    entry averaged over the nodes holding it with those weights, W = Σ u vᵀ."""
+    sent = {m.metadata.dst_node_id: {k: a.numpy().astype(np.float64)
+                                     for k, a in m.content[P.ARRAYS].items()} for m in msgs}
+    ref = {m.metadata.dst_node_id: _move(m, REF, 2.0) for m in msgs}
+    trust, moved = {}, {}
+    for node, got in replies.items():
+        keys = sorted(k for k in got if not k.endswith((".omega", ".indices")))
+        g = _flat({k: got[k].astype(np.float64) - sent[node][k] for k in keys}, keys)
+        g0 = _flat({k: ref[node][k].astype(np.float64) - sent[node][k] for k in keys}, keys)
+        c = float(g @ g0 / (np.linalg.norm(g) * np.linalg.norm(g0)))
+        trust[node] = max(0.0, c)
+        s = np.linalg.norm(g0) / np.linalg.norm(g)
+        moved[node] = {k: sent[node][k] + s * (got[k].astype(np.float64) - sent[node][k])
+                       for k in keys}
+    w = {n: trust[n] * SIZES[n] for n in replies}
+    out = {}
+    used = [n for n in replies if w[n] > 0]
+    for key in moved[used[0]]:
+        if key.endswith((".u", ".v")):
+            continue
+        out[key] = sum(w[n] * moved[n][key] for n in used) / sum(w[n] for n in used)
+    arrays = initial()
+    for layer in layers:
+        base = arrays[f"{layer}.weight"].numpy().astype(np.float64)
+        w2 = base.reshape(base.shape[0], -1)
+        U, lam, Vt = np.linalg.svd(w2, full_matrices=False)
+        num_u, num_v = np.zeros((w2.shape[0], lam.size)), np.zeros((w2.shape[1], lam.size))
+        den = np.zeros(lam.size)
+        for n in used:
+            idx = sent[n][f"{layer}.indices"].astype(np.int64)
+            num_u[:, idx] += w[n] * moved[n][f"{layer}.u"]
+            num_v[:, idx] += w[n] * moved[n][f"{layer}.v"]
+            den[idx] += w[n]
+        expect = np.zeros_like(w2)
+        for i in range(lam.size):
+            expect += (np.outer(num_u[:, i] / den[i], num_v[:, i] / den[i]) if den[i] > 0
+                       else lam[i] * np.outer(U[:, i], Vt[i]))
+        out[f"{layer}.weight"] = expect.reshape(base.shape)
+    return out, trust
+
+
+def _round(method: str, ratios: list[float], **kw: object):
+    grid = InProcessGrid(_app, [{"keep-ratio": r} for r in ratios])
+    s = strategy(method=method, align_factors=False, max_update_spread=0.0,
+                 max_weight_ratio=0.0, trusted=TrustedReference(_reference), **kw)
+    msgs = list(s.configure_train(1, initial(), ConfigRecord(), grid))
+    replies = list(grid.send_and_receive(msgs))
+    got = {r.metadata.src_node_id: {k: a.numpy() for k, a in r.content[P.ARRAYS].items()}
+           for r in replies}
+    new, _ = s.aggregate_train(1, replies)
+    return s, msgs, got, new
+
+
+@pytest.mark.parametrize(("method", "ratios", "layers"), [
+    ("none", [1.0] * 4, []),  # dense replies (FedAvg)
+    ("unbiased", [0.5, 0.5, 1.0, 0.5], LAYERS),  # factor shards
+])
+def test_fltrust_aggregate_matches_a_brute_force_one(method, ratios, layers) -> None:
+    s, msgs, got, new = _round(method, ratios)
+    expect, trust = _expected(msgs, got, layers)
+    assert new is not None
+    assert trust[1003] == 0.0 and all(trust[n] > 0 for n in (1000, 1001, 1002))
+    for key, value in expect.items():
+        np.testing.assert_allclose(new[key].numpy(), value, rtol=2e-4, atol=1e-6,
+                                   err_msg=key)
+    assert s.history[1]["trust-zero"] == 1.0  # the negated node: weight 0, left out
+    assert s.history[1]["replies-used"] == 3
+    assert math.isclose(s.history[1]["trust-mean"], np.mean(list(trust.values())), rel_tol=1e-6)
+
+
+def _rounds(s, grid, k: int) -> None:
+    arrays = initial()
+    for rnd in range(1, k + 1):
+        msgs = list(s.configure_train(rnd, arrays, ConfigRecord(), grid))
+        new, _ = s.aggregate_train(rnd, grid.send_and_receive(msgs))
+        arrays = new if new is not None else arrays
+
+
+@pytest.mark.parametrize("trusted", [True, False])
+def test_the_record_names_the_anti_aligned_node_and_no_honest_one(trusted, caplog) -> None:
+    grid = InProcessGrid(_app, [{"keep-ratio": 0.5}] * 4)
+    s = strategy(method="collective", num_rounds=6,
+                 trusted=TrustedReference(_reference) if trusted else None)
+    _rounds(s, grid, 5)
+    named = {int(m.split("node ")[1].split()[0]) for m in caplog.messages if " is distrusted" in m}
+    assert named == {1003}
+    assert "median of -" in next(m for m in caplog.messages if "node 1003 is distrusted" in m)
+    assert "Round 3: node 1003" in caplog.text  # named once it has 3 rounds of record
+    assert s.trust.record.level(1003) < 0 < min(s.trust.record.level(n) for n in (1000, 1001))
+
+
+def test_exclude_distrusted_leaves_the_named_node_out_of_later_rounds() -> None:
+    grid = InProcessGrid(_app, [{"keep-ratio": 0.5}] * 4)
+    s = strategy(method="collective", num_rounds=6, exclude_distrusted=True)
+    _rounds(s, grid, 5)
+    assert s.trust.excluded == {1003}
+    assert s.history[5]["distrusted-excluded"] == 1.0
+    assert "distrusted-excluded" not in s.history[3]  # named in round 3, left out after
+
+
+def test_resume_restores_the_record() -> None:
+    grid = InProcessGrid(_app, [{"keep-ratio": 0.5}] * 4)
+    s = strategy(method="collective", num_rounds=6)
+    _rounds(s, grid, 3)
+    state = s.trust_state()
+    assert set(state) == set(NODES) and all(len(v) == 3 for v in state.values())
+    t = strategy(method="collective", num_rounds=6)
+    t.resume(3, s.capability_table(), s.history, state)
+    assert t.trust_state() == state and t.trust.record.level(1003) == s.trust.record.level(1003)
+    with pytest.raises(ValueError, match="expected node ids mapped to lists of cosines"):
+        t.resume(3, s.capability_table(), s.history, {1000: [2.0]})
+
+
+def test_the_record_is_bounded() -> None:
+    r = TrustRecord()
+    for rnd in range(8):
+        r.add(1, 0.5 - rnd)  # beyond the window: the oldest go
+    assert len(r.cosines[1]) == 5 and r.level(1) == pytest.approx(np.median([0.5 - k for k in
+                                                                           range(3, 8)]))
+    assert r.level(2) is None
+
+
+def test_bad_trusted_input_is_refused_clearly() -> None:
+    with pytest.raises(ValueError, match="trusted data set is empty"):
+        TrustedReference.from_data([], model=make_net())
+    with pytest.raises(ValueError, match=r"expected model= .* or family="):
+        TrustedReference.from_data([1, 2])
+    with pytest.raises(TypeError, match="expected a callable taking a train Message"):
+        TrustedReference("not a function")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="expected a TrustedReference"):
+        strategy(trusted=_reference)
+
+    def wrong_shape(msg: Message) -> Message:
+        arrays = {k: a.numpy() for k, a in msg.content[P.ARRAYS].items()}
+        arrays["head.bias"] = np.zeros(7, np.float32)
+        return _reply(msg, arrays, 1)
+
+    grid = InProcessGrid(_app, [{"keep-ratio": 0.5}] * 4)
+    s = strategy(method="collective", trusted=TrustedReference(wrong_shape))
+    msgs = list(s.configure_train(1, initial(), ConfigRecord(), grid))
+    with pytest.raises(ValueError, match=r"head.bias \(7,\), expected \(3,\)"):
+        s.aggregate_train(1, grid.send_and_receive(msgs))
+
+
+def test_a_real_reference_trains_as_a_node_does() -> None:
+    """from_data: fedshard's own node loop on the trusted examples; honest nodes on the same
+    task agree with it (positive cosines)."""
+    from test_strategy import grid_with, local_data
+
+    data = local_data(99)
+    s = strategy(method="collective", trusted=TrustedReference.from_data(data, model=make_net()))
+    grid = grid_with([0.5, 0.5, 1.0])
+    msgs = list(s.configure_train(1, initial(), ConfigRecord(), grid))
+    new, _ = s.aggregate_train(1, grid.send_and_receive(msgs))
+    assert new is not None and "trust-mean" in s.history[1]
+
+
+def test_the_held_out_set_is_no_nodes_data(tmp_path) -> None:
+    """The app's trusted set: drawn from the training set with its own stream, and kept from
+    every partition (the partitions and the held-out set cover the training set once)."""
+    import torch
+    from fakedata import write_fashion_mnist
+
+    from fedshard.data import held_out_indices, load_held_out, load_partition
+
+    images = write_fashion_mnist(tmp_path, 200, 10, np.random.default_rng(3))["train"][0]
+    held = load_held_out("fashion-mnist", 40, data_dir=tmp_path, seed=5)
+    parts = [load_partition("fashion-mnist", i, 4, data_dir=tmp_path, seed=5, held_out=40)
+             for i in range(4)]
+    assert len(held) == 40 and sum(len(p) for p in parts) == 160
+    idx = held_out_indices(200, 40, 5)
+    assert np.array_equal(idx, held_out_indices(200, 40, 5))
+    assert not np.array_equal(idx, held_out_indices(200, 40, 6))
+    seen = {bytes(x.numpy()) for p in parts for x in p._images}  # type: ignore[attr-defined]
+    assert all(bytes(torch.tensor(images[i]).numpy()) not in seen for i in idx)
+    with pytest.raises(ValueError, match="held_out=150: expected 1 to 100 examples"):
+        held_out_indices(200, 150, 0)
+
+
+@pytest.mark.parametrize(("keys", "message"), [
+    ({"trusted-data": -1}, "trusted-data=-1: expected 0 .off. or the number"),
+    ({"trusted-data-dir": "/no/such/folder"}, "trusted-data-dir='/no/such/folder': no such"),
+    ({"trusted-data": 100, "trusted-data-dir": "/tmp"}, "expected one of them"),
+    ({"distrust-below": 2.0}, "expected a cosine in .-1, 1."),
+])
+def test_trusted_run_config_is_checked_where_it_enters(keys, message) -> None:
+    from fedshard.app.config import ConfigError, RunConfig
+
+    with pytest.raises(ConfigError, match=message):
+        RunConfig.from_mapping(keys)
+
+
+def test_width_slicing_weighs_each_narrow_reply_against_its_own_reference() -> None:
+    """Width slicing: the reference trains each node's narrow model (its message, fedshard's
+    node loop); honest nodes on the reference's task agree with it, a negated one gets 0."""
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    from fedshard import WidthSlicing
+    from fedshard.client import handle_node_train
+    from fedshard.settings import Cohort, LocalTraining, NodePolicy, Sharding, Slicing
+    from fedshard.width.slicing import WidthFamily
+
+    class Net(nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(6, width), nn.Linear(width, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.relu(self.a(x)))
+
+    family = WidthFamily(Net, 8)
+    teacher = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 3, generator=teacher)
+
+    def data(seed: int) -> TensorDataset:
+        x = torch.randn(64, 6, generator=torch.Generator().manual_seed(seed))
+        return TensorDataset(x, (x @ w).argmax(1))
+
+    def app(msg: Message, context: Context) -> Message:
+        if msg.metadata.message_type == "query":
+            return handle_query(msg, context.node_config["keep-ratio"])
+        reply = handle_node_train(msg, data(context.node_id), family=family)
+        if context.node_id == 1002:  # negated: sent - (trained - sent)
+            sent, rec = msg.content[P.ARRAYS], reply.content[P.ARRAYS]
+            for k in list(rec.keys()):
+                rec[k] = Array(2 * sent[k].numpy() - rec[k].numpy())
+        return reply
+
+    s = WidthSlicing(family=family, slicing=Slicing(width_match="keep-ratio"),
+                     sharding=Sharding(method="heterofl"), num_rounds=2, seed=3,
+                     training=LocalTraining(lr=0.1),
+                     nodes=NodePolicy(query_timeout=5, node_wait_timeout=5),
+                     cohort=Cohort(fraction_evaluate=0.0, min_train_nodes=1,
+                                   min_evaluate_nodes=1, min_available_nodes=1),
+                     trusted=TrustedReference.from_data(data(99), family=family))
+    grid = InProcessGrid(app, [{"keep-ratio": r} for r in (1.0, 0.5, 1.0)])
+    arrays = ArrayRecord({k: v.detach().clone() for k, v in family(8).state_dict().items()})
+    msgs = list(s.configure_train(1, arrays, ConfigRecord(), grid))
+    new, _ = s.aggregate_train(1, grid.send_and_receive(msgs))
+    assert new is not None
+    assert s.history[1]["trust-zero"] == 1.0 and s.history[1]["replies-used"] == 2
+    cos = {n: r[-1] for n, r in s.trust_state().items()}
+    assert cos[1002] < 0 < min(cos[1000], cos[1001])
+
+
+def test_the_checkpoint_keeps_the_record(tmp_path) -> None:
+    """The app's checkpoint holds the record (a file without one reads as none), and a
+    record of other values is refused with the file named."""
+    import torch
+
+    from fedshard.app.checkpoint import Checkpoint, CheckpointError
+
+    arrays = {"w": np.ones(2, np.float32)}
+    Checkpoint(3, arrays, {}, trust={1000: [0.5, -0.25]}).save(tmp_path)
+    assert Checkpoint.load(tmp_path).trust == {1000: [0.5, -0.25]}
+    Checkpoint(4, arrays, {}).save(tmp_path)
+    assert Checkpoint.load(tmp_path).trust == {}
+    payload = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    payload["trust"] = {1000: [3.0]}
+    torch.save(payload, tmp_path / "checkpoint.pt")
+    with pytest.raises(CheckpointError, match="'trust' must map node ids to lists of cosines"):
+        Checkpoint.load(tmp_path)
