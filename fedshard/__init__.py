@@ -4,7 +4,7 @@ Packages (data flows one way: sampling → spectral → client / server → app)
 
 - :mod:`fedshard.settings` - the settings, one frozen, validated dataclass per concern
   (:class:`Sharding`, :class:`LocalTraining`, :class:`ReplyPolicy`, :class:`NodePolicy`,
-  :class:`Cohort`, :class:`Slicing`),
+  :class:`Cohort`, :class:`Slicing`, :class:`Privacy`),
   shared by the run config, the strategy, the wire codec and the node's trainer.
 - :mod:`fedshard.sampling` - inclusion probabilities, multipliers, sampling designs, the
   annealed methods, the round's plan and the random streams (numpy only).
@@ -17,7 +17,8 @@ Packages (data flows one way: sampling → spectral → client / server → app)
   path fenced in :mod:`fedshard.client.train.fast`).
 - :mod:`fedshard.server` - the Flower strategy :class:`SpectralSharding` and its sibling
   :class:`WidthSlicing` on their shared base (nodes, reply checks, the run's rounds,
-  callbacks), the rounds, lr schedule, metrics, the FedAvg-cosine analysis and the DP guard.
+  callbacks), the rounds, lr schedule, metrics, the FedAvg-cosine analysis, central
+  differential privacy for shards and slices, and the guard against Flower's DP wrappers.
 - :mod:`fedshard.width` - width slicing (HeteroFL, FedRolex, ordered dropout), the
   alternative the paper's method is compared with: model families, slices, their average and
   the width of equal cost; its strategy is :class:`WidthSlicing`.
@@ -77,6 +78,7 @@ from fedshard.client import (
     receive,
     sharding_mod,
 )
+from fedshard.client.clipping import clip_update_mod
 from fedshard.client.train import evaluate, train
 from fedshard.logs import route_to_flower
 from fedshard.server import SHARDING_METHODS, SpectralSharding, TrustedReference, WidthSlicing
@@ -84,6 +86,7 @@ from fedshard.settings import (
     Cohort,
     LocalTraining,
     NodePolicy,
+    Privacy,
     ReplyPolicy,
     SettingsError,
     Sharding,
@@ -101,6 +104,7 @@ __all__ = [
     "Cohort",
     "LocalTraining",
     "NodePolicy",
+    "Privacy",
     "ReplyPolicy",
     "SettingsError",
     "Shard",
@@ -113,6 +117,7 @@ __all__ = [
     "WidthFamily",
     "WidthSlicing",
     "__version__",
+    "clip_update_mod",
     "evaluate",
     "handle_evaluate",
     "handle_query",

@@ -11,6 +11,8 @@
 - :class:`Slicing` - width slicing, the alternative to spectral sharding (HeteroFL, FedRolex,
   ordered dropout): how a keep ratio becomes a width, HeteroFL's scaler, ordered dropout's
   widths and distillation.
+- :class:`Privacy` - central differential privacy on the server (opt-in): the clipping norm S,
+  the noise multiplier σ or the (ε, δ) target it is calibrated to.
 
 The same objects are built by the run config (:class:`fedshard.app.config.RunConfig`), taken
 by the strategy (:class:`~fedshard.server.strategy.SpectralSharding`), carried by the wire
@@ -51,6 +53,7 @@ __all__ = [
     "Cohort",
     "LocalTraining",
     "NodePolicy",
+    "Privacy",
     "Problem",
     "ProblemsError",
     "ReplyPolicy",
@@ -672,9 +675,82 @@ class Slicing(Settings):
     od_distill: bool = setting(False, BOOL)
 
 
+@dataclass(frozen=True)
+class Privacy(Settings):
+    """Central differential privacy on the server (:mod:`fedshard.server.central_dp`), off by
+    default: on with a ``target_epsilon`` (σ calibrated to it) or a ``noise_multiplier``.
+
+    Each node's whole update (the change of its factor columns ``u``, ``v`` and dense entries;
+    of its slice for width slicing) is clipped to L2 norm S; every per-term and per-entry sum
+    over its holders gets Gaussian noise N(0, σ²S²) before the division by the holder count.
+    The spent (ε, δ) is accounted with Opacus's RDP accountant (the ``dp`` extra) and logged
+    every round (``dp-epsilon`` in the round's metrics).
+
+    Attributes
+    ----------
+    target_epsilon : float or None
+        ε > 0 the whole run may spend; σ is the smallest that keeps the run's ``num_rounds``
+        rounds at the round-1 sampling rate within (ε, ``target_delta``). ``None``: no target
+        (0 in a run config: ``dp-target-epsilon``).
+    target_delta : float
+        δ in (0, 1) of the target and of the ε reported (``dp-target-delta``); below 1 / the
+        number of nodes is the usual choice.
+    clipping_norm : float or None
+        S > 0, the L2 bound on each node's whole update; needed when DP is on
+        (``dp-clipping-norm``, 0: none).
+    noise_multiplier : float or None
+        σ > 0 given directly instead of a target (``dp-noise-multiplier``, 0: none); the
+        spent ε is still reported.
+    min_holders : int
+        m₀ ≥ 1: a term (a dense entry, a width-slicing element) that fewer than m₀ of the
+        round's replies hold keeps its value this round instead of taking a mean whose noise
+        is σS / m, as large as σS for a term one node holds (``dp-min-holders``). The
+        holder counts are drawn by the server, not from the data: this costs no privacy.
+        1 (default): every held term is updated.
+    """
+
+    target_epsilon: float | None = setting(
+        None, rule(lambda v: finite_real(v) and v > 0, "expected ε > 0, or None for no target "
+                   "(0 in a run config)", optional=True), run="dp-target-epsilon", run_none=0.0)
+    target_delta: float = setting(1e-5, rule(lambda v: finite_real(v) and 0 < v < 1,
+                                             "expected δ in (0, 1), e.g. 1e-5"),
+                                  run="dp-target-delta")
+    clipping_norm: float | None = setting(
+        None, rule(lambda v: finite_real(v) and v > 0, "expected S > 0, or None (0 in a run "
+                   "config)", optional=True), run="dp-clipping-norm", run_none=0.0)
+    noise_multiplier: float | None = setting(
+        None, rule(lambda v: finite_real(v) and v > 0, "expected σ > 0, or None to calibrate "
+                   "it to target_epsilon (0 in a run config)", optional=True),
+        run="dp-noise-multiplier", run_none=0.0)
+    min_holders: int = setting(1, _POSITIVE_INT, run="dp-min-holders")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether central DP is on (a target ε or a noise multiplier is given)."""
+        return self.target_epsilon is not None or self.noise_multiplier is not None
+
+    def _combinations(self) -> list[Problem]:
+        out = []
+        if self.target_epsilon is not None and self.noise_multiplier is not None:
+            out.append(Problem((("target_epsilon", self.target_epsilon),
+                                ("noise_multiplier", self.noise_multiplier)),
+                               "expected one of them: σ is either calibrated to the target "
+                               "or given"))
+        if self.enabled and self.clipping_norm is None:
+            out.append(Problem((("clipping_norm", None),),
+                               "expected S > 0: central DP clips every node's update to S "
+                               "before the noise N(0, σ²S²) is added"))
+        if not self.enabled and self.clipping_norm is not None:
+            out.append(Problem((("clipping_norm", self.clipping_norm),),
+                               "expected a target_epsilon or a noise_multiplier with it: "
+                               "clipping without noise is no differential privacy (central "
+                               "DP stays off)"))
+        return out
+
+
 CONCERNS: dict[str, type[Settings]] = {
     "sharding": Sharding, "training": LocalTraining, "replies": ReplyPolicy,
-    "nodes": NodePolicy, "cohort": Cohort, "slicing": Slicing,
+    "nodes": NodePolicy, "cohort": Cohort, "slicing": Slicing, "privacy": Privacy,
 }
 """Argument name -> settings class, as :class:`~fedshard.server.strategy.SpectralSharding`
 takes them."""

@@ -5,6 +5,7 @@ settings a resumed run may change is the checkpoint's own list."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -389,3 +390,45 @@ def test_no_figure_is_marked_as_lacking_its_record() -> None:
     marked = [str(p.relative_to(ROOT)) for p in pages
               if "_build" not in p.parts and "no committed record" in p.read_text().lower()]
     assert not marked, f"{marked} still quote figures marked as having no committed record"
+
+
+# ------------------------------------------------------------ the privacy page's table
+PRIVACY = ROOT / "results" / "privacy" / "dp_table.json"
+
+
+def _dp_table(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # its sibling modules
+    spec = importlib.util.spec_from_file_location("dp_table", ROOT / "benchmarks" / "dp_table.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_privacy_pages_tables_and_figures_are_its_record(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/privacy.md's tables are what benchmarks/dp_table.py prints from the committed
+    record, and the page names the record's size, seeds, machine, torch, date and command;
+    the finding's figures are the record's means."""
+    record = json.loads(PRIVACY.read_text())
+    assert record["complete"] and record["seeds"] == [0, 1, 2]
+    assert record["size"]["epsilons"] == [1.0, 4.0, 8.0] and record["size"]["delta"] == 1e-5
+    page = _flat(DOCS / "privacy.md")
+    tables = _dp_table(monkeypatch).markdown(record)
+    assert " ".join(tables.split()) in page
+    size = record["size"]
+    means = record["summary"]
+
+    def mean(row: str) -> str:
+        return f"{100 * means[row]['accuracy-mean']:.1f} %"
+
+    facts = [record["cpu"], record["torch"], record["date"], _command(record),
+             "results/privacy/dp_table.json", "seeds 0, 1 and 2",
+             f"{size['nodes']} nodes", f"{size['train-images']} training images",
+             f"{size['rounds']} rounds", f"q = {size['sampling-rate']:g}",
+             f"S = {size['clipping-norm']:g}", f"width {size['model'].split()[-1][:-1]}",
+             *(mean(f"{m}/eps-8") for m in ("dense-fedavg", "heterofl", "collective")),
+             *(mean(f"{m}/no-dp") for m in ("dense-fedavg", "heterofl", "collective")),
+             mean(f"collective-min-holders-{size['min-holders'][0]}/eps-8")]
+    missing = [fact for fact in facts if " ".join(fact.split()) not in page]
+    assert not missing, f"docs/privacy.md lacks {missing}"

@@ -32,6 +32,7 @@ from fedshard.settings import (  # ProblemsError: re-exported
     WIDTH_METHODS,
     LocalTraining,
     NodePolicy,
+    Privacy,
     ProblemsError,
     ReplyPolicy,
     Settings,
@@ -98,6 +99,7 @@ class RunConfig:
     replies: ReplyPolicy = field(default_factory=ReplyPolicy)
     nodes: NodePolicy = field(default_factory=NodePolicy)  # the table: node_policy()
     slicing: Slicing = field(default_factory=Slicing)
+    privacy: Privacy = field(default_factory=Privacy)
     fast: FastOptions = field(default_factory=FastOptions)
     keep_ratios: str = _app("0.1:0.6,0.2:0.4")
     num_server_rounds: int = _app(6)
@@ -411,7 +413,8 @@ def _render(err: SettingsError, concern: str) -> list[str]:
 #: The RunConfig fields that hold settings objects -> their class.
 _CONCERNS: dict[str, type[Settings]] = {"sharding": Sharding, "training": LocalTraining,
                                         "replies": ReplyPolicy, "nodes": NodePolicy,
-                                        "slicing": Slicing, "fast": FastOptions}
+                                        "slicing": Slicing, "privacy": Privacy,
+                                        "fast": FastOptions}
 
 
 #: The models whose size ``model-width`` sets (cct and chargpt have fixed sizes).

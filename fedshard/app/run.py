@@ -74,6 +74,7 @@ def _common(cfg: RunConfig) -> dict[str, Any]:
         sharding=cfg.sharding,
         training=cfg.training,
         replies=cfg.replies,
+        privacy=cfg.privacy,
         nodes=cfg.node_policy(),
         cohort=Cohort(fraction_train=cfg.fraction_train,
                       fraction_evaluate=cfg.fraction_evaluate, min_train_nodes=1,

@@ -9,6 +9,8 @@ fedshard's), reply.
   which keep ratio a node declares (its own, or its share of a simulated mix).
 - :mod:`~fedshard.client.app` - :class:`ShardingClientApp` and :func:`sharding_mod`: Flower
   glue for an existing project.
+- :mod:`~fedshard.client.clipping` - :func:`clip_update_mod`: a node's update clipped before
+  it is sent, for a server running central differential privacy.
 - :mod:`~fedshard.client.width` - :func:`handle_width_train`: a node of width slicing
   (HeteroFL's scaler, ordered dropout's step).
 - :mod:`~fedshard.client.node` - :func:`handle_node_train`: whichever of the two a ``train``
@@ -18,6 +20,7 @@ fedshard's), reply.
 """
 
 from fedshard.client.app import ShardingClientApp, sharding_mod
+from fedshard.client.clipping import clip_update_mod
 from fedshard.client.handlers import (
     handle_evaluate,
     handle_query,
@@ -55,6 +58,7 @@ __all__ = [
     "TensorBatches",
     "TrainConfig",
     "TrainResult",
+    "clip_update_mod",
     "frobenius_penalty",
     "handle_evaluate",
     "handle_node_train",

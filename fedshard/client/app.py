@@ -17,6 +17,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from fedshard import protocol as P
+from fedshard.client.clipping import clip_update_mod
 from fedshard.client.handlers import handle_query, keep_ratio_of, node_key_of
 from fedshard.client.keep_ratios import KeepRatioMixture, KeepRatios, node_keep_ratio
 from fedshard.client.shard import receipt_of, receiving, rules_metrics, shard_reply
@@ -154,6 +155,10 @@ class ShardingClientApp(ClientApp):
         (:func:`fedshard.client.keep_ratios.node_keep_ratio`). Without it the ratio is
         :func:`keep_ratio_of`'s (node config, run config ``keep-ratio`` or ``keep-ratios``,
         ``default_keep_ratio``).
+    clipping_norm : float, optional
+        S > 0: every ``train`` update is clipped to L2 norm S before it is sent
+        (:func:`~fedshard.client.clipping.clip_update_mod`, placed after the reply is encoded),
+        for a server running central DP (``Privacy.clipping_norm``).
 
     client_fn : callable, optional
         Refused: a ``client_fn`` (Flower's legacy API) raises
@@ -172,6 +177,7 @@ class ShardingClientApp(ClientApp):
 
     def __init__(self, default_keep_ratio: float | None = None,
                  mods: list[Any] | None = None, *, keep_ratios: KeepRatios | None = None,
+                 clipping_norm: float | None = None,
                  client_fn: Callable[..., Any] | None = None) -> None:
         if client_fn is not None or callable(default_keep_ratio):
             raise P.legacy_api_error(
@@ -183,7 +189,9 @@ class ShardingClientApp(ClientApp):
         # the capability query is answered before any mod of yours: your mods see only the
         # messages of your handlers (a mod reading msg.content["config"] keeps working)
         mods = _check_mods(mods, "ShardingClientApp")
-        super().__init__(mods=[self._capabilities, sharding_mod, *mods])
+        # node-side clipping sees the reply once sharding_mod has encoded it
+        clip = [] if clipping_norm is None else [clip_update_mod(clipping_norm)]
+        super().__init__(mods=[self._capabilities, *clip, sharding_mod, *mods])
         self.default_keep_ratio = default_keep_ratio
         if isinstance(keep_ratios, str):
             keep_ratios = KeepRatioMixture.parse(keep_ratios)  # a bad mix fails here

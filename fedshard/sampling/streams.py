@@ -22,6 +22,7 @@ class Stream(IntEnum):
     NODES = 0  # which nodes train this round:         [seed, round, 0]
     TERMS = 1  # the terms of layer l for group g:       [seed, round, 1, l, g]
     TRAIN = 2  # a node's local-training seed:           [seed, round, 2, node]
+    NOISE = 3  # central DP's noise on entry j (part p): [seed, round, 3, j, p]
 
 
 def stream_rng(seed: int, server_round: int, tag: Stream, *ids: int) -> np.random.Generator:

@@ -20,8 +20,11 @@
   the strategy's own checks and stops, yours); :mod:`~fedshard.server.side_jobs` - central
   evaluation and TensorBoard as callbacks; :mod:`~fedshard.server.progress` - is the run
   learning (the slow start of a sharded model, an accuracy that keeps falling).
+- :mod:`~fedshard.server.central_dp` - central differential privacy for factor shards and
+  width slices (:class:`~fedshard.settings.Privacy`): each node's update clipped, every
+  per-term and per-entry sum noised, the spent (ε, δ) accounted (Opacus's RDP accountant).
 - :mod:`~fedshard.server.privacy` - Flower's DP wrappers and other strategies driving ours
-  refused (they assume dense replies).
+  refused (they assume dense replies; fedshard's own central DP is the setting above).
 - :mod:`~fedshard.server.legacy` - Flower's legacy server refused at once (fedshard needs the
   Message API): the strategies get the legacy ``Strategy`` hooks, each raising
   :class:`~fedshard.protocol.LegacyApiError` with the migration guide.

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 from logging import WARNING
 from typing import Any
 
@@ -28,6 +28,7 @@ from fedshard import protocol as P
 from fedshard.server import callbacks as cb
 from fedshard.server import rounds
 from fedshard.server.callbacks import RoundCallback
+from fedshard.server.central_dp import CentralPrivacy
 from fedshard.server.legacy import message_api_only
 from fedshard.server.metrics import mean_client_metrics
 from fedshard.server.nodes import NodeDirectory
@@ -39,6 +40,7 @@ from fedshard.settings import (
     Cohort,
     LocalTraining,
     NodePolicy,
+    Privacy,
     Problem,
     ReplyPolicy,
     SettingsError,
@@ -75,6 +77,14 @@ class KeepRatioStrategy(FedAvg):
     training, replies, nodes, cohort : fedshard.settings objects, optional
         The local-training recipe, the reply bounds and averaging rule, the operator's rules on
         keep ratios and waits, which nodes a round samples (default: each one's defaults).
+    privacy : fedshard.settings.Privacy, optional
+        Central differential privacy (default: off; :mod:`fedshard.server.central_dp`). On,
+        each node's whole update is clipped to S and every per-term / per-entry sum noised,
+        the aggregate is the plain clipped mean over holders (``num-examples`` not used, so
+        ``replies.max_weight_ratio`` is switched off), ``replies.max_update_spread`` is
+        switched off (its radius, the round's median change, lets one node change how far the
+        others move), a ``replies.aggregation`` other than ``"mean"`` is refused, and every
+        round's metrics carry the spent ``dp-epsilon``.
     seed : int
         Root of every random stream (:mod:`fedshard.sampling.streams`).
     train_metrics_aggr_fn, evaluate_metrics_aggr_fn : callable, optional
@@ -137,6 +147,7 @@ class KeepRatioStrategy(FedAvg):
         replies: ReplyPolicy | None = None,
         nodes: NodePolicy | None = None,
         cohort: Cohort | None = None,
+        privacy: Privacy | None = None,
         seed: int = 0,
         train_metrics_aggr_fn: rounds.MetricsAggrFn | None = None,
         evaluate_metrics_aggr_fn: rounds.MetricsAggrFn | None = None,
@@ -149,7 +160,8 @@ class KeepRatioStrategy(FedAvg):
             "training": (training if training is not None else LocalTraining(), LocalTraining),
             "replies": (replies if replies is not None else ReplyPolicy(), ReplyPolicy),
             "nodes": (nodes if nodes is not None else NodePolicy(), NodePolicy),
-            "cohort": (cohort if cohort is not None else Cohort(), Cohort)}
+            "cohort": (cohort if cohort is not None else Cohort(), Cohort),
+            "privacy": (privacy if privacy is not None else Privacy(), Privacy)}
         found = [Problem(((name, value),), f"expected a {kind.__name__} (fedshard.settings)")
                  for name, (value, kind) in given.items() if not isinstance(value, kind)]
         if num_rounds is not None and not (isinstance(num_rounds, int)
@@ -165,6 +177,8 @@ class KeepRatioStrategy(FedAvg):
         method = getattr(sharding, "method", None)
         if method is not None and method not in self.METHODS:
             found.append(Problem((("method", method),), self._wrong_method))
+        found.extend(privacy_problems(given["privacy"][0], given["replies"][0], num_rounds,
+                                      trusted))
         found.extend(problems)
         if found:
             raise SettingsError(f"{type(self).__name__} arguments", found)
@@ -172,6 +186,13 @@ class KeepRatioStrategy(FedAvg):
         self.training: LocalTraining = given["training"][0]
         self.replies: ReplyPolicy = given["replies"][0]
         self.cohort: Cohort = given["cohort"][0]
+        self.privacy: Privacy = given["privacy"][0]
+        # central DP (opt-in): the mechanism; the spread bound off, and the weight cap (the
+        # weights are not used): fedshard.server.central_dp
+        self.central_dp: CentralPrivacy | None = None
+        if given["privacy"][0].enabled:
+            self.central_dp = CentralPrivacy(given["privacy"][0], num_rounds, seed)
+            self.replies = replace(self.replies, max_update_spread=0.0, max_weight_ratio=0.0)
         c = self.cohort
         super().__init__(
             fraction_train=c.fraction_train, fraction_evaluate=c.fraction_evaluate,
@@ -213,6 +234,8 @@ class KeepRatioStrategy(FedAvg):
                              f"{self.run_rounds.completed} completed round(s), or None; "
                              "num_rounds is unchanged")
         self.run_rounds.total = value
+        if self.central_dp is not None:
+            self.central_dp.num_rounds = value
 
     @property
     def base_lr(self) -> float:
@@ -277,6 +300,8 @@ class KeepRatioStrategy(FedAvg):
         self.history = {int(r): dict(m) for r, m in history.items()}
         self.rounds_trained = int(max([0, *(m.get("rounds-trained", 0)
                                             for m in self.history.values())]))
+        if self.central_dp is not None:
+            self.central_dp.resume(self.history)
 
     def trust_state(self) -> dict[int, list[float]]:
         """node id -> its last rounds' cosines: the agreement record as a checkpoint stores it."""
@@ -298,7 +323,8 @@ class KeepRatioStrategy(FedAvg):
                  "applies both)" if self.sharded_layers else
                  "no factors: Frobenius decay and ClipLR do not apply")
         steps = f" (at most {t.max_steps} steps)" if t.max_steps else ""
-        return [f"local training: lr={self.base_lr:g} ({schedule}; a round's config may set "
+        dp = [self.central_dp.describe()] if self.central_dp is not None else []
+        return [*dp, f"local training: lr={self.base_lr:g} ({schedule}; a round's config may set "
                 f"its own), local epochs={t.local_epochs}{steps}, batch={t.batch_size}, "
                 f"momentum={t.momentum:g}, weight decay={t.weight_decay:g}, {rules}"]
 
@@ -340,6 +366,9 @@ class KeepRatioStrategy(FedAvg):
         messages, self._round = self.plan_round(server_round, arrays, nodes, config,
                                                 training, lr)
         self._round.trust = self.trust
+        if self.central_dp is not None:
+            self._round.privacy = self.central_dp.start_round(server_round, len(nodes),
+                                                           self.nodes.pool_size)
         cb.run_configure(self.callbacks, self, server_round, config, messages)
         return messages
 
@@ -366,6 +395,8 @@ class KeepRatioStrategy(FedAvg):
             self._round = None
             self.rounds_trained += 1
         metrics["rounds-trained"] = float(self.rounds_trained)
+        if self.central_dp is not None:  # the spent (ε, δ), logged
+            metrics.update(self.central_dp.account(state.privacy))
         self.history[server_round] = metrics
         cb.run_aggregate(self.callbacks, self, server_round, metrics, state)
         if new_arrays is not None:  # (after the callbacks: a stop keeps the previous model)
@@ -422,3 +453,38 @@ class KeepRatioStrategy(FedAvg):
                 del self.history[server_round]
         if self.run_rounds.is_last(server_round):
             cb.run_end(self.callbacks, self, arrays)
+
+
+def privacy_problems(privacy: Privacy, replies: ReplyPolicy, num_rounds: int | None,
+                     trusted: object = None) -> list[Problem]:
+    """What central DP (``privacy``) cannot run with: an aggregation rule other than the
+    clipped mean (a median or trimmed mean of clipped replies has another sensitivity than
+    S / m), a target ε without the run's number of rounds (σ is calibrated to it), or a
+    defence that drops or re-weights nodes by their updates (trusted data, excluding distrusted
+    nodes): which nodes a term's mean divides by would then depend on the data, and the
+    accountant assumes holder counts the server drew."""
+    if not isinstance(privacy, Privacy) or not privacy.enabled:
+        return []
+    found = []
+    if isinstance(replies, ReplyPolicy) and replies.aggregation != "mean":
+        found.append(Problem((("aggregation", replies.aggregation),),
+                             "central DP bounds each node's pull on the clipped mean of a "
+                             "term's holders (S / m); expected 'mean' (the robust rules' "
+                             "sensitivity is another)"))
+    if privacy.target_epsilon is not None and num_rounds is None:
+        found.append(Problem((("target_epsilon", privacy.target_epsilon),
+                              ("num_rounds", None)),
+                             "σ is calibrated to the target over the run's rounds: expected "
+                             "num_rounds, or a noise_multiplier"))
+    if trusted is not None:
+        found.append(Problem((("trusted", trusted),),
+                             "central DP divides each term's noised sum by the holder count "
+                             "the server drew; trusted data drops and re-weights nodes by "
+                             "their updates. Expected one of the two: privacy, or trusted"))
+    if isinstance(replies, ReplyPolicy) and replies.exclude_distrusted:
+        found.append(Problem((("exclude_distrusted", True),),
+                             "excluding nodes by their past updates makes who is sampled "
+                             "depend on the data, which the accountant does not count. "
+                             "Expected exclude_distrusted=False with central DP (the record "
+                             "still names such nodes)"))
+    return found

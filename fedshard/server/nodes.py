@@ -145,6 +145,7 @@ class NodeDirectory:
         self.policy = policy if policy is not None else NodePolicy()
         self.capabilities: dict[int, P.Capabilities] = {}
         self._told_idle: set[int] = set()
+        self.pool_size = 0  # the nodes the last sample was drawn from
         self._asked_to_train = False  # the run's first training round has sampled
 
     #: Seconds between two "waiting for nodes" lines while a round waits.
@@ -203,6 +204,7 @@ class NodeDirectory:
                     self._skipped(node, reason)
         if training and self.policy.min_keep_ratio > 0:
             node_ids = self._without_idle(server_round, node_ids)
+        self.pool_size = len(node_ids)  # the nodes a round samples from (central DP's rate)
         eligible = sorted((n for n in node_ids if n in self.capabilities),
                           key=lambda n: (self.capabilities[n].key, n))
         size = min(len(eligible), max(int(len(node_ids) * fraction), minimum))

@@ -7,7 +7,9 @@ and noises ``reply − global`` array by array (the factor arrays of a shard hav
 than the global weights: a broadcast error), the client-side one needs ``fixedclipping_mod`` on
 the ClientApp, which rejects fedshard's capability ``query``; ``LocalDpMod`` requires the reply
 to carry the keys that were sent (a shard reply leaves ω out) and errors. They fail only after
-some rounds or silently protect nothing, so they are refused before round 1.
+some rounds or silently protect nothing, so they are refused before round 1, pointing at
+fedshard's own central DP (:class:`~fedshard.settings.Privacy`,
+:mod:`fedshard.server.central_dp`), which clips and noises per term and per entry.
 
 How: a :class:`~fedshard.server.base.KeepRatioStrategy` runs under Flower's ``start()`` (its
 own, a subclass's) or by direct calls of its hooks (a loop of one's own, a test); no other
@@ -38,11 +40,14 @@ WRAPPED_MESSAGE = (
     "differential-privacy wrappers (DifferentialPrivacy{{Server,Client}}Side{{Fixed,Adaptive}}"
     "Clipping) and other meta-strategies assume dense replies of the global model's shapes and "
     "cannot clip or noise per-term factor shards or width slices. The run is stopped before "
-    "round 1. fedshard has no central differential privacy for factor shards yet (Flower's "
-    "LocalDpMod does not fit either: it requires the reply's arrays to have the keys that were "
-    "sent, and a shard reply leaves out omega). For DP on the nodes, train the received "
-    "sub-model with DP-SGD (Opacus: docs/integration.md, \"Differential privacy and secure "
-    "aggregation\"); for a central-DP baseline wrap Flower's own FedAvg on the dense model."
+    "round 1. For central differential privacy use fedshard's own setting instead: "
+    "{strategy}(privacy=Privacy(target_epsilon=..., clipping_norm=...)) or the run-config keys "
+    "dp-target-epsilon and dp-clipping-norm (each node's whole update clipped to S, Gaussian "
+    "noise on every per-term and per-entry sum, the spent epsilon logged: docs/privacy.md); "
+    "on the nodes, fedshard.clip_update_mod clips an update before it is sent, and DP-SGD "
+    "(Opacus) trains the received sub-model (docs/integration.md, \"Differential privacy and "
+    "secure aggregation\"). Flower's LocalDpMod does not fit either: it requires the reply's "
+    "arrays to have the keys that were sent, and a shard reply leaves out omega."
 )
 
 

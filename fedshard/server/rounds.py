@@ -23,6 +23,7 @@ from flwr.common.logger import log
 from fedshard import protocol as P
 from fedshard.protocol.bounds import printable
 from fedshard.sampling import ANNEALED_METHODS, Stream, anneal_exponent, plan_round, stream_rng
+from fedshard.server.central_dp import RoundPrivacy
 from fedshard.server.fedavg_cosine import check_reference, fedavg_cosines
 from fedshard.server.metrics import (
     NON_FINITE,
@@ -79,6 +80,7 @@ class RoundState:
     dropped: list[tuple[int, str]] = field(default_factory=list)  # (node, full reason), in order
     accepted: list[P.TrainReply] = field(default_factory=list)  # the replies used (finish)
     trust: TrustStage | None = None  # the record and trusted reference (after the bounds)
+    privacy: RoundPrivacy | None = None  # central DP's mechanism, when it is on
 
     def collect(self, replies: Iterable[Message]) -> tuple[list[P.TrainReply], Counter[str], int]:
         """The valid replies, the dropped ones counted by reason (each logged), and the
@@ -230,6 +232,9 @@ class RoundState:
         """The new global ``state_dict`` from the valid replies: the per-term averages
         (:func:`aggregate_state`) or ``replies``' dense rule."""
         current = self.current or {k: P.decode_array(a) for k, a in self.arrays.items()}
+        if self.privacy is not None:  # clipped, unweighted, noised (fedshard.server.central_dp)
+            return self.privacy.combine_terms(current, self.spectra, accepted, self.sent,
+                                              self.device)
         if self.replies.aggregation in DENSE_AGGREGATIONS:
             return dense_rule(current, self.spectra, accepted, self.replies)
         return aggregate_state(current, self.spectra, [r.weight for r in accepted],

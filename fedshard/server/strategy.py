@@ -26,6 +26,7 @@ from fedshard.settings import (
     Cohort,
     LocalTraining,
     NodePolicy,
+    Privacy,
     Problem,
     ReplyPolicy,
     Sharding,
@@ -74,6 +75,10 @@ class SpectralSharding(KeepRatioStrategy):
         Which nodes a round is sent to: ``FedAvg``'s ``fraction_train``,
         ``fraction_evaluate``, ``min_train_nodes``, ``min_evaluate_nodes`` and
         ``min_available_nodes``, with its defaults.
+    privacy : fedshard.settings.Privacy, optional
+        Central differential privacy (default: off): each node's update clipped to S, Gaussian
+        noise on every per-term and per-entry sum, the spent (ε, δ) in every round's metrics
+        (:mod:`fedshard.server.central_dp`; ``docs/privacy.md``).
     seed : int
         Root of every random stream (:mod:`fedshard.sampling.streams`).
     device : str or None
@@ -153,6 +158,7 @@ class SpectralSharding(KeepRatioStrategy):
         replies: ReplyPolicy | None = None,
         nodes: NodePolicy | None = None,
         cohort: Cohort | None = None,
+        privacy: Privacy | None = None,
         seed: int = 0,
         device: str | None = None,
         train_metrics_aggr_fn: rounds.MetricsAggrFn | None = None,
@@ -166,7 +172,8 @@ class SpectralSharding(KeepRatioStrategy):
                                     "expected distinct names"))
         super().__init__(
             sharding=sharding if sharding is not None else Sharding(), num_rounds=num_rounds,
-            training=training, replies=replies, nodes=nodes, cohort=cohort, seed=seed,
+            training=training, replies=replies, nodes=nodes, cohort=cohort, privacy=privacy,
+            seed=seed,
             train_metrics_aggr_fn=train_metrics_aggr_fn,
             evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn, callbacks=callbacks,
             trusted=trusted, problems=problems)

@@ -33,6 +33,7 @@ from fedshard.settings import (
     Cohort,
     LocalTraining,
     NodePolicy,
+    Privacy,
     Problem,
     ReplyPolicy,
     Sharding,
@@ -69,6 +70,8 @@ class SliceRoundState(RoundState):
         """Every element the weighted mean over the nodes that trained it
         (:func:`~fedshard.width.slicing.aggregate_slices`)."""
         current = self.current or {k: P.decode_array(a) for k, a in self.arrays.items()}
+        if self.privacy is not None:  # clipped, unweighted, noised (fedshard.server.central_dp)
+            return self.privacy.combine_slices(current, accepted, self.sent, self.index)
         return aggregate_slices(current, [SliceUpdate(r.weight, r.values, self.index[r.node])
                                           for r in accepted])
 
@@ -154,10 +157,11 @@ class WidthSlicing(KeepRatioStrategy):
     sharding : fedshard.settings.Sharding, optional
         Its ``method`` (one of :data:`~fedshard.settings.WIDTH_METHODS`; default
         ``"heterofl"``); the other fields are spectral sharding's.
-    num_rounds, training, replies, nodes, cohort, seed :
+    num_rounds, training, replies, nodes, cohort, privacy, seed :
         As in :class:`~fedshard.server.base.KeepRatioStrategy`: the run's rounds, the
         local-training recipe, the reply bounds, the keep-ratio rules, which nodes a round
-        samples, the random streams' root.
+        samples, central differential privacy (off by default; each element's sum over the
+        nodes that trained it is noised), the random streams' root.
     train_metrics_aggr_fn, evaluate_metrics_aggr_fn, callbacks :
         As in :class:`~fedshard.server.base.KeepRatioStrategy`.
 
@@ -187,6 +191,7 @@ class WidthSlicing(KeepRatioStrategy):
         replies: ReplyPolicy | None = None,
         nodes: NodePolicy | None = None,
         cohort: Cohort | None = None,
+        privacy: Privacy | None = None,
         seed: int = 0,
         train_metrics_aggr_fn: MetricsAggrFn | None = None,
         evaluate_metrics_aggr_fn: MetricsAggrFn | None = None,
@@ -215,7 +220,7 @@ class WidthSlicing(KeepRatioStrategy):
         super().__init__(
             sharding=sharding if sharding is not None else Sharding(method="heterofl"),
             num_rounds=num_rounds, training=training, replies=replies, nodes=nodes,
-            cohort=cohort, seed=seed, train_metrics_aggr_fn=train_metrics_aggr_fn,
+            cohort=cohort, privacy=privacy, seed=seed, train_metrics_aggr_fn=train_metrics_aggr_fn,
             evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn, callbacks=callbacks,
             trusted=trusted, problems=problems)
         self.slicing = slicing

@@ -26,9 +26,9 @@ from fedshard.settings import Slicing
 def test_dp_wrappers_are_refused_before_round_1(wrapper: type) -> None:
     dp = wrapper(strategy(), noise_multiplier=0.1, clipping_norm=1.0, num_sampled_clients=3)
     g = grid()
-    with pytest.raises(RuntimeError, match=r"driven by another strategy \(.*\).*no central "
-                                           r"differential privacy for factor shards yet"
-                                           r".*DP-SGD"):
+    with pytest.raises(RuntimeError, match=r"driven by another strategy \(.*\).*use fedshard's "
+                                           r"own setting instead: SpectralSharding\(privacy="
+                                           r"Privacy\(.*dp-target-epsilon.*DP-SGD"):
         dp.start(grid=g, initial_arrays=initial(), num_rounds=1, timeout=5)
     assert not [m for m in g.sent if m.metadata.message_type == "train"]
 
@@ -188,8 +188,8 @@ def test_a_server_side_wrapper_driven_through_its_hooks_is_refused_before_round_
     arrays = initial()
     with pytest.raises(RuntimeError, match=(
             rf"driven by another strategy \({wrapper.__name__} called "
-            r"SpectralSharding\.configure_train\).*no central differential privacy for factor "
-            "shards yet")):
+            r"SpectralSharding\.configure_train\).*For central differential privacy use "
+            "fedshard's own setting")):
         for server_round in (1, 2):
             messages = list(dp.configure_train(server_round, arrays, ConfigRecord(), g))
             new, _ = dp.aggregate_train(server_round, g.send_and_receive(messages))
