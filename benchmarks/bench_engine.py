@@ -44,9 +44,10 @@ Presets:
 ``--profile`` adds where the ``sequential`` engine's round goes: cProfile over whole rounds
 after the first, seconds per round of each part of :data:`PARTS` (receiving the sub-model,
 training and within it the client rules' step hooks, the reply, the server's configure,
-reply checks, receipts, robust aggregation, the end-of-round callbacks and central
-evaluation, the array codec), under ``profile``. The profiler slows Python-heavy parts more
-than torch's kernels, so compare parts within a profile and profiles with each other.
+reply checks, receipts, robust aggregation, the end-of-round callbacks, central evaluation
+and the checkpoint (the bare loop writes none), the array codec), under ``profile``. The
+profiler slows Python-heavy parts more than torch's kernels, so compare parts within a
+profile and profiles with each other.
 
 ``--against REV`` is the regression guard: the ``sequential`` engine of git revision ``REV``
 (its files from ``git archive``) and of this work tree, side by side on the same machine in
@@ -379,6 +380,7 @@ PARTS: dict[str, tuple[tuple[str, str], ...]] = {
     "server/aggregate/combine": (("fedshard/server/rounds.py", "aggregate"),),
     "server/end-round": (("fedshard/server/callbacks.py", "run_round"),),
     "server/end-round/central-evaluation": (("fedshard/client/train/loop.py", "evaluate"),),
+    "server/end-round/checkpoint": (("fedshard/app/checkpoint.py", "save"),),
     # across both sides
     "array-codec": (("fedshard/protocol/arrays.py", "decode_array"),
                     ("fedshard/protocol/arrays.py", "encode_array")),
