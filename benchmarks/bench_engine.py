@@ -44,9 +44,10 @@ Presets:
 ``--profile`` adds where the ``sequential`` engine's round goes: cProfile over whole rounds
 after the first, seconds per round of each part of :data:`PARTS` (receiving the sub-model,
 training and within it the client rules' step hooks, the reply, the server's configure,
-reply checks, receipts, robust aggregation, the end-of-round callbacks and central
-evaluation, the array codec), under ``profile``. The profiler slows Python-heavy parts more
-than torch's kernels, so compare parts within a profile and profiles with each other.
+reply checks, receipts, robust aggregation, the end-of-round callbacks, central evaluation
+and the checkpoint (the bare loop writes none), the array codec), under ``profile``. The
+profiler slows Python-heavy parts more than torch's kernels, so compare parts within a
+profile and profiles with each other.
 
 ``--against REV`` is the regression guard: the ``sequential`` engine of git revision ``REV``
 (its files from ``git archive``) and of this work tree, side by side on the same machine in
@@ -379,6 +380,7 @@ PARTS: dict[str, tuple[tuple[str, str], ...]] = {
     "server/aggregate/combine": (("fedshard/server/rounds.py", "aggregate"),),
     "server/end-round": (("fedshard/server/callbacks.py", "run_round"),),
     "server/end-round/central-evaluation": (("fedshard/client/train/loop.py", "evaluate"),),
+    "server/end-round/checkpoint": (("fedshard/app/checkpoint.py", "save"),),
     # across both sides
     "array-codec": (("fedshard/protocol/arrays.py", "decode_array"),
                     ("fedshard/protocol/arrays.py", "encode_array")),
@@ -546,6 +548,105 @@ def run_against(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# ---------------------------------------------------------------------------- pfl
+PFL_DRIVER = ROOT / "benchmarks" / "pfl_fedavg.py"
+
+
+def _settings(args: argparse.Namespace, data_dir: Path, out_dir: Path) -> dict[str, Any]:
+    """The run config of both presets' rounds (``method`` and ``keep-ratios`` apart)."""
+    cifar = args.preset == "cifar10"
+    clients, _, test = _sizes(args)
+    return {"dataset": "cifar10" if cifar else "fashion-mnist",
+            "data-dir": str(data_dir), "model": "resnet18" if cifar else "mlp",
+            "model-width": _width(args), "num-partitions": clients,
+            "min-available-nodes": clients, "fraction-train": 1.0, "fraction-evaluate": 0.0,
+            "batch-size": 32, "local-epochs": 2 if cifar else 1,
+            "num-server-rounds": args.rounds, "test-max-examples": test, "eval-every": 1,
+            "seed": 0, "client-device": args.device, "server-device": args.device,
+            "results-dir": str(out_dir), "overwrite": True, "cuda-graph": args.cuda_graph}
+
+
+def _sizes(args: argparse.Namespace) -> tuple[int, int, int]:
+    """Clients, examples per client, test examples."""
+    return (2, 40, 40) if args.tiny else (10, 500, 1000)
+
+
+def _width(args: argparse.Namespace) -> int:
+    if args.preset == "cifar10":
+        return 4 if args.tiny else 64
+    return 16 if args.tiny else 200
+
+
+def pfl_unavailable(python: Path | None) -> str | None:
+    """Why pfl's side cannot run with the interpreter ``python`` (``None``: it can)."""
+    if python is None:
+        return "no --pfl-python given"
+    if not python.is_file():
+        return f"--pfl-python {python}: no such file"
+    probe = subprocess.run([str(python), "-c", "import pfl.model.pytorch"],
+                           capture_output=True, text=True, check=False)
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["(no message)"])[-1]
+        return f"--pfl-python {python}: pfl[pytorch] is not importable there ({last})"
+    return None
+
+
+def pfl_input(cfg: RunConfig, clients: int, rounds: int) -> dict[str, Any]:
+    """What ``pfl_fedavg.py`` reads: the same model, client examples, test examples and
+    recipe as the bare loop's (:class:`BareLoop`), as torch objects only."""
+    model = build_model(cfg)
+    net = getattr(model, "net", None)
+    if not isinstance(net, torch.nn.Sequential):
+        raise SystemExit(f"bench_engine: pfl's side needs the MLP (a torch Sequential), "
+                         f"got {type(model).__name__}; nothing was run for pfl")
+    test = load_test_set(cfg.dataset, data_dir=cfg.data_dir,
+                         max_examples=cfg.test_max_examples or None)
+    recipe = cfg.training
+    return {"net": net, "clients": [tensors(client_dataset(cfg, pid, clients))
+                                    for pid in range(clients)],
+            "test": tensors(test), "lr": recipe.base_lr, "momentum": recipe.momentum,
+            "weight_decay": recipe.weight_decay, "batch": recipe.batch_size,
+            "epochs": recipe.local_epochs, "rounds": rounds, "seed": cfg.seed,
+            "threads": 1}  # as the bare loop and the engine on a CPU
+
+
+def run_pfl(args: argparse.Namespace) -> dict[str, Any]:
+    """pfl's FedAvg against the bare loop (``pfl_fedavg.py``, run ``--repeats`` times with
+    ``--pfl-python``): ``{"pfl": {...}}``, or ``{"pfl": None, "pfl_reason": why}`` when
+    it cannot run (no ``--pfl-python``, pfl not importable there, not the fmnist preset)."""
+    if args.preset != "fmnist" or args.device != "cpu":
+        return {"pfl": None, "pfl_reason": "pfl's side runs the fmnist preset on a CPU only"}
+    why = pfl_unavailable(args.pfl_python)
+    if why is not None:
+        return {"pfl": None, "pfl_reason": why}
+    clients, examples, test = _sizes(args)
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="bench-engine-pfl-") as tmp:
+        root = Path(tmp)
+        write_data(args.preset, root / "data", clients * examples, test, args.fmnist)
+        cfg = RunConfig.from_mapping({**_settings(args, root / "data", root / "out"),
+                                      "method": "none", "keep-ratios": "1.0",
+                                      "run-name": "pfl"})
+        torch.save(pfl_input(cfg, clients, args.rounds), root / "pfl.pt")
+        for _ in range(args.repeats):
+            out = subprocess.run([str(args.pfl_python), str(PFL_DRIVER), str(root / "pfl.pt")],
+                                 capture_output=True, text=True, check=False,
+                                 env={**os.environ, "PYTHONPATH": ""}, cwd=ROOT)
+            if out.returncode != 0:
+                raise SystemExit(f"bench_engine: pfl's run failed ({out.returncode}):\n"
+                                 + out.stderr[-3000:])
+            runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    ratios = [x for r in runs for x in r["pfl_vs_bare_rounds"]]
+    return {"pfl": {"pfl_vs_bare": round(statistics.median(ratios), 4),
+                    "s_per_round": {k: round(statistics.median(r["s_per_round"][k]
+                                                               for r in runs), 4)
+                                    for k in ("bare", "pfl")},
+                    "version": runs[0]["pfl"], "torch": runs[0]["torch"],
+                    "torch_threads": runs[0]["torch_threads"], "method": "none",
+                    "repeats": args.repeats, "rounds": args.rounds,
+                    "pfl_vs_bare_rounds": ratios}}
+
+
 # ---------------------------------------------------------------------------- main
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -576,6 +677,11 @@ def main() -> None:
     ap.add_argument("--code", type=Path, default=None,
                     help="the tree whose fedshard and fedshard_lab run (default: this "
                     "repository; --against sets it for its runs)")
+    ap.add_argument("--pfl-python", type=Path, default=None, metavar="PATH",
+                    help="an interpreter with pfl[pytorch] installed: also run pfl-research's "
+                    "FedAvg on the same rounds against the bare loop (benchmarks/pfl_fedavg.py, "
+                    "--repeats runs; fmnist on a CPU), under 'pfl'; without it 'pfl' is null "
+                    "and 'pfl_reason' says why")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = ap.parse_args()
     if args.against is not None:
@@ -583,7 +689,7 @@ def main() -> None:
             raise SystemExit("bench_engine: --against runs the paths bare,sequential (no "
                              "--paths) and needs --repeats ≥ 1 and --rounds ≥ 2 (≥ 3 with "
                              "--profile); nothing was run")
-        emit({**provenance(args.device), **run_against(args)}, args.out)
+        emit({**provenance(args.device), **run_against(args), **run_pfl(args)}, args.out)
         return
     if args.device == "cpu":
         torch.set_num_threads(1)  # the bare loop and the engine; Ray's workers set their own
@@ -598,22 +704,15 @@ def main() -> None:
     if unknown or args.rounds < 2 or args.repeats < 1:
         raise SystemExit(f"bench_engine: paths {sorted(unknown)} unknown, or --rounds < 2, "
                          "or --repeats < 1")
-    clients, examples, test = (2, 40, 40) if args.tiny else (10, 500, 1000)
-    width = (4 if args.tiny else 64) if cifar else (16 if args.tiny else 200)
+    clients, examples, test = _sizes(args)
+    width = _width(args)
     epochs = 2 if cifar else 1
     engine = "batched" if cifar else "sequential"
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
         root = Path(tmp)
         write_data(args.preset, root / "data", clients * examples, test, args.fmnist)
-        base = {"dataset": "cifar10" if cifar else "fashion-mnist",
-                "data-dir": str(root / "data"), "model": "resnet18" if cifar else "mlp",
-                "model-width": width, "num-partitions": clients, "min-available-nodes": clients,
-                "fraction-train": 1.0, "fraction-evaluate": 0.0, "batch-size": 32,
-                "local-epochs": epochs, "num-server-rounds": args.rounds,
-                "test-max-examples": test, "eval-every": 1, "seed": 0,
-                "client-device": device, "server-device": device,
-                "results-dir": str(root / "out"), "overwrite": True,
-                "cuda-graph": args.cuda_graph}
+        base = {**_settings(args, root / "data", root / "out"), "client-device": device,
+                "server-device": device}
         per_method = {m: {**base, "method": m, "keep-ratios": "1.0" if m == "none" else "0.1"}
                       for m in methods}
         times: dict[str, dict[str, list[float]]] = {p: {m: [] for m in methods} for p in paths}
@@ -641,6 +740,9 @@ def main() -> None:
             equality = max(max_rel_diff_float64({**per_method[m], "run-name": "eq"}, clients,
                                                 engines, args.equality_rounds,
                                                 args.equality_examples) for m in methods)
+
+    pfl = run_pfl(args) if args.code is None else {"pfl": None,
+                                                    "pfl_reason": "a run of --against"}
 
     def ratio(a: str, b: str) -> dict[str, float] | None:
         if a not in times or b not in times:
@@ -672,6 +774,7 @@ def main() -> None:
         if engine in paired else None,
         "profile": profiles or None,
         "code": "this repository" if CODE == ROOT else "another tree (--code)",
+        **pfl,
     }, args.out)
 
 

@@ -192,7 +192,8 @@ ENGINE_PARTS = ("round", "client/receive", "client/receive/settings", "client/tr
                 "client/train/optimizer-step/rules", "client/reply", "server/configure",
                 "server/aggregate", "server/aggregate/reply-checks", "server/aggregate/receipts",
                 "server/aggregate/robust", "server/end-round",
-                "server/end-round/central-evaluation", "array-codec")
+                "server/end-round/central-evaluation", "server/end-round/checkpoint",
+                "array-codec")
 
 
 def _seconds(value: float | None) -> str:
@@ -209,6 +210,11 @@ def _engine_against() -> list[str]:
              f"{vs['against']['collective']:.3f}×",
              f"sharding {vs['work-tree']['none']:.3f}× against {vs['against']['none']:.3f}×",
              f"{r['repeats']} runs of {r['rounds']} rounds per side"]
+    assert r["work_tree"]["uncommitted_changes"] == 0, "the record is of a committed tree"
+    pfl = r["pfl"]
+    assert pfl is not None, r.get("pfl_reason")
+    facts += [f"pfl {pfl['version']}", f"| pfl-research's FedAvg | {pfl['pfl_vs_bare']:.3f} | "
+              f"– | {pfl['s_per_round']['pfl']:.3f} s / {pfl['s_per_round']['bare']:.3f} s | – |"]
     for side, label in (("against", f"`{old}` (main, the last release)"),
                         ("work-tree", "this release")):
         facts.append(f"| {label} | {vs[side]['none']:.3f} | {vs[side]['collective']:.3f} | "

@@ -35,6 +35,7 @@ from torch import nn
 
 from fedshard import protocol as P
 from fedshard.client.train.config import TrainConfig
+from fedshard.client.train.loop import on_device
 from fedshard.client.train.optim import build_optimizer
 from fedshard.client.train.rules import ClientRules, RulesReport
 from fedshard.spectral import LayerFactors, build_submodel
@@ -194,7 +195,7 @@ class Shard:
         sub, layers = submodel_from_record(model, msg.content.array_records[P.ARRAYS], cache)
         register_if_opacus_loaded()  # DP-SGD: Opacus takes the factorized layers' formulas
         dev = torch.device(device)
-        sub = sub.to(dev)
+        sub = on_device(sub, dev)  # (a kept sub-model is already there)
         return cls(sub, settings, tuple(layers), msg, dev, ClientRules.of(sub, settings))
 
     def train_config(self, **overrides: Any) -> TrainConfig:

@@ -24,7 +24,7 @@ from fedshard.client.train.batches import TensorBatches, dataset_size, unpack_ba
 from fedshard.client.train.config import EvalResult, Step, TrainConfig, TrainResult
 from fedshard.client.train.step import EagerStep, cross_entropy_sums
 
-__all__ = ["evaluate", "train"]
+__all__ = ["evaluate", "on_device", "train"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def train(model: nn.Module, loader: DataLoader[Any] | TensorBatches,
     DataLoader with its own ``generator`` keeps using that.
     """
     device = torch.device(cfg.device)
-    model.to(device)
+    on_device(model, device)
     if cfg.channels_last:
         model.to(memory_format=torch.channels_last)
     model.train()
@@ -199,7 +199,7 @@ def evaluate(
     """
     dev = torch.device(device)
     was_training = model.training
-    model.to(dev)
+    on_device(model, dev)
     model.eval()
     total_loss = torch.zeros((), dtype=torch.float64, device=dev)
     total_correct = torch.zeros((), dtype=torch.int64, device=dev)
@@ -223,6 +223,19 @@ def evaluate(
         accuracy=total_correct.item() / seen,
         num_examples=dataset_size(loader, examples),
     )
+
+
+def on_device(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model.to(device)``, skipped when every parameter and buffer is already there.
+
+    ``Module.to`` visits every submodule and tensor even when nothing moves (per client and
+    round of a simulation, as much time as a few training steps' bookkeeping); the check is
+    one pass over the tensors. ``device`` without an index (``cuda``) matches no tensor, so
+    the move is left to ``to``."""
+    if all(t.device == device for t in model.parameters()) and \
+            all(t.device == device for t in model.buffers()):
+        return model
+    return model.to(device)
 
 
 @contextmanager

@@ -106,3 +106,55 @@ def test_profile_parts_name_functions_that_exist() -> None:
             else:
                 source = (ROOT / path).read_text()
             assert f"def {name}(" in source, (part, path, name)
+
+
+def test_pfl_side_says_why_it_did_not_run(tmp_path: Path) -> None:
+    """``--pfl-python``: without it, with a missing file, or with an interpreter where pfl is
+    not importable, ``pfl`` is null and ``pfl_reason`` says why (nothing is timed here)."""
+    bench = _bench_module()
+
+    def args(**kw: Any) -> argparse.Namespace:
+        base = {"preset": "fmnist", "device": "cpu", "pfl_python": None, "repeats": 1,
+                "rounds": 3, "tiny": True, "cuda_graph": False}
+        return argparse.Namespace(**{**base, **kw})
+
+    assert bench.run_pfl(args()) == {"pfl": None, "pfl_reason": "no --pfl-python given"}
+    missing = tmp_path / "python"
+    got = bench.run_pfl(args(pfl_python=missing))
+    assert got["pfl"] is None and got["pfl_reason"].endswith(f"{missing}: no such file")
+    fake = tmp_path / "fake-python"  # an interpreter without pfl
+    fake.write_text(f"#!/bin/sh\nexec {sys.executable} -S -c 'import no_pfl_here' \"$@\"\n")
+    fake.chmod(0o755)
+    got = bench.run_pfl(args(pfl_python=fake))
+    assert got["pfl"] is None
+    assert "pfl[pytorch] is not importable there" in got["pfl_reason"]
+    got = bench.run_pfl(args(preset="cifar10", pfl_python=Path(sys.executable)))
+    assert got == {"pfl": None, "pfl_reason": "pfl's side runs the fmnist preset on a CPU only"}
+
+
+def test_pfl_input_is_the_bare_loops_rounds(tmp_path: Path) -> None:
+    """What ``pfl_fedavg.py`` reads: the same model, examples and recipe as the bare loop."""
+    import numpy as np
+    from fakedata import write_fashion_mnist
+
+    from fedshard.app.config import RunConfig
+    bench = _bench_module()
+    write_fashion_mnist(tmp_path / "data", 80, 40, np.random.default_rng(0))
+    a = argparse.Namespace(preset="fmnist", device="cpu", rounds=3, tiny=True,
+                           cuda_graph=False)
+    cfg = RunConfig.from_mapping({**bench._settings(a, tmp_path / "data", tmp_path / "out"),
+                                  "method": "none", "keep-ratios": "1.0", "run-name": "p"})
+    spec = bench.pfl_input(cfg, 2, 3)
+    loop = bench.BareLoop(cfg, 2, "cpu")
+    assert isinstance(spec["net"], torch.nn.Sequential)
+    for got, want in zip(spec["net"].state_dict().values(), loop.model.state_dict().values(),
+                         strict=True):
+        assert torch.equal(got, want)
+    assert len(spec["clients"]) == 2
+    for (x, y), (bx, by) in zip(spec["clients"], loop.data, strict=True):
+        assert torch.equal(x, bx) and torch.equal(y, by)
+    assert torch.equal(spec["test"][0], loop.test[0])
+    assert (spec["lr"], spec["momentum"], spec["weight_decay"], spec["batch"],
+            spec["epochs"], spec["rounds"], spec["threads"]) == (
+        cfg.training.base_lr, cfg.training.momentum, cfg.training.weight_decay,
+        cfg.training.batch_size, cfg.training.local_epochs, 3, 1)

@@ -307,3 +307,22 @@ def test_training_errors() -> None:
     bad_targets = TensorDataset(torch.ones(4, 4, dtype=torch.float64), torch.zeros(4, 2))
     with pytest.raises(ValueError, match=r"logits of shape \(4, 3\) do not match targets"):
         evaluate(_two_layer([1.0]), DataLoader(bad_targets, batch_size=4))
+
+
+def test_on_device_leaves_a_model_already_there_alone() -> None:
+    """``on_device``: a model whose tensors are all on the device is returned as it is (no
+    ``Module.to``); one with a tensor elsewhere is moved by ``to``."""
+    from unittest import mock
+
+    from torch import nn
+
+    from fedshard.client.train.loop import on_device
+
+    model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+    params = [id(p) for p in model.parameters()]
+    with mock.patch.object(nn.Module, "to", side_effect=AssertionError("moved")):
+        assert on_device(model, torch.device("cpu")) is model
+    assert [id(p) for p in model.parameters()] == params
+    with mock.patch.object(nn.Module, "to", return_value="moved") as to:
+        assert on_device(model, torch.device("meta")) == "moved"
+    to.assert_called_once_with(torch.device("meta"))
