@@ -80,6 +80,7 @@ from fedshard.app.config import RunConfig  # noqa: E402
 from fedshard.app.run import run_server  # noqa: E402
 from fedshard.app.task import client_dataset, template_model  # noqa: E402
 from fedshard.client import handle_train  # noqa: E402
+from fedshard.server.trusted import TrustRecord, TrustStage  # noqa: E402
 from fedshard.settings import SHARDING_METHODS, WIDTH_METHODS  # noqa: E402
 
 REAL = Path("/usr/share/datasets/fashion-mnist")
@@ -415,6 +416,33 @@ class _Named(logging.Handler):
             self.named.setdefault(int(found.group(1)) if found else 0, set()).update(nodes)
 
 
+class _Cosines:
+    """Each node's cosine per round as the server's agreement record received it (node ->
+    ``[round, cosine]`` pairs): the record a naming rule reads, kept whole so that a rule can
+    be replayed on it (:class:`fedshard.server.trusted.TrustRecord` keeps a node's last rounds
+    only). Wraps ``TrustStage.weigh`` (the round) and ``TrustRecord.add`` while it is open."""
+
+    def __enter__(self) -> _Cosines:
+        self.rows: dict[int, list[list[float]]] = {}
+        self.round = 0
+        self._weigh, self._add = TrustStage.weigh, TrustRecord.add
+        weigh, add = self._weigh, self._add
+
+        def weigh_round(stage: TrustStage, server_round: int, *a: Any, **k: Any) -> Any:
+            self.round = server_round
+            return weigh(stage, server_round, *a, **k)
+
+        def add_row(record: TrustRecord, node: int, value: float) -> None:
+            self.rows.setdefault(node, []).append([self.round, round(float(value), 6)])
+            add(record, node, value)
+
+        TrustStage.weigh, TrustRecord.add = weigh_round, add_row  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        TrustStage.weigh, TrustRecord.add = self._weigh, self._add  # type: ignore[method-assign]
+
+
 def run_cell(root: Path, base: dict[str, Any], attack: str | None, attackers: int,
              last: int) -> dict[str, Any]:
     """One whole run; its last rounds' mean test accuracy, the rounds in which the server
@@ -430,7 +458,8 @@ def run_cell(root: Path, base: dict[str, Any], attack: str | None, attackers: in
     flwr_logger.addHandler(named)
     t0 = time.perf_counter()
     try:
-        summary = run_server(grid, RunConfig.from_mapping(cfg))
+        with _Cosines() as cosines:
+            summary = run_server(grid, RunConfig.from_mapping(cfg))
         status = summary.get("status", "finished")
     except Exception as ex:  # a run stopped on purpose (e.g. its updates kept being flagged)
         summary, status = {}, f"stopped: {type(ex).__name__}"
@@ -456,6 +485,8 @@ def run_cell(root: Path, base: dict[str, Any], attack: str | None, attackers: in
             "honest-nodes-named": len(honest_named),
             **({"round-all-dishonest-named": all_named} if bad else {}),
             **{k: v for k, v in counts.items() if v},
+            **({"cosines": {str(n): r for n, r in sorted(cosines.rows.items())}}
+               if cosines.rows else {}),
             "s": round(time.perf_counter() - t0, 1)}
 
 
