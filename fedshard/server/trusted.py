@@ -304,7 +304,36 @@ class TrustStage:
     def __init__(self, reference: TrustedReference | None, policy: ReplyPolicy) -> None:
         self.reference, self.policy = reference, policy
         self.record = TrustRecord()
-        self.excluded: set[int] = set()
+        # with exclude_distrusted: node -> the round it was named in and left out from
+        self.excluded: dict[int, int] = {}
+
+    def left_out(self) -> dict[int, str]:
+        """The nodes a round leaves out of its training sample (with ``exclude_distrusted``),
+        each with why: node -> reason."""
+        return {n: f"named distrusted in round {r} (median cosine under distrust-below="
+                   f"{self.policy.distrust_below:g}) and exclude-distrusted is on"
+                for n, r in self.excluded.items()}
+
+    def restore(self, record: Mapping[int, Sequence[float]] | None,
+                excluded: Mapping[int, int] | None = None) -> None:
+        """The record and the left-out nodes of a checkpoint (:meth:`TrustRecord.state`,
+        :attr:`excluded`; ``None``: none kept).
+
+        Raises
+        ------
+        ValueError
+            If either is malformed (the left-out nodes: node ids mapped to the round ≥ 1 each
+            was named in); nothing is changed.
+        """
+        if excluded is not None and (not isinstance(excluded, Mapping) or not all(
+                isinstance(n, int) and not isinstance(n, bool) and isinstance(r, int)
+                and not isinstance(r, bool) and r >= 1 for n, r in excluded.items())):
+            raise ValueError(f"left-out nodes {excluded!r}: expected node ids mapped to the "
+                             "round (≥ 1) each was named in; the record is not restored")
+        if record is not None:
+            self.record.restore(record)
+        if excluded is not None:
+            self.excluded = {int(n): int(r) for n, r in excluded.items()}
 
     def weigh(self, server_round: int, accepted: Sequence[P.TrainReply],
               sent: Mapping[int, P.SentShard], messages: Sequence[Message],
@@ -377,15 +406,15 @@ class TrustStage:
                 continue
             named += 1
             row = self.record.cosines[node]
-            action = ("; exclude-distrusted: its replies are not used from now on"
-                      if self.policy.exclude_distrusted else
+            action = ("; exclude-distrusted: it is not sampled for training, nor its "
+                      "replies used, from now on" if self.policy.exclude_distrusted else
                       "; exclude-distrusted = true would leave it out of later rounds")
             log(WARNING, "Round %d: node %d is distrusted: its updates' cosine with %s "
                 "has a median of %.3f over its last %d rounds (%s), below distrust-below=%g%s.",
                 server_round, node, source, level, len(row),
                 ", ".join(f"{c:+.2f}" for c in row), self.policy.distrust_below, action)
             if self.policy.exclude_distrusted:
-                self.excluded.add(node)
+                self.excluded.setdefault(node, server_round)
         if named:
             metrics["distrusted-nodes"] = float(named)
 
