@@ -407,6 +407,7 @@ class _Named(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self.named: dict[int, set[int]] = {}
+        self.distrusted: set[int] = set()  # named by the agreement record's rule
 
     def emit(self, record: logging.LogRecord) -> None:
         text = record.getMessage()
@@ -414,6 +415,8 @@ class _Named(logging.Handler):
         nodes = {int(n) for n in re.findall(r"node (\d+)", text)}
         if nodes:
             self.named.setdefault(int(found.group(1)) if found else 0, set()).update(nodes)
+        if " is distrusted" in text:
+            self.distrusted |= nodes
 
 
 class _Cosines:
@@ -483,6 +486,7 @@ def run_cell(root: Path, base: dict[str, Any], attack: str | None, attackers: in
             "rounds-naming-attacker": sum(1 for nodes in named.named.values()
                                           if nodes & set(bad)),
             "honest-nodes-named": len(honest_named),
+            "honest-nodes-distrusted": len(named.distrusted - set(bad)),
             **({"round-all-dishonest-named": all_named} if bad else {}),
             **{k: v for k, v in counts.items() if v},
             **({"cosines": {str(n): r for n, r in sorted(cosines.rows.items())}}
@@ -535,6 +539,51 @@ def markdown(paths: list[str]) -> str:
     return "\n".join(lines).strip("\n")
 
 
+def replay_names(rows: dict[str, list[list[float]]], below: float) -> dict[int, int]:
+    """The nodes the server's naming rule names on a cell's recorded cosines (``cosines``:
+    node -> ``[round, cosine]`` pairs), each with the first round it is named in: the rule
+    of the code that replays it (:meth:`fedshard.server.trusted.TrustRecord.distrusts`), fed
+    round by round as :class:`~fedshard.server.trusted.TrustStage` feeds it."""
+    record, first = TrustRecord(), {}
+    by_round: dict[int, list[tuple[int, float]]] = {}
+    for node, pairs in rows.items():
+        for rnd, c in pairs:
+            by_round.setdefault(int(rnd), []).append((int(node), c))
+    for rnd in sorted(by_round):
+        for node, c in by_round[rnd]:
+            record.add(node, c)
+        for node, _ in by_round[rnd]:
+            if node not in first and record.distrusts(node, below):
+                first[node] = rnd
+    return first
+
+
+def names(paths: list[str], below: float) -> dict[str, Any]:
+    """Per table and cell of saved outputs (those that recorded ``cosines``), the nodes the
+    current naming rule names at ``distrust-below = below``: the honest ones (node -> first
+    round) and how many of the dishonest ones, by which round."""
+    out: dict[str, Any] = {"distrust-below": below, "tables": {}}
+    for path in paths:
+        for name, table in json.loads(Path(path).read_text())["results"].items():
+            cells = {f"clean/{s}": (c, 0) for s, c in table["clean"].items()}
+            cells |= {f"{a}/{s}": (c, int(a.split("/")[1]))
+                      for a, cell in table["attacks"].items() for s, c in cell["seeds"].items()}
+            rows = {}
+            for key, (cell, k) in cells.items():
+                if "cosines" not in cell:
+                    continue
+                first = replay_names(cell["cosines"], below)
+                bad = {1000 + i for i in range(k)}
+                rows[key] = {"honest-named": {str(n): r for n, r in sorted(first.items())
+                                              if n not in bad},
+                             "dishonest-named": sum(n in first for n in bad),
+                             "dishonest": k,
+                             **({"round-all-dishonest-named": max(first[n] for n in bad)}
+                                if bad and bad <= set(first) else {})}
+            out["tables"][f"{Path(path).stem}:{name}"] = rows
+    return out
+
+
 def merge(paths: list[str]) -> dict[str, Any]:
     """One output from several outputs of this script that ran the same cells (the same size
     but for the seeds, the same defences with the same keys, the same attacks) on other seeds:
@@ -585,6 +634,11 @@ def merge(paths: list[str]) -> dict[str, Any]:
 def main() -> None:
     if sys.argv[1:2] == ["--markdown"]:
         print(markdown(sys.argv[2:]))
+        return
+    if sys.argv[1:2] == ["--names"]:
+        from fedshard.settings import ReplyPolicy
+
+        print(json.dumps(names(sys.argv[2:], ReplyPolicy().distrust_below)))
         return
     if sys.argv[1:2] == ["--merge"]:
         print(json.dumps(merge(sys.argv[2:])))

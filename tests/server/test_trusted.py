@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from flower_grid import InProcessGrid
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_strategy import LAYERS, initial, make_net, strategy
 
 from fedshard import protocol as P
@@ -167,7 +169,7 @@ def test_the_record_names_the_anti_aligned_node_and_no_honest_one(trusted, caplo
     _rounds(s, grid, 5)
     named = {int(m.split("node ")[1].split()[0]) for m in caplog.messages if " is distrusted" in m}
     assert named == {1003}
-    assert "median of -" in next(m for m in caplog.messages if "node 1003 is distrusted" in m)
+    assert "median -" in next(m for m in caplog.messages if "node 1003 is distrusted" in m)
     assert "Round 3: node 1003" in caplog.text  # named once it has 3 rounds of record
     assert s.trust.record.level(1003) < 0 < min(s.trust.record.level(n) for n in (1000, 1001))
 
@@ -246,11 +248,37 @@ def test_resume_restores_the_record() -> None:
 
 def test_the_record_is_bounded() -> None:
     r = TrustRecord()
-    for rnd in range(8):
+    for rnd in range(13):
         r.add(1, 0.5 - rnd)  # beyond the window: the oldest go
-    assert len(r.cosines[1]) == 5 and r.level(1) == pytest.approx(np.median([0.5 - k for k in
-                                                                           range(3, 8)]))
+    assert len(r.cosines[1]) == 10 and r.level(1) == pytest.approx(np.median([0.5 - k for k in
+                                                                            range(3, 13)]))
     assert r.level(2) is None
+
+
+@pytest.mark.parametrize(("row", "named"), [
+    # honest, data unlike the trusted set's: the last rounds of a cosine schedule scatter
+    ([0.161, 0.238, 0.074, 0.082, 0.022, 0.055, 0.005, 0.113, -0.080, -0.018, -0.063], False),
+    ([0.004, -0.006, 0.002, -0.001, 0.003], True),  # noise: about 0, round after round
+    ([0.0, 0.0, 0.0], True),  # zero updates
+    ([-0.3, -0.25, 0.1, -0.4, -0.2], True),  # negated
+    ([-0.3, -0.25], False),  # fewer than 3 rounds
+])
+def test_the_record_names_a_node_below_over_its_last_ten_rounds(row, named) -> None:
+    r = TrustRecord()
+    for c in row:
+        r.add(1, c)
+    assert r.distrusts(1, 0.02) is named
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(-1, 1), min_size=0, max_size=14), st.floats(-1, 1))
+def test_a_node_is_named_by_the_median_of_its_last_ten_rounds(row, below) -> None:
+    """Brute force over the rounds a node took part in: its last 10, at least 3."""
+    r = TrustRecord()
+    for c in row:
+        r.add(1, c)
+    kept = row[-10:]
+    assert r.distrusts(1, below) is (len(kept) >= 3 and float(np.median(kept)) < below)
 
 
 def test_bad_trusted_input_is_refused_clearly() -> None:
