@@ -30,7 +30,10 @@ paper's plain averages (no alignment, no spread bound). Accuracy is the mean tes
 the last ``--last`` rounds; Δ in the docs is against the same defence's clean run of the same
 seed. Per cell it also counts the rounds in which the server's WARNING lines named a dishonest
 node, the honest nodes they named, and the round by which every dishonest node had been named
-(``round-all-dishonest-named``). ``trusted-data`` is the defaults with the server's own
+(``round-all-dishonest-named``), the honest nodes the agreement record's rule named
+(``honest-nodes-distrusted``), and each node's cosine per round as that record received it
+(``cosines``: node -> ``[round, cosine]`` pairs; ``--names`` replays the current rule on
+them). ``trusted-data`` is the defaults with the server's own
 reference update on 500 training examples held out of the nodes' (FLTrust,
 :mod:`fedshard.server.trusted`). Prints one JSON object (machine, torch, date, seeds);
 the tables made from it are in ``docs/robustness.md``.
@@ -41,7 +44,10 @@ Usage: ``OMP_NUM_THREADS=1 python benchmarks/attack_table.py [--attacks a,b] [--
 ``heterofl``, ``fedrolex``, ``ordered-dropout``, ...) every defence runs under each method and
 its table is named ``method/defence``, the method among its keys;
 ``python benchmarks/attack_table.py --markdown OUT.json [...]`` prints the docs' table from
-saved outputs; ``python benchmarks/attack_table.py --merge A.json B.json [...]`` prints one
+saved outputs; ``python benchmarks/attack_table.py --names OUT.json [...]`` prints, per
+cell that recorded ``cosines``, the nodes the current naming rule names on them (honest ones
+with the round, how many dishonest ones); ``python benchmarks/attack_table.py --merge A.json
+B.json [...]`` prints one
 output holding the seeds of several runs of the same cells (same size, defences and attacks,
 other seeds), the means and worst seeds recomputed.
 """
