@@ -30,7 +30,10 @@ paper's plain averages (no alignment, no spread bound). Accuracy is the mean tes
 the last ``--last`` rounds; Δ in the docs is against the same defence's clean run of the same
 seed. Per cell it also counts the rounds in which the server's WARNING lines named a dishonest
 node, the honest nodes they named, and the round by which every dishonest node had been named
-(``round-all-dishonest-named``). ``trusted-data`` is the defaults with the server's own
+(``round-all-dishonest-named``), the honest nodes the agreement record's rule named
+(``honest-nodes-distrusted``), and each node's cosine per round as that record received it
+(``cosines``: node -> ``[round, cosine]`` pairs; ``--names`` replays the current rule on
+them). ``trusted-data`` is the defaults with the server's own
 reference update on 500 training examples held out of the nodes' (FLTrust,
 :mod:`fedshard.server.trusted`). Prints one JSON object (machine, torch, date, seeds);
 the tables made from it are in ``docs/robustness.md``.
@@ -41,7 +44,10 @@ Usage: ``OMP_NUM_THREADS=1 python benchmarks/attack_table.py [--attacks a,b] [--
 ``heterofl``, ``fedrolex``, ``ordered-dropout``, ...) every defence runs under each method and
 its table is named ``method/defence``, the method among its keys;
 ``python benchmarks/attack_table.py --markdown OUT.json [...]`` prints the docs' table from
-saved outputs; ``python benchmarks/attack_table.py --merge A.json B.json [...]`` prints one
+saved outputs; ``python benchmarks/attack_table.py --names OUT.json [...]`` prints, per
+cell that recorded ``cosines``, the nodes the current naming rule names on them (honest ones
+with the round, how many dishonest ones); ``python benchmarks/attack_table.py --merge A.json
+B.json [...]`` prints one
 output holding the seeds of several runs of the same cells (same size, defences and attacks,
 other seeds), the means and worst seeds recomputed.
 """
@@ -80,6 +86,7 @@ from fedshard.app.config import RunConfig  # noqa: E402
 from fedshard.app.run import run_server  # noqa: E402
 from fedshard.app.task import client_dataset, template_model  # noqa: E402
 from fedshard.client import handle_train  # noqa: E402
+from fedshard.server.trusted import TrustRecord, TrustStage  # noqa: E402
 from fedshard.settings import SHARDING_METHODS, WIDTH_METHODS  # noqa: E402
 
 REAL = Path("/usr/share/datasets/fashion-mnist")
@@ -406,6 +413,7 @@ class _Named(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self.named: dict[int, set[int]] = {}
+        self.distrusted: set[int] = set()  # named by the agreement record's rule
 
     def emit(self, record: logging.LogRecord) -> None:
         text = record.getMessage()
@@ -413,6 +421,35 @@ class _Named(logging.Handler):
         nodes = {int(n) for n in re.findall(r"node (\d+)", text)}
         if nodes:
             self.named.setdefault(int(found.group(1)) if found else 0, set()).update(nodes)
+        if " is distrusted" in text:
+            self.distrusted |= nodes
+
+
+class _Cosines:
+    """Each node's cosine per round as the server's agreement record received it (node ->
+    ``[round, cosine]`` pairs): the record a naming rule reads, kept whole so that a rule can
+    be replayed on it (:class:`fedshard.server.trusted.TrustRecord` keeps a node's last rounds
+    only). Wraps ``TrustStage.weigh`` (the round) and ``TrustRecord.add`` while it is open."""
+
+    def __enter__(self) -> _Cosines:
+        self.rows: dict[int, list[list[float]]] = {}
+        self.round = 0
+        self._weigh, self._add = TrustStage.weigh, TrustRecord.add
+        weigh, add = self._weigh, self._add
+
+        def weigh_round(stage: TrustStage, server_round: int, *a: Any, **k: Any) -> Any:
+            self.round = server_round
+            return weigh(stage, server_round, *a, **k)
+
+        def add_row(record: TrustRecord, node: int, value: float) -> None:
+            self.rows.setdefault(node, []).append([self.round, round(float(value), 6)])
+            add(record, node, value)
+
+        TrustStage.weigh, TrustRecord.add = weigh_round, add_row  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        TrustStage.weigh, TrustRecord.add = self._weigh, self._add  # type: ignore[method-assign]
 
 
 def run_cell(root: Path, base: dict[str, Any], attack: str | None, attackers: int,
@@ -430,7 +467,8 @@ def run_cell(root: Path, base: dict[str, Any], attack: str | None, attackers: in
     flwr_logger.addHandler(named)
     t0 = time.perf_counter()
     try:
-        summary = run_server(grid, RunConfig.from_mapping(cfg))
+        with _Cosines() as cosines:
+            summary = run_server(grid, RunConfig.from_mapping(cfg))
         status = summary.get("status", "finished")
     except Exception as ex:  # a run stopped on purpose (e.g. its updates kept being flagged)
         summary, status = {}, f"stopped: {type(ex).__name__}"
@@ -454,8 +492,11 @@ def run_cell(root: Path, base: dict[str, Any], attack: str | None, attackers: in
             "rounds-naming-attacker": sum(1 for nodes in named.named.values()
                                           if nodes & set(bad)),
             "honest-nodes-named": len(honest_named),
+            "honest-nodes-distrusted": len(named.distrusted - set(bad)),
             **({"round-all-dishonest-named": all_named} if bad else {}),
             **{k: v for k, v in counts.items() if v},
+            **({"cosines": {str(n): r for n, r in sorted(cosines.rows.items())}}
+               if cosines.rows else {}),
             "s": round(time.perf_counter() - t0, 1)}
 
 
@@ -502,6 +543,51 @@ def markdown(paths: list[str]) -> str:
                              f"{cell['delta-points-mean']:+.1f} | {named} of "
                              f"{rounds * len(cell['seeds'])} | {honest} |")
     return "\n".join(lines).strip("\n")
+
+
+def replay_names(rows: dict[str, list[list[float]]], below: float) -> dict[int, int]:
+    """The nodes the server's naming rule names on a cell's recorded cosines (``cosines``:
+    node -> ``[round, cosine]`` pairs), each with the first round it is named in: the rule
+    of the code that replays it (:meth:`fedshard.server.trusted.TrustRecord.distrusts`), fed
+    round by round as :class:`~fedshard.server.trusted.TrustStage` feeds it."""
+    record, first = TrustRecord(), {}
+    by_round: dict[int, list[tuple[int, float]]] = {}
+    for node, pairs in rows.items():
+        for rnd, c in pairs:
+            by_round.setdefault(int(rnd), []).append((int(node), c))
+    for rnd in sorted(by_round):
+        for node, c in by_round[rnd]:
+            record.add(node, c)
+        for node, _ in by_round[rnd]:
+            if node not in first and record.distrusts(node, below):
+                first[node] = rnd
+    return first
+
+
+def names(paths: list[str], below: float) -> dict[str, Any]:
+    """Per table and cell of saved outputs (those that recorded ``cosines``), the nodes the
+    current naming rule names at ``distrust-below = below``: the honest ones (node -> first
+    round) and how many of the dishonest ones, by which round."""
+    out: dict[str, Any] = {"distrust-below": below, "tables": {}}
+    for path in paths:
+        for name, table in json.loads(Path(path).read_text())["results"].items():
+            cells = {f"clean/{s}": (c, 0) for s, c in table["clean"].items()}
+            cells |= {f"{a}/{s}": (c, int(a.split("/")[1]))
+                      for a, cell in table["attacks"].items() for s, c in cell["seeds"].items()}
+            rows = {}
+            for key, (cell, k) in cells.items():
+                if "cosines" not in cell:
+                    continue
+                first = replay_names(cell["cosines"], below)
+                bad = {1000 + i for i in range(k)}
+                rows[key] = {"honest-named": {str(n): r for n, r in sorted(first.items())
+                                              if n not in bad},
+                             "dishonest-named": sum(n in first for n in bad),
+                             "dishonest": k,
+                             **({"round-all-dishonest-named": max(first[n] for n in bad)}
+                                if bad and bad <= set(first) else {})}
+            out["tables"][f"{Path(path).stem}:{name}"] = rows
+    return out
 
 
 def merge(paths: list[str]) -> dict[str, Any]:
@@ -554,6 +640,11 @@ def merge(paths: list[str]) -> dict[str, Any]:
 def main() -> None:
     if sys.argv[1:2] == ["--markdown"]:
         print(markdown(sys.argv[2:]))
+        return
+    if sys.argv[1:2] == ["--names"]:
+        from fedshard.settings import ReplyPolicy
+
+        print(json.dumps(names(sys.argv[2:], ReplyPolicy().distrust_below)))
         return
     if sys.argv[1:2] == ["--merge"]:
         print(json.dumps(merge(sys.argv[2:])))

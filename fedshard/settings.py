@@ -512,13 +512,14 @@ class ReplyPolicy(Settings):
     distrust_below : float
         In ``[-1, 1]`` (default 0.02): a node whose updates' cosine with the server's trusted
         reference update (with trusted data) or with the round's accepted aggregate (without)
-        has a median below this over its last rounds (at least 3 of the last 5 it took
+        has a median below this over its last rounds (at least 3 of the last 10 it took
         part in) is named in a WARNING with its cosines (:mod:`fedshard.server.trusted`;
         counted in ``distrusted-nodes``). -1: never named.
     exclude_distrusted : bool
-        Off by default. On: a node once named under ``distrust_below`` is left out of every
-        later round's aggregate (its replies are still received; ``distrusted-excluded``
-        counts them).
+        Off by default. On: a node once named under ``distrust_below`` is no longer sampled
+        for training (each such node logged once, with why; a round left with fewer nodes
+        than ``min-train-nodes`` says so in a WARNING), and a reply of it that still arrives
+        is not aggregated (``distrusted-excluded``). The left-out nodes are checkpointed.
     max_diverged_fraction : float
         In ``[0, 1]``: the run stops (``TrainingDivergedError``, logged as an ERROR) after a
         round in which more than this share of the nodes that replied, and at least two of

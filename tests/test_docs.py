@@ -229,7 +229,50 @@ def test_robustness_pages_trusted_data_figures_are_the_committed_measurements() 
                      f"{-seed:.1f})")
     clean = tables[0]["clean"].values()
     facts.append(" / ".join(f"{c['accuracy']:.3f}" for c in clean))
-    facts.append(f"named {sum(c['honest-nodes-named'] for c in clean)} of "
-                 f"{10 * len(clean)} honest nodes")
+    missing = [f for f in facts if f not in text]
+    assert not missing, missing
+
+
+def test_robustness_pages_naming_figures_are_the_committed_measurements(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The honest nodes named before and after the 10-round record: the 5-round rule recomputed
+    here by brute force from the committed cosines agrees with what that code named; the
+    current rule, replayed on them, names none; the table run under it named none."""
+    import numpy as np
+
+    at = _attack_table(monkeypatch)
+    text = " ".join((DOCS / "robustness.md").read_text(encoding="utf-8").split())
+    path = DOCS.parent / "results" / "robustness" / "trust-record-clean-window-5.json"
+    before = json.loads(path.read_text())["results"]["trusted-data"]["clean"]
+    named, lowest = {}, 1.0
+    for seed, cell in before.items():
+        first = {}
+        for node, pairs in cell["cosines"].items():
+            row = [c for _, c in pairs]
+            for i in range(2, len(row)):  # at least 3 rounds
+                if node not in first and np.median(row[max(0, i - 4):i + 1]) < 0.02:
+                    first[node] = pairs[i][0]
+                lowest = min(lowest, float(np.median(row[max(0, i - 9):i + 1])))
+        assert len(first) == cell["honest-nodes-named"], seed  # that code's rule, recomputed
+        named[seed] = first
+        assert at.replay_names(cell["cosines"], 0.02) == {}, seed  # the current rule
+    counts = [len(named[s]) for s in sorted(named)]
+    rounds = sorted(r for f in named.values() for r in f.values())
+    facts = [f"fell below for {sum(counts)} of {10 * len(before)} honest nodes",
+             ", ".join(f"seed {s}: {len(named[s])}" for s in sorted(named)),
+             f"all in rounds {rounds[0]}–{rounds[-1]}",
+             f"`honest-nodes-named` {' / '.join(map(str, counts))}",
+             f"median cosine of all {10 * len(before)} honest nodes",
+             f"the lowest median of any honest node in any round: {lowest:.3f}"]
+    after = json.loads((DOCS.parent / "results" / "robustness" /
+                        "attacks-trusted-data-one-b.json").read_text())
+    clean = after["results"]["trusted-data"]["clean"].values()
+    facts.append("ran under the 10-round rule: " + " / ".join(
+        str(c["honest-nodes-distrusted"]) for c in clean))
+    attacked = [s for c in after["results"]["trusted-data"]["attacks"].values()
+                for s in c["seeds"].values()]
+    facts.append(f"the record's rule named {sum(s['honest-nodes-distrusted'] for s in attacked)} "
+                 f"of the {9 * len(attacked)} honest nodes of the seven attacks of that table "
+                 f"(any WARNING line: {sum(s['honest-nodes-named'] for s in attacked)})")
     missing = [f for f in facts if f not in text]
     assert not missing, missing

@@ -149,5 +149,6 @@ class Checkpointing(RoundCallback):
         if server_round > 0:
             Checkpoint(server_round, {k: decode_array(a) for k, a in arrays.items()},
                        self.config, strategy.capability_table(), strategy.history,
-                       trust=strategy.trust_state()).save(self.directory)
+                       trust=strategy.trust_state(),
+                       excluded=dict(strategy.trust.excluded)).save(self.directory)
         return None

@@ -110,6 +110,11 @@ def _payload_problems(payload: Any) -> list[str]:
         and all(isinstance(c, float) and -1 <= c <= 1 for c in v) for k, v in trust.items()
     ):
         problems.append("'trust' must map node ids to lists of cosines in [-1, 1]")
+    excluded = payload.get("excluded", {})
+    if not isinstance(excluded, dict) or not all(
+        isinstance(k, int) and isinstance(v, int) and v >= 1 for k, v in excluded.items()
+    ):
+        problems.append("'excluded' must map node ids to the round (≥ 1) each was left out in")
     history = payload["history"]
     if not isinstance(history, dict) or not all(
         isinstance(k, int) and isinstance(v, dict) for k, v in history.items()
@@ -151,6 +156,7 @@ def _read(path: Path) -> Checkpoint:
         history={int(k): dict(v) for k, v in payload["history"].items()},
         path=path,
         trust={int(k): [float(c) for c in v] for k, v in payload.get("trust", {}).items()},
+        excluded={int(k): int(v) for k, v in payload.get("excluded", {}).items()},
     )
 
 
@@ -175,6 +181,8 @@ class Checkpoint:
     path: Path | None = None  # the file it was loaded from (None: not loaded)
     # node -> its last rounds' cosines (fedshard.server.trusted.TrustRecord); optional in a file
     trust: dict[int, list[float]] = field(default_factory=dict)
+    # node -> the round exclude-distrusted left it out in (TrustStage.excluded); optional
+    excluded: dict[int, int] = field(default_factory=dict)
 
     def save(self, directory: Path) -> Path:
         """Write ``directory/checkpoint.pt`` atomically, keeping the one before it.
@@ -223,6 +231,7 @@ class Checkpoint:
             "capabilities": self.capabilities,
             "history": self.history,
             **({"trust": self.trust} if self.trust else {}),
+            **({"excluded": self.excluded} if self.excluded else {}),
         }
         try:
             fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)  # not via a link

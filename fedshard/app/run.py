@@ -130,7 +130,8 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
         checkpoint.check_arrays({k: tuple(v.shape) for k, v in model.state_dict().items()})
         model.load_state_dict({k: torch.from_numpy(v) for k, v in checkpoint.arrays.items()})
         initial = ArrayRecord(model.state_dict())
-        strategy.resume(done, checkpoint.capabilities, checkpoint.history, checkpoint.trust)
+        strategy.resume(done, checkpoint.capabilities, checkpoint.history, checkpoint.trust,
+                        checkpoint.excluded)
         logger.info("Resuming %s after round %d of %d: this launch runs rounds %d-%d. Flower's "
                     "[ROUND k/%d] lines count this launch's rounds (k = run round - %d); "
                     "fedshard's lines give the run's round.", directory, done,

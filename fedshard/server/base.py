@@ -272,7 +272,8 @@ class KeepRatioStrategy(FedAvg):
 
     def resume(self, completed_rounds: int, capabilities: Mapping[int, tuple[float, str]],
                history: Mapping[int, Mapping[str, float]],
-               trust: Mapping[int, Sequence[float]] | None = None) -> None:
+               trust: Mapping[int, Sequence[float]] | None = None,
+               excluded: Mapping[int, int] | None = None) -> None:
         """Continue a run after ``completed_rounds`` rounds (see :mod:`fedshard.app.checkpoint`):
         the nodes' capabilities and the metrics history as the checkpoint holds them.
 
@@ -280,21 +281,22 @@ class KeepRatioStrategy(FedAvg):
         completed_rounds)``: Flower's round k is the run's round ``completed_rounds + k``, and
         every random stream continues as if uninterrupted.
 
-        ``trust`` is the nodes' agreement record (:meth:`trust_state`; ``None``: none kept).
+        ``trust`` is the nodes' agreement record (:meth:`trust_state`; ``None``: none kept),
+        ``excluded`` the nodes ``exclude-distrusted`` left out (node -> the round it was
+        named in; ``self.trust.excluded``): they stay out from the first resumed round.
 
         Raises
         ------
         ValueError
-            If ``completed_rounds`` is not in ``[0, num_rounds)``, or ``trust`` is not a
-            record; nothing is changed.
+            If ``completed_rounds`` is not in ``[0, num_rounds)``, or ``trust`` or
+            ``excluded`` is malformed; nothing is changed.
         """
         total = self.run_rounds.total
         if not (isinstance(completed_rounds, int)
                 and 0 <= completed_rounds < (total or completed_rounds + 1)):
             raise ValueError(f"completed_rounds={completed_rounds}: expected in [0, "
                              f"num_rounds={total}); the strategy is not resumed")
-        if trust is not None:
-            self.trust.record.restore(trust)
+        self.trust.restore(trust, excluded)
         self.run_rounds.completed = completed_rounds
         self.nodes.capabilities = {n: P.Capabilities(r, k) for n, (r, k) in capabilities.items()}
         self.history = {int(r): dict(m) for r, m in history.items()}
@@ -357,7 +359,8 @@ class KeepRatioStrategy(FedAvg):
         nodes = self.nodes.sample(grid, server_round, self.fraction_train, self.min_train_nodes,
                                   training=True, stop_if_all_fail=any(
                                       isinstance(c, cb.StopWhenUntrained)
-                                      for c in self.callbacks))
+                                      for c in self.callbacks),
+                                  leave_out=self.trust.left_out())
         if not nodes:
             log(WARNING, "Round %d: no connected node declared a keep ratio; no training.",
                 server_round)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from logging import ERROR, INFO, WARNING
 from pathlib import Path
@@ -146,6 +147,7 @@ class NodeDirectory:
         self.capabilities: dict[int, P.Capabilities] = {}
         self._told_idle: set[int] = set()
         self.pool_size = 0  # the nodes the last sample was drawn from
+        self._told_left_out: set[int] = set()
         self._asked_to_train = False  # the run's first training round has sampled
 
     #: Seconds between two "waiting for nodes" lines while a round waits.
@@ -182,7 +184,8 @@ class NodeDirectory:
 
     def sample(self, grid: Grid, server_round: int, fraction: float,
                minimum: int, *, training: bool = False,
-               stop_if_all_fail: bool = False) -> dict[int, P.Capabilities]:
+               stop_if_all_fail: bool = False,
+               leave_out: Mapping[int, str] | None = None) -> dict[int, P.Capabilities]:
         """Wait for enough nodes, learn the capabilities of new ones, then sample
         ``max(⌊fraction·K⌋, minimum)`` of the K connected among those with a keep ratio,
         returned in the canonical order (by stable key).
@@ -190,7 +193,10 @@ class NodeDirectory:
         With ``training``, nodes whose keep ratio is below the policy's ``min_keep_ratio``
         are idle: they are neither sampled nor counted in K. With ``stop_if_all_fail``, the
         run's first training round raises :class:`~fedshard.server.callbacks.NoRoundTrainedError`
-        when every connected node answered the capability query with the same error."""
+        when every connected node answered the capability query with the same error.
+        ``leave_out`` (node -> why; training only, e.g. the nodes ``exclude-distrusted`` left
+        out) are neither sampled nor counted in K, each logged once; a round they leave with
+        fewer than ``minimum`` nodes says so in a WARNING."""
         node_ids = self.wait(grid, max(self.min_available_nodes, minimum))
         for gone in set(self.capabilities) - set(node_ids):
             del self.capabilities[gone]
@@ -204,6 +210,8 @@ class NodeDirectory:
                     self._skipped(node, reason)
         if training and self.policy.min_keep_ratio > 0:
             node_ids = self._without_idle(server_round, node_ids)
+        if training and leave_out:
+            node_ids = self._without_left_out(server_round, node_ids, leave_out, minimum)
         self.pool_size = len(node_ids)  # the nodes a round samples from (central DP's rate)
         eligible = sorted((n for n in node_ids if n in self.capabilities),
                           key=lambda n: (self.capabilities[n].key, n))
@@ -233,6 +241,25 @@ class NodeDirectory:
             log(WARNING, "Round %d: all %d connected node(s) declare a keep ratio below "
                 "min-keep-ratio=%g, so no node trains this round; lower min-keep-ratio or "
                 "start nodes that declare at least %g.", server_round, len(idle), floor, floor)
+        return busy
+
+    def _without_left_out(self, server_round: int, node_ids: list[int],
+                          leave_out: Mapping[int, str], minimum: int) -> list[int]:
+        """``node_ids`` less ``leave_out`` (each logged once, with why); a WARNING every round
+        in which that leaves fewer than ``minimum`` nodes to train."""
+        gone = [n for n in node_ids if n in leave_out]
+        for node in gone:
+            if node not in self._told_left_out:
+                self._told_left_out.add(node)
+                log(WARNING, "Round %d: node %d is left out of training from now on: %s.",
+                    server_round, node, leave_out[node])
+        busy = [n for n in node_ids if n not in leave_out]
+        if gone and len(busy) < minimum:
+            log(WARNING, "Round %d: leaving out %d distrusted node(s) (%s) leaves %d of the "
+                "%d connected nodes to train, fewer than the %d the round needs "
+                "(min-train-nodes); this round trains %d. Start more nodes, or set "
+                "exclude-distrusted = false to train them again.", server_round, len(gone),
+                ", ".join(map(str, gone[:10])), len(busy), len(node_ids), minimum, len(busy))
         return busy
 
     def _stop_if_all_failed(self, server_round: int, node_ids: list[int],

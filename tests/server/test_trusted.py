@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from flower_grid import InProcessGrid
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_strategy import LAYERS, initial, make_net, strategy
 
 from fedshard import protocol as P
@@ -167,18 +169,68 @@ def test_the_record_names_the_anti_aligned_node_and_no_honest_one(trusted, caplo
     _rounds(s, grid, 5)
     named = {int(m.split("node ")[1].split()[0]) for m in caplog.messages if " is distrusted" in m}
     assert named == {1003}
-    assert "median of -" in next(m for m in caplog.messages if "node 1003 is distrusted" in m)
+    assert "median -" in next(m for m in caplog.messages if "node 1003 is distrusted" in m)
     assert "Round 3: node 1003" in caplog.text  # named once it has 3 rounds of record
     assert s.trust.record.level(1003) < 0 < min(s.trust.record.level(n) for n in (1000, 1001))
 
 
-def test_exclude_distrusted_leaves_the_named_node_out_of_later_rounds() -> None:
+def _sampled(s, grid, rounds: range) -> dict[int, set[int]]:
+    """Train ``rounds`` (from the initial model): round -> the nodes sent a train message."""
+    arrays, sent = initial(), {}
+    for rnd in rounds:
+        msgs = list(s.configure_train(rnd, arrays, ConfigRecord(), grid))
+        sent[rnd] = {m.metadata.dst_node_id for m in msgs}
+        new, _ = s.aggregate_train(rnd, grid.send_and_receive(msgs))
+        arrays = new if new is not None else arrays
+    return sent
+
+
+def test_exclude_distrusted_leaves_the_named_node_out_of_later_rounds(caplog) -> None:
     grid = InProcessGrid(_app, [{"keep-ratio": 0.5}] * 4)
     s = strategy(method="collective", num_rounds=6, exclude_distrusted=True)
-    _rounds(s, grid, 5)
-    assert s.trust.excluded == {1003}
-    assert s.history[5]["distrusted-excluded"] == 1.0
-    assert "distrusted-excluded" not in s.history[3]  # named in round 3, left out after
+    sent = _sampled(s, grid, range(1, 6))
+    assert s.trust.excluded == {1003: 3}  # named in round 3
+    assert all(1003 in sent[r] for r in (1, 2, 3))
+    assert sent[4] == sent[5] == set(NODES) - {1003}  # not sent training, not only ignored
+    assert all("distrusted-excluded" not in s.history[r] for r in range(1, 6))
+    why = [m for m in caplog.messages if "left out of training" in m]
+    assert len(why) == 1 and why[0].startswith("Round 4: node 1003")  # said once, with why
+    assert "named distrusted in round 3" in why[0] and "exclude-distrusted is on" in why[0]
+    assert "fewer than" not in caplog.text  # three nodes are enough for this round
+
+
+def test_exclusion_that_leaves_too_few_nodes_says_so_every_round(caplog) -> None:
+    grid = InProcessGrid(_app, [{"keep-ratio": 0.5}] * 4)
+    s = strategy(method="collective", num_rounds=6, exclude_distrusted=True,
+                 min_train_nodes=4, min_available_nodes=4)
+    sent = _sampled(s, grid, range(1, 6))
+    assert sent[5] == set(NODES) - {1003}
+    short = [m for m in caplog.messages if "fewer than the 4 the round needs" in m]
+    assert [m.split(":")[0] for m in short] == ["Round 4", "Round 5"]
+    assert "leaves 3 of the 4 connected nodes to train" in short[0]
+    assert "this round trains 3" in short[0] and "exclude-distrusted = false" in short[0]
+
+
+def test_a_resumed_run_keeps_the_excluded_node_out_from_its_first_round(tmp_path) -> None:
+    """Resumed from the app's checkpoint after round 3 (the round that named node 1003), the
+    node is not sent round 4's training message, as in the run that was not interrupted."""
+    from fedshard.app.checkpoint import Checkpoint
+
+    grid = InProcessGrid(_app, [{"keep-ratio": 0.5}] * 4)
+    s = strategy(method="collective", num_rounds=6, exclude_distrusted=True)
+    _sampled(s, grid, range(1, 4))
+    arrays = {k: v.numpy() for k, v in initial().items()}
+    Checkpoint(3, arrays, {}, s.capability_table(), s.history, trust=s.trust_state(),
+               excluded=dict(s.trust.excluded)).save(tmp_path)
+    saved = Checkpoint.load(tmp_path)
+    assert saved.excluded == {1003: 3}
+    t = strategy(method="collective", num_rounds=6, exclude_distrusted=True)
+    t.resume(3, saved.capabilities, saved.history, saved.trust, saved.excluded)
+    msgs = list(t.configure_train(1, initial(), ConfigRecord(), grid))  # the run's round 4
+    assert {m.metadata.dst_node_id for m in msgs} == set(NODES) - {1003}
+    for bad in ({1003: 0}, {1003: "3"}, [1003]):
+        with pytest.raises(ValueError, match="expected node ids mapped to the round"):
+            t.resume(3, saved.capabilities, saved.history, saved.trust, bad)
 
 
 def test_resume_restores_the_record() -> None:
@@ -196,11 +248,37 @@ def test_resume_restores_the_record() -> None:
 
 def test_the_record_is_bounded() -> None:
     r = TrustRecord()
-    for rnd in range(8):
+    for rnd in range(13):
         r.add(1, 0.5 - rnd)  # beyond the window: the oldest go
-    assert len(r.cosines[1]) == 5 and r.level(1) == pytest.approx(np.median([0.5 - k for k in
-                                                                           range(3, 8)]))
+    assert len(r.cosines[1]) == 10 and r.level(1) == pytest.approx(np.median([0.5 - k for k in
+                                                                            range(3, 13)]))
     assert r.level(2) is None
+
+
+@pytest.mark.parametrize(("row", "named"), [
+    # honest, data unlike the trusted set's: the last rounds of a cosine schedule scatter
+    ([0.161, 0.238, 0.074, 0.082, 0.022, 0.055, 0.005, 0.113, -0.080, -0.018, -0.063], False),
+    ([0.004, -0.006, 0.002, -0.001, 0.003], True),  # noise: about 0, round after round
+    ([0.0, 0.0, 0.0], True),  # zero updates
+    ([-0.3, -0.25, 0.1, -0.4, -0.2], True),  # negated
+    ([-0.3, -0.25], False),  # fewer than 3 rounds
+])
+def test_the_record_names_a_node_below_over_its_last_ten_rounds(row, named) -> None:
+    r = TrustRecord()
+    for c in row:
+        r.add(1, c)
+    assert r.distrusts(1, 0.02) is named
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(-1, 1), min_size=0, max_size=14), st.floats(-1, 1))
+def test_a_node_is_named_by_the_median_of_its_last_ten_rounds(row, below) -> None:
+    """Brute force over the rounds a node took part in: its last 10, at least 3."""
+    r = TrustRecord()
+    for c in row:
+        r.add(1, c)
+    kept = row[-10:]
+    assert r.distrusts(1, below) is (len(kept) >= 3 and float(np.median(kept)) < below)
 
 
 def test_bad_trusted_input_is_refused_clearly() -> None:
@@ -344,4 +422,8 @@ def test_the_checkpoint_keeps_the_record(tmp_path) -> None:
     payload["trust"] = {1000: [3.0]}
     torch.save(payload, tmp_path / "checkpoint.pt")
     with pytest.raises(CheckpointError, match="'trust' must map node ids to lists of cosines"):
+        Checkpoint.load(tmp_path)
+    payload["trust"], payload["excluded"] = {}, {1000: 0}
+    torch.save(payload, tmp_path / "checkpoint.pt")
+    with pytest.raises(CheckpointError, match="'excluded' must map node ids to the round"):
         Checkpoint.load(tmp_path)
