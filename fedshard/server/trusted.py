@@ -238,7 +238,6 @@ def _longer(msg: Message, epochs: int) -> Message:
     out = Message(RecordDict({P.ARRAYS: msg.content[P.ARRAYS], P.CONFIG: config}),
                   dst_node_id=msg.metadata.dst_node_id,
                   message_type=msg.metadata.message_type, group_id=msg.metadata.group_id)
-    out.metadata.__dict__["_message_id"] = msg.metadata.message_id  # its reply answers it
     return out
 
 
