@@ -203,7 +203,6 @@ def _seconds(value: float | None) -> str:
 def _engine_against() -> list[str]:
     r = _record("engine-against")
     vs, s, profile = r["engine_vs_bare"], r["s_per_round"], r["profile"]
-    old = r["against"]["commit"][:7]
     facts = [_command(r), r["date"], r["torch"], "results/performance/engine-against.json",
              f"load average {r['load-average'][0]:.1f}",
              f"Collective this release took {vs['work-tree']['collective']:.3f}× against "
@@ -215,7 +214,7 @@ def _engine_against() -> list[str]:
     assert pfl is not None, r.get("pfl_reason")
     facts += [f"pfl {pfl['version']}", f"| pfl-research's FedAvg | {pfl['pfl_vs_bare']:.3f} | "
               f"– | {pfl['s_per_round']['pfl']:.3f} s / {pfl['s_per_round']['bare']:.3f} s | – |"]
-    for side, label in (("against", f"`{old}` (main, the last release)"),
+    for side, label in (("against", "the previous release"),
                         ("work-tree", "this release")):
         facts.append(f"| {label} | {vs[side]['none']:.3f} | {vs[side]['collective']:.3f} | "
                      f"{s[side]['sequential']['none']:.3f} s / {s[side]['bare']['none']:.3f} s | "
