@@ -442,31 +442,52 @@ def _aggregate_cosines(out: Sequence[P.TrainReply], updates: Sequence[dict[str, 
     """Each node's cosine with the round's weighted mean update, in its own coordinates: per
     factor column the mean over the nodes holding that term (the same sent column), per dense
     entry or slice over the nodes sent the same shape."""
-    sums: dict[tuple[str, Any], np.ndarray] = {}
-    totals: dict[tuple[str, Any], float] = {}
 
-    def slots(node: int, key: str, x: np.ndarray) -> list[tuple[tuple[str, Any], np.ndarray]]:
-        layer = key.rsplit(".", 1)[0]
-        idx = sent[node].indices.get(layer)
+    def terms(node: int, key: str, x: np.ndarray) -> np.ndarray | None:
+        # the term index of each factor column of ``x``, ``None`` for a dense entry or slice
+        idx = sent[node].indices.get(key.rsplit(".", 1)[0])
         if key.endswith((".u", ".v")) and idx is not None and x.ndim == 2:
-            return [((key, int(t)), x[:, j]) for j, t in enumerate(idx)]
-        return [((key, x.shape), x)]
+            return np.asarray(idx, dtype=np.intp).reshape(-1)
+        return None
 
+    # per factor key: (N, rows) sums of the weighted columns over their term's holders and
+    # (N,) total weights; per dense key and shape: the weighted sum and total weight. Each
+    # column and entry adds its nodes in the order of ``out``, as one sum per slot would.
+    width: dict[tuple[str, int], int] = {}
     for r, g in zip(out, updates, strict=True):
         for k, x in g.items():
-            for slot, part in slots(r.node, k, x):
-                sums[slot] = sums.get(slot, 0.0) + r.weight * part
-                totals[slot] = totals.get(slot, 0.0) + r.weight
+            idx = terms(r.node, k, x)
+            if idx is not None and idx.size:
+                width[(k, x.shape[0])] = max(width.get((k, x.shape[0]), 0), int(idx.max()) + 1)
+    col_sums = {slot: np.zeros((n, slot[1])) for slot, n in width.items()}
+    col_totals = {slot: np.zeros(n) for slot, n in width.items()}
+    sums: dict[tuple[str, Any], Any] = {}
+    totals: dict[tuple[str, Any], float] = {}
+    for r, g in zip(out, updates, strict=True):
+        for k, x in g.items():
+            idx = terms(r.node, k, x)
+            if idx is None:
+                sums[(k, x.shape)] = sums.get((k, x.shape), 0.0) + r.weight * x
+                totals[(k, x.shape)] = totals.get((k, x.shape), 0.0) + r.weight
+            elif idx.size:
+                np.add.at(col_sums[(k, x.shape[0])], idx, (r.weight * x[:, :idx.size]).T)
+                np.add.at(col_totals[(k, x.shape[0])], idx, r.weight)
     cosines = []
+    means: dict[tuple[str, Any], np.ndarray] = {}
     for r, g in zip(out, updates, strict=True):
         mean: dict[str, np.ndarray] = {}
         for k, x in g.items():
-            parts = [sums[s] / totals[s] if totals[s] > 0 else np.zeros_like(p)
-                     for s, p in slots(r.node, k, x)]
-            if not parts:  # a factor key of no terms
+            idx = terms(r.node, k, x)
+            if idx is None:
+                if (k, x.shape) not in means:  # one mean per slot, shared by its nodes
+                    t = totals[(k, x.shape)]
+                    means[(k, x.shape)] = (sums[(k, x.shape)] / t if t > 0
+                                           else np.zeros_like(x))
+                mean[k] = means[(k, x.shape)]
+            elif not idx.size:  # a factor key of no terms
                 mean[k] = np.zeros_like(x)
-                continue
-            factor = k.endswith((".u", ".v")) and x.ndim == 2 and parts[0].ndim == 1
-            mean[k] = np.stack(parts, axis=1) if factor else parts[0]
+            else:
+                s, t = col_sums[(k, x.shape[0])][idx].T, col_totals[(k, x.shape[0])][idx]
+                mean[k] = np.where(t > 0, s / np.where(t > 0, t, 1.0), 0.0)
         cosines.append(cosine(g, mean))
     return cosines

@@ -427,3 +427,50 @@ def test_the_checkpoint_keeps_the_record(tmp_path) -> None:
     torch.save(payload, tmp_path / "checkpoint.pt")
     with pytest.raises(CheckpointError, match="'excluded' must map node ids to the round"):
         Checkpoint.load(tmp_path)
+
+
+def test_aggregate_cosines_match_a_per_term_brute_force() -> None:
+    """Without trusted data each node's cosine is with the round's weighted mean in its own
+    coordinates: per factor column the mean over the nodes holding that term, per dense entry
+    over the nodes sent that shape; checked against a loop over terms and holders."""
+    from types import SimpleNamespace
+
+    from fedshard.server.trusted import _aggregate_cosines
+
+    rng = np.random.default_rng([58, 1])
+    N = 12
+    for _ in range(30):
+        out, updates, sent = [], [], {}
+        for node in range(int(rng.integers(1, 7))):
+            idx = np.sort(rng.choice(N, size=int(rng.integers(0, 5)), replace=False))
+            sent[node] = SimpleNamespace(indices={"l": idx})
+            out.append(SimpleNamespace(node=node, weight=float(rng.choice([0.0, 1.0, 3.0]))))
+            updates.append({"l.u": rng.normal(size=(4, idx.size)),
+                            "l.v": rng.normal(size=(3, idx.size)),
+                            "b": rng.normal(size=(5,) if rng.random() < 0.5 else (2, 2))})
+        expected = []
+        for r, g in zip(out, updates, strict=True):
+            x, y = [], []
+            for key, value in g.items():
+                if key == "b":
+                    holders = [(o.weight, u[key]) for o, u in zip(out, updates, strict=True)
+                               if u[key].shape == value.shape]
+                    total = sum(w for w, _ in holders)
+                    mean = (sum(w * v for w, v in holders) / total if total > 0
+                            else np.zeros_like(value))
+                    x.append(value.ravel())
+                    y.append(np.ravel(mean))
+                    continue
+                for j, term in enumerate(sent[r.node].indices["l"]):
+                    holders = [(o.weight, u[key][:, list(sent[o.node].indices["l"]).index(term)])
+                               for o, u in zip(out, updates, strict=True)
+                               if term in sent[o.node].indices["l"]]
+                    total = sum(w for w, _ in holders)
+                    x.append(value[:, j])
+                    y.append(sum(w * v for w, v in holders) / total if total > 0
+                             else np.zeros(value.shape[0]))
+            a, b = np.concatenate(x), np.concatenate(y)
+            na, nb = np.linalg.norm(a), np.linalg.norm(b)
+            expected.append(0.0 if na == 0 or nb == 0 else float(a @ b / (na * nb)))
+        got = _aggregate_cosines(out, updates, sent)  # type: ignore[arg-type]
+        np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
