@@ -511,10 +511,10 @@ class ReplyPolicy(Settings):
         (``update-spread-held``). 0: off.
     distrust_below : float
         In ``[-1, 1]`` (default 0.02): a node whose updates' cosine with the server's trusted
-        reference update (with trusted data) or with the round's accepted aggregate (without)
-        has a median below this over its last rounds (at least 3 of the last 10 it took
-        part in) is named in a WARNING with its cosines (:mod:`fedshard.server.trusted`;
-        counted in ``distrusted-nodes``). -1: never named.
+        reference update (with trusted data) or with the aggregate of the round's other
+        accepted nodes (without) has a median below this over its last rounds (at least 3 of
+        the last 10 it took part in) is named in a WARNING with its cosines
+        (:mod:`fedshard.server.trusted`; counted in ``distrusted-nodes``). -1: never named.
     exclude_distrusted : bool
         Off by default. On: a node once named under ``distrust_below`` is no longer sampled
         for training (each such node logged once, with why; a round left with fewer nodes

@@ -9,8 +9,8 @@ from honest nodes on other data (Dirichlet α = 1). Two things can:
   message, :func:`fedshard.client.handle_node_train`), and weighs each node by how far its
   update points the same way (:func:`fltrust_weights`);
 * :class:`TrustRecord`: each node's cosines over its last rounds (with the reference, or,
-  without one, with the round's accepted aggregate), so that a node whose updates keep
-  pointing elsewhere is named, and, with ``exclude-distrusted``, no longer used.
+  without one, with the round's other accepted nodes' aggregate), so that a node whose
+  updates keep pointing elsewhere is named, and, with ``exclude-distrusted``, no longer used.
 
 :class:`TrustStage` joins the two and is what a round calls, once, after the reply bounds
 (:meth:`TrustStage.weigh`).
@@ -314,7 +314,7 @@ class TrustStage:
     ----------
     reference : TrustedReference, optional
         The server's clean training; ``None``: the record uses each node's cosine with the
-        round's accepted aggregate, and nothing is reweighted.
+        round's other accepted nodes' aggregate, and nothing is reweighted.
     policy : fedshard.settings.ReplyPolicy
         ``distrust_below`` (the median cosine under which a node is named) and
         ``exclude_distrusted``.
@@ -390,7 +390,7 @@ class TrustStage:
             source = "the server's trusted reference update"
         else:
             cosines = _aggregate_cosines(out, updates, sent)
-            source = "the round's accepted aggregate"
+            source = "the aggregate of the round's other accepted nodes"
         for r, c in zip(out, cosines, strict=True):
             self.record.add(r.node, c)
         self._name(server_round, [r.node for r in out], source, metrics)
@@ -437,11 +437,23 @@ class TrustStage:
             metrics["distrusted-nodes"] = float(named)
 
 
+#: Relative weight under which a term or entry counts as held by no other node.
+_OTHERS = 1e-9
+
+
 def _aggregate_cosines(out: Sequence[P.TrainReply], updates: Sequence[dict[str, np.ndarray]],
                        sent: Mapping[int, P.SentShard]) -> list[float]:
-    """Each node's cosine with the round's weighted mean update, in its own coordinates: per
-    factor column the mean over the nodes holding that term (the same sent column), per dense
-    entry or slice over the nodes sent the same shape."""
+    """Each node's cosine with the weighted mean update of the round's *other* accepted nodes,
+    in its own coordinates: per factor column the mean over the other nodes holding that term
+    (the same sent column), per dense entry or slice over the other nodes sent the same shape
+    (zero where no other node holds it).
+
+    Notes
+    -----
+    Leave-one-out: a term has few holders (about ``r`` of the cohort) and averaging shrinks
+    the honest updates' mean, so a mean that counted the node itself would give any update
+    (noise, a negated one) a positive cosine with it; measured in docs/robustness.md.
+    """
 
     def terms(node: int, key: str, x: np.ndarray) -> np.ndarray | None:
         # the term index of each factor column of ``x``, ``None`` for a dense entry or slice
@@ -473,21 +485,23 @@ def _aggregate_cosines(out: Sequence[P.TrainReply], updates: Sequence[dict[str, 
                 np.add.at(col_sums[(k, x.shape[0])], idx, (r.weight * x[:, :idx.size]).T)
                 np.add.at(col_totals[(k, x.shape[0])], idx, r.weight)
     cosines = []
-    means: dict[tuple[str, Any], np.ndarray] = {}
     for r, g in zip(out, updates, strict=True):
         mean: dict[str, np.ndarray] = {}
         for k, x in g.items():
             idx = terms(r.node, k, x)
+            # the others' weight; under a rounding's width of the total: no other holder
             if idx is None:
-                if (k, x.shape) not in means:  # one mean per slot, shared by its nodes
-                    t = totals[(k, x.shape)]
-                    means[(k, x.shape)] = (sums[(k, x.shape)] / t if t > 0
-                                           else np.zeros_like(x))
-                mean[k] = means[(k, x.shape)]
+                total = totals[(k, x.shape)]
+                t = total - r.weight
+                mean[k] = ((sums[(k, x.shape)] - r.weight * x) / t
+                           if t > _OTHERS * total else np.zeros_like(x))
             elif not idx.size:  # a factor key of no terms
                 mean[k] = np.zeros_like(x)
             else:
-                s, t = col_sums[(k, x.shape[0])][idx].T, col_totals[(k, x.shape[0])][idx]
-                mean[k] = np.where(t > 0, s / np.where(t > 0, t, 1.0), 0.0)
+                total_col = col_totals[(k, x.shape[0])][idx]
+                t = total_col - r.weight
+                s = col_sums[(k, x.shape[0])][idx].T - r.weight * x[:, :idx.size]
+                held = t > _OTHERS * total_col
+                mean[k] = np.where(held, s / np.where(held, t, 1.0), 0.0)
         cosines.append(cosine(g, mean))
     return cosines

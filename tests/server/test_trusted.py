@@ -430,9 +430,10 @@ def test_the_checkpoint_keeps_the_record(tmp_path) -> None:
 
 
 def test_aggregate_cosines_match_a_per_term_brute_force() -> None:
-    """Without trusted data each node's cosine is with the round's weighted mean in its own
-    coordinates: per factor column the mean over the nodes holding that term, per dense entry
-    over the nodes sent that shape; checked against a loop over terms and holders."""
+    """Without trusted data each node's cosine is with the other nodes' weighted mean in its
+    own coordinates: per factor column the mean over the other nodes holding that term, per
+    dense entry over the other nodes sent that shape (zero where there is none); checked
+    against a loop over terms and holders."""
     from types import SimpleNamespace
 
     from fedshard.server.trusted import _aggregate_cosines
@@ -444,7 +445,7 @@ def test_aggregate_cosines_match_a_per_term_brute_force() -> None:
         for node in range(int(rng.integers(1, 7))):
             idx = np.sort(rng.choice(N, size=int(rng.integers(0, 5)), replace=False))
             sent[node] = SimpleNamespace(indices={"l": idx})
-            out.append(SimpleNamespace(node=node, weight=float(rng.choice([0.0, 1.0, 3.0]))))
+            out.append(SimpleNamespace(node=node, weight=float(rng.choice([0.0, 0.1, 0.2, 3.0]))))
             updates.append({"l.u": rng.normal(size=(4, idx.size)),
                             "l.v": rng.normal(size=(3, idx.size)),
                             "b": rng.normal(size=(5,) if rng.random() < 0.5 else (2, 2))})
@@ -454,7 +455,7 @@ def test_aggregate_cosines_match_a_per_term_brute_force() -> None:
             for key, value in g.items():
                 if key == "b":
                     holders = [(o.weight, u[key]) for o, u in zip(out, updates, strict=True)
-                               if u[key].shape == value.shape]
+                               if u[key].shape == value.shape and o is not r]
                     total = sum(w for w, _ in holders)
                     mean = (sum(w * v for w, v in holders) / total if total > 0
                             else np.zeros_like(value))
@@ -464,7 +465,7 @@ def test_aggregate_cosines_match_a_per_term_brute_force() -> None:
                 for j, term in enumerate(sent[r.node].indices["l"]):
                     holders = [(o.weight, u[key][:, list(sent[o.node].indices["l"]).index(term)])
                                for o, u in zip(out, updates, strict=True)
-                               if term in sent[o.node].indices["l"]]
+                               if term in sent[o.node].indices["l"] and o is not r]
                     total = sum(w for w, _ in holders)
                     x.append(value[:, j])
                     y.append(sum(w * v for w, v in holders) / total if total > 0
@@ -474,3 +475,24 @@ def test_aggregate_cosines_match_a_per_term_brute_force() -> None:
             expected.append(0.0 if na == 0 or nb == 0 else float(a @ b / (na * nb)))
         got = _aggregate_cosines(out, updates, sent)  # type: ignore[arg-type]
         np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_a_noise_or_negated_node_is_not_aligned_with_an_aggregate_of_itself() -> None:
+    """Three honest nodes share a direction; a node sending noise or the negated direction
+    gets a cosine near 0 or below 0 with the others' aggregate, though with a mean over a
+    few holders that counted it the cosine would come out positive."""
+    from types import SimpleNamespace
+
+    from fedshard.server.trusted import _aggregate_cosines
+
+    rng = np.random.default_rng([58, 2])
+    common = rng.normal(size=400)
+    honest = [{"w": common + 0.5 * rng.normal(size=400)} for _ in range(3)]
+    noise = {"w": rng.normal(size=400) * float(np.linalg.norm(honest[0]["w"])) / 20}
+    negated = {"w": -(common + 0.5 * rng.normal(size=400))}  # a fourth node's, negated
+    out = [SimpleNamespace(node=n, weight=1.0) for n in range(4)]
+    sent = {n: SimpleNamespace(indices={}) for n in range(4)}
+    for bad, below in ((noise, 0.15), (negated, -0.2)):
+        cosines = _aggregate_cosines(out, [*honest, bad], sent)  # type: ignore[arg-type]
+        assert cosines[3] < below, cosines
+        assert min(cosines[:3]) > 0.2, cosines
