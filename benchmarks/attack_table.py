@@ -564,13 +564,16 @@ def replay_names(rows: dict[str, list[list[float]]], below: float) -> dict[int, 
     return first
 
 
-def names(paths: list[str], below: float) -> dict[str, Any]:
+def names(paths: list[str], with_reference: float, with_aggregate: float) -> dict[str, Any]:
     """Per table and cell of saved outputs (those that recorded ``cosines``), the nodes the
-    current naming rule names at ``distrust-below = below``: the honest ones (node -> first
-    round) and how many of the dishonest ones, by which round."""
-    out: dict[str, Any] = {"distrust-below": below, "tables": {}}
+    current naming rule names: at ``distrust-below = with_reference`` in a table with trusted
+    data, at ``distrust-below-aggregate = with_aggregate`` in one without; the honest ones
+    (node -> first round) and how many of the dishonest ones, by which round."""
+    out: dict[str, Any] = {"distrust-below": with_reference,
+                           "distrust-below-aggregate": with_aggregate, "tables": {}}
     for path in paths:
         for name, table in json.loads(Path(path).read_text())["results"].items():
+            below = (with_reference if table["keys"].get("trusted-data") else with_aggregate)
             cells = {f"clean/{s}": (c, 0) for s, c in table["clean"].items()}
             cells |= {f"{a}/{s}": (c, int(a.split("/")[1]))
                       for a, cell in table["attacks"].items() for s, c in cell["seeds"].items()}
@@ -644,7 +647,9 @@ def main() -> None:
     if sys.argv[1:2] == ["--names"]:
         from fedshard.settings import ReplyPolicy
 
-        print(json.dumps(names(sys.argv[2:], ReplyPolicy().distrust_below)))
+        policy = ReplyPolicy()
+        print(json.dumps(names(sys.argv[2:], policy.distrust_below,
+                               policy.distrust_below_aggregate)))
         return
     if sys.argv[1:2] == ["--merge"]:
         print(json.dumps(merge(sys.argv[2:])))

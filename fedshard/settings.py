@@ -510,11 +510,16 @@ class ReplyPolicy(Settings):
         change shrunk to the round's median change, its weight to the median weight
         (``update-spread-held``). 0: off.
     distrust_below : float
-        In ``[-1, 1]`` (default 0.02): a node whose updates' cosine with the server's trusted
-        reference update (with trusted data) or with the aggregate of the round's other
-        accepted nodes (without) has a median below this over its last rounds (at least 3 of
-        the last 10 it took part in) is named in a WARNING with its cosines
+        In ``[-1, 1]`` (default 0.02), with trusted data: a node whose updates' cosine with
+        the server's trusted reference update has a median below this over its last rounds
+        (at least 3 of the last 10 it took part in) is named in a WARNING with its cosines
         (:mod:`fedshard.server.trusted`; counted in ``distrusted-nodes``). -1: never named.
+    distrust_below_aggregate : float
+        In ``[-1, 1]`` (default -0.3), without trusted data: the same rule on each node's
+        cosine with the aggregate of the round's other accepted nodes. Honest nodes on
+        non-IID data have medians about 0 there (they point as far from the others as a
+        negated update), so only nodes that pull against the others' consensus round after
+        round (IPM) are named (docs/robustness.md). -1: never named.
     exclude_distrusted : bool
         Off by default. On: a node once named under ``distrust_below`` is no longer sampled
         for training (each such node logged once, with why; a round left with fewer nodes
@@ -543,6 +548,9 @@ class ReplyPolicy(Settings):
     max_update_spread: float = setting(2.0, _BOUND)
     distrust_below: float = setting(0.02, rule(lambda v: finite_real(v) and -1 <= v <= 1,
                                                "expected a cosine in [-1, 1] (-1: off)"))
+    distrust_below_aggregate: float = setting(
+        -0.3, rule(lambda v: finite_real(v) and -1 <= v <= 1,
+                   "expected a cosine in [-1, 1] (-1: off)"))
     exclude_distrusted: bool = setting(False, BOOL)
     max_diverged_fraction: float = setting(
         0.5, rule(lambda v: finite_real(v) and 0 <= v <= 1,

@@ -98,7 +98,8 @@ class KeepRatioStrategy(FedAvg):
         weighted by its cosine with the reference update on the same message and rescaled to
         the reference's norm (:mod:`fedshard.server.trusted`). Without it the replies are
         averaged as the reply bounds leave them; either way each node's agreement is recorded
-        and a node whose record stays below ``replies.distrust_below`` is named.
+        and a node whose record stays below ``replies.distrust_below`` (against the reference)
+        or ``replies.distrust_below_aggregate`` (against the other nodes' aggregate) is named.
     problems : sequence of Problem
         What the subclass found wrong with its own arguments: reported with these arguments'
         problems in one :class:`~fedshard.settings.SettingsError`.

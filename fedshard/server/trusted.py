@@ -316,8 +316,8 @@ class TrustStage:
         The server's clean training; ``None``: the record uses each node's cosine with the
         round's other accepted nodes' aggregate, and nothing is reweighted.
     policy : fedshard.settings.ReplyPolicy
-        ``distrust_below`` (the median cosine under which a node is named) and
-        ``exclude_distrusted``.
+        ``distrust_below`` (the median cosine under which a node is named, with a reference),
+        ``distrust_below_aggregate`` (without one) and ``exclude_distrusted``.
     """
 
     def __init__(self, reference: TrustedReference | None, policy: ReplyPolicy) -> None:
@@ -326,11 +326,23 @@ class TrustStage:
         # with exclude_distrusted: node -> the round it was named in and left out from
         self.excluded: dict[int, int] = {}
 
+    @property
+    def below(self) -> float:
+        """The median cosine under which a node is named: ``distrust_below`` against a
+        trusted reference, ``distrust_below_aggregate`` against the other nodes' aggregate."""
+        return (self.policy.distrust_below if self.reference is not None
+                else self.policy.distrust_below_aggregate)
+
+    @property
+    def threshold_key(self) -> str:
+        """The run-config key of :attr:`below`."""
+        return "distrust-below" if self.reference is not None else "distrust-below-aggregate"
+
     def left_out(self) -> dict[int, str]:
         """The nodes a round leaves out of its training sample (with ``exclude_distrusted``),
         each with why: node -> reason."""
-        return {n: f"named distrusted in round {r} (median cosine under distrust-below="
-                   f"{self.policy.distrust_below:g}) and exclude-distrusted is on"
+        return {n: f"named distrusted in round {r} (median cosine under {self.threshold_key}="
+                   f"{self.below:g}) and exclude-distrusted is on"
                 for n, r in self.excluded.items()}
 
     def restore(self, record: Mapping[int, Sequence[float]] | None,
@@ -359,7 +371,7 @@ class TrustStage:
               metrics: dict[str, float]) -> list[P.TrainReply]:
         """``accepted`` without the excluded nodes and, with a reference, FLTrust-weighted
         (:func:`fltrust_weights`; a node of trust 0 left out); each node's cosine recorded and
-        a node whose record stays below ``distrust_below`` named in a WARNING (counted in
+        a node whose record stays below :attr:`below` named in a WARNING (counted in
         ``distrusted-nodes``; ``trust-zero`` counts the replies left out by the reference,
         ``trust-mean`` is the round's mean trust score).
 
@@ -420,17 +432,18 @@ class TrustStage:
               metrics: dict[str, float]) -> None:
         named = 0
         for node in nodes:
-            if not self.record.distrusts(node, self.policy.distrust_below):
+            if not self.record.distrusts(node, self.below):
                 continue
             named += 1
-            row, below = self.record.cosines[node], self.policy.distrust_below
+            row, below = self.record.cosines[node], self.below
             action = ("; exclude-distrusted: it is not sampled for training, nor its "
                       "replies used, from now on" if self.policy.exclude_distrusted else
                       "; exclude-distrusted = true would leave it out of later rounds")
             log(WARNING, "Round %d: node %d is distrusted: its updates' cosine with %s was "
-                "below distrust-below=%g in %d of its last %d rounds (%s; median %.3f)%s.",
-                server_round, node, source, below, sum(c < below for c in row), len(row),
-                ", ".join(f"{c:+.2f}" for c in row), self.record.level(node), action)
+                "below %s=%g in %d of its last %d rounds (%s; median %.3f)%s.",
+                server_round, node, source, self.threshold_key, below,
+                sum(c < below for c in row), len(row), ", ".join(f"{c:+.2f}" for c in row),
+                self.record.level(node), action)
             if self.policy.exclude_distrusted:
                 self.excluded.setdefault(node, server_round)
         if named:
