@@ -116,6 +116,11 @@ DEFENCES: dict[str, dict[str, Any]] = {
              "max-update-spread": 0.0},
     # the defaults and FLTrust's reference on 500 training examples held out of the nodes'
     "trusted-data": {"trusted-data": 500},
+    # without trusted data, each node's record (against the round's accepted aggregate)
+    # names it and the named ones are no longer sampled: what evidence across rounds achieves
+    "history": {"exclude-distrusted": True},
+    # the reference and the exclusion together
+    "trusted-data-exclude": {"trusted-data": 500, "exclude-distrusted": True},
 }
 
 Attack = Callable[[Message, Message, dict[str, Any]], Message]
