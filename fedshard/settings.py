@@ -515,7 +515,7 @@ class ReplyPolicy(Settings):
         (at least 3 of the last 10 it took part in) is named in a WARNING with its cosines
         (:mod:`fedshard.server.trusted`; counted in ``distrusted-nodes``). -1: never named.
     distrust_below_aggregate : float
-        In ``[-1, 1]`` (default -0.3), without trusted data: the same rule on each node's
+        In ``[-1, 1]`` (default -0.5), without trusted data: the same rule on each node's
         cosine with the aggregate of the round's other accepted nodes. Honest nodes on
         non-IID data have medians about 0 there (they point as far from the others as a
         negated update), so only nodes that pull against the others' consensus round after
@@ -549,7 +549,7 @@ class ReplyPolicy(Settings):
     distrust_below: float = setting(0.02, rule(lambda v: finite_real(v) and -1 <= v <= 1,
                                                "expected a cosine in [-1, 1] (-1: off)"))
     distrust_below_aggregate: float = setting(
-        -0.3, rule(lambda v: finite_real(v) and -1 <= v <= 1,
+        -0.5, rule(lambda v: finite_real(v) and -1 <= v <= 1,
                    "expected a cosine in [-1, 1] (-1: off)"))
     exclude_distrusted: bool = setting(False, BOOL)
     max_diverged_fraction: float = setting(
