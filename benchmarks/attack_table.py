@@ -18,6 +18,8 @@ server checks (:data:`ATTACKS`, one reply at a time):
 * ``noise``: each array's update replaced by Gaussian noise of its norm; ``constant``;
   ``zero`` (the sent arrays back);
 * ``label-flip``: honest training on labels ``9 − y``;
+* ``absent``: no reply at all (an error reply every round), not an attack but the floor of
+  any defence that leaves these nodes out from round 1: their data never reaches the model;
 
 and, seeing the whole round's honest replies (:data:`ROUND_ATTACKS`, omniscient): ``alie``
 (mean − z·std, z = 1), ``ipm`` (−ε · the honest mean update, ε = 0.5), ``min-max`` and
@@ -77,7 +79,7 @@ sys.path.insert(0, str(ROOT))
 
 from fakedata import write_idx  # noqa: E402
 from flower_grid import InProcessGrid  # noqa: E402
-from flwr.app import Array, Context, Message  # noqa: E402
+from flwr.app import Array, Context, Error, Message  # noqa: E402
 from machine import cpu_name  # noqa: E402
 
 import client_app  # noqa: E402
@@ -199,6 +201,12 @@ def _like_update(make: Callable[[np.ndarray, np.random.Generator], np.ndarray]) 
     return attack
 
 
+def _absent(sent: Message, reply: Message, memo: dict[str, Any]) -> Message:
+    # not an attack: the node's data never reaches the model (an error reply every round),
+    # what any defence that leaves these nodes out from round 1 would at best achieve
+    return Message(Error(code=0, reason="absent: this node's reply is withheld"), reply_to=sent)
+
+
 def _zero(sent: Message, reply: Message, memo: dict[str, Any]) -> Message:
     before = _floats(sent)
     return _map_arrays(reply, lambda k, x: before[k])
@@ -218,6 +226,7 @@ ATTACKS: dict[str, Attack] = {
     "noise": _like_update(lambda d, rng: rng.normal(size=d.shape)),
     "constant": _like_update(lambda d, rng: np.ones_like(d)),
     "zero": _zero,
+    "absent": _absent,
     "factors-gauge": _gauge,
     "label-flip": lambda s, r, m: r,  # trained on labels 9 - y (see _Dishonest)
 }
@@ -513,7 +522,7 @@ LABELS = {
     "num-examples+negated": "update negated, `num-examples` 2⁵³",
     "negated": "update negated", "replay": "replay", "noise": "noise", "zero": "zero update",
     "label-flip": "label flip", "alie": "ALIE", "ipm": "IPM", "min-max": "min-max",
-    "min-sum": "min-sum",
+    "min-sum": "min-sum", "absent": "absent (no reply: the nodes' data left out)",
 }
 
 
