@@ -276,3 +276,68 @@ def test_robustness_pages_naming_figures_are_the_committed_measurements(
                  f"(any WARNING line: {sum(s['honest-nodes-named'] for s in attacked)})")
     missing = [f for f in facts if f not in text]
     assert not missing, missing
+
+
+HISTORY = ["attacks-history", "attacks-absent-three", "attacks-trusted-exclude"]
+
+
+@pytest.mark.parametrize("name", HISTORY)
+def test_robustness_pages_history_tables_are_the_committed_measurements(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/robustness.md's tables of the record without trusted data (and of exclusion) are
+    what benchmarks/attack_table.py prints from the committed outputs."""
+    at = _attack_table(monkeypatch)
+    path = DOCS.parent / "results" / "robustness" / f"{name}.json"
+    assert at.markdown([str(path)]) in (DOCS / "robustness.md").read_text(encoding="utf-8")
+
+
+def test_robustness_pages_history_figures_are_the_committed_measurements() -> None:
+    """What the record alone does, as the section says it: the nodes it names and leaves
+    out, IPM's cost against the defaults' on the same seeds, and the honest nodes named on
+    the clean runs under each threshold."""
+    root = DOCS.parent / "results" / "robustness"
+
+    def table(name: str) -> dict[str, Any]:
+        out = json.loads((root / f"{name}.json").read_text())["results"]
+        return next(iter(out.values()))
+
+    history, below, default = (table("attacks-history"), table("attacks-history-below-0.02"),
+                               table("attacks-default-seeds-0-2"))
+    text = " ".join((DOCS / "robustness.md").read_text(encoding="utf-8").split())
+    ipm = history["attacks"]["ipm/3"]
+    by_round = max(s["round-all-dishonest-named"] for s in ipm["seeds"].values())
+    facts = [
+        f"IPM's nodes were named by round {by_round} in every seed",
+        f"{-ipm['delta-points-mean']:.1f} points on average where the defaults lose "
+        f"{-default['attacks']['ipm/3']['delta-points-mean']:.1f}",
+        "At −0.5 the clean runs named " + " / ".join(str(c["honest-nodes-distrusted"])
+                                                   for c in history["clean"].values()),
+        "at `distrust-below-aggregate = 0.02` the clean runs named " + " / ".join(
+            str(c["honest-nodes-distrusted"]) for c in below["clean"].values()),
+        "lost " + " / ".join(f"{100 * (d['accuracy'] - b['accuracy']):.1f}" for d, b in zip(
+            default["clean"].values(), below["clean"].values(), strict=True)) + " points",
+    ]
+    minus = table("attacks-history-below-minus-0.3")["attacks"]["zero/3"]["seeds"].values()
+    facts.append("at −0.3 the record named " + " / ".join(
+        str(c["honest-nodes-distrusted"]) for c in minus) + " honest nodes in the zero-update runs")
+    absent = table("attacks-absent-three")["attacks"]["absent/3"]["seeds"].values()
+    facts.append("lose " + " / ".join(f"{-c['delta-points']:.1f}" for c in absent) + " points")
+    missing = [f for f in facts if f not in text]
+    assert not missing, missing
+
+
+def test_robustness_pages_honest_nodes_named_under_attack_are_the_committed_measurements(
+        ) -> None:
+    """The honest nodes the record named in the attacked runs of the one-in-ten (first seven
+    attacks) and three-in-ten trusted-data tables, as the section counts them."""
+    root = DOCS.parent / "results" / "robustness"
+    text = " ".join((DOCS / "robustness.md").read_text(encoding="utf-8").split())
+    facts = []
+    for name, k, words in (("attacks-trusted-data-one-a", 1, "of the other seven"),
+                           ("attacks-trusted-data-three", 3, "of the three-in-ten table")):
+        table = json.loads((root / f"{name}.json").read_text())["results"]["trusted-data"]
+        cells = [c for a in table["attacks"].values() for c in a["seeds"].values()]
+        named = sum(c["honest-nodes-distrusted"] for c in cells)
+        facts.append(f"{named} of the {(10 - k) * len(cells)} {words}")
+    missing = [f for f in facts if f not in text]
+    assert not missing, missing
