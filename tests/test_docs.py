@@ -341,3 +341,22 @@ def test_robustness_pages_honest_nodes_named_under_attack_are_the_committed_meas
         facts.append(f"{named} of the {(10 - k) * len(cells)} {words}")
     missing = [f for f in facts if f not in text]
     assert not missing, missing
+
+
+def test_robustness_pages_floor_figures_are_the_committed_measurements() -> None:
+    """The three-in-ten table's seed 2: how many attacks cost it more than 5 points, in which
+    range, how many of those had every dishonest node named by round 3, and what the same
+    runs lose with the three nodes absent."""
+    root = DOCS.parent / "results" / "robustness"
+    text = " ".join((DOCS / "robustness.md").read_text(encoding="utf-8").split())
+    three = json.loads((root / "attacks-trusted-data-three.json").read_text())
+    over = [c["seeds"]["2"] for c in three["results"]["trusted-data"]["attacks"].values()
+            if c["seeds"]["2"]["delta-points"] < -5]
+    early = sum(1 for c in over if (c.get("round-all-dishonest-named") or 99) <= 3)
+    words = {5: "five", 6: "six", 7: "seven", 8: "eight"}
+    deltas = [-c["delta-points"] for c in over]
+    facts = [f"more than 5 points in {words[len(over)]} attacks ({min(deltas):.1f} to "
+             f"{max(deltas):.1f}), with the dishonest nodes of {words[early]} of them named by "
+             "round 3"]
+    missing = [f for f in facts if f not in text]
+    assert not missing, missing
