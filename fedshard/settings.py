@@ -456,6 +456,8 @@ class LocalTraining(Settings):
 
 _BOUND = rule(lambda v: finite_real(v) and (v == 0 or v >= 1),
               "expected 0 (off) or a finite number ≥ 1")
+#: a median cosine under which a node is named (-1: never)
+_COSINE = rule(lambda v: finite_real(v) and -1 <= v <= 1, "expected a cosine in [-1, 1] (-1: off)")
 
 
 @dataclass(frozen=True)
@@ -521,7 +523,8 @@ class ReplyPolicy(Settings):
         negated update), so only nodes that pull against the others' consensus round after
         round (IPM) are named (docs/robustness.md). -1: never named.
     exclude_distrusted : bool
-        Off by default. On: a node once named under ``distrust_below`` is no longer sampled
+        Off by default. On: a node once named (under ``distrust_below`` or
+        ``distrust_below_aggregate``) is no longer sampled
         for training (each such node logged once, with why; a round left with fewer nodes
         than ``min-train-nodes`` says so in a WARNING), and a reply of it that still arrives
         is not aggregated (``distrusted-excluded``). The left-out nodes are checkpointed.
@@ -546,11 +549,8 @@ class ReplyPolicy(Settings):
     max_weight_ratio: float = setting(2.0, _BOUND)
     align_factors: bool = setting(True, BOOL)
     max_update_spread: float = setting(2.0, _BOUND)
-    distrust_below: float = setting(0.02, rule(lambda v: finite_real(v) and -1 <= v <= 1,
-                                               "expected a cosine in [-1, 1] (-1: off)"))
-    distrust_below_aggregate: float = setting(
-        -0.5, rule(lambda v: finite_real(v) and -1 <= v <= 1,
-                   "expected a cosine in [-1, 1] (-1: off)"))
+    distrust_below: float = setting(0.02, _COSINE)
+    distrust_below_aggregate: float = setting(-0.5, _COSINE)
     exclude_distrusted: bool = setting(False, BOOL)
     max_diverged_fraction: float = setting(
         0.5, rule(lambda v: finite_real(v) and 0 <= v <= 1,

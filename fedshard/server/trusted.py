@@ -265,14 +265,16 @@ class TrustRecord:
         return float(np.median(row)) if row and len(row) >= RECORD_MIN_ROUNDS else None
 
     def distrusts(self, node: int, below: float) -> bool:
-        """Whether ``node``'s record names it under ``below`` (``distrust-below``): the
-        median of its last :data:`RECORD_WINDOW` cosines (at least
+        """Whether ``node``'s record names it under ``below`` (``distrust-below`` against a
+        trusted reference, ``distrust-below-aggregate`` against the other nodes' aggregate):
+        the median of its last :data:`RECORD_WINDOW` cosines (at least
         :data:`RECORD_MIN_ROUNDS`) is below it.
 
         Notes
         -----
-        A dishonest node's cosines (negated, IPM, noise, zero, label flip) stay below it from
-        its first rounds on, so it is named by its third round. An honest node's cosines scatter
+        Against a trusted reference, a dishonest node's cosines (negated, IPM, noise, zero,
+        label flip) stay below it from its first rounds on, so it is named by its third
+        round. An honest node's cosines scatter
         in the last rounds of a cosine lr schedule (its tiny steps are mostly noise), widely
         for a node whose data is unlike the trusted set's: over 5 rounds their median fell
         below 0.02 for 3 of 30 honest nodes of clean whole runs, over 10 for none (measured
