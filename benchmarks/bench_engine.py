@@ -41,13 +41,13 @@ Presets:
 
 ``--tiny`` shrinks either preset to seconds (for a test). Prints one JSON object.
 
-``--profile`` adds where the ``sequential`` engine's round goes: cProfile over whole rounds
-after the first, seconds per round of each part of :data:`PARTS` (receiving the sub-model,
-training and within it the client rules' step hooks, the reply, the server's configure,
-reply checks, receipts, robust aggregation, the end-of-round callbacks, central evaluation
-and the checkpoint (the bare loop writes none), the array codec), under ``profile``. The
-profiler slows Python-heavy parts more than torch's kernels, so compare parts within a
-profile and profiles with each other.
+``--profile`` adds where the ``sequential`` engine's round goes: wall-clock seconds per
+round, over whole rounds after the first, of each part of :data:`PARTS` (receiving the
+sub-model, training and within it the client rules' step hooks, the reply, the server's
+configure, reply checks, receipts, robust aggregation, the trust record, the end-of-round
+callbacks, central evaluation and the checkpoint (the bare loop writes none), the array
+codec), under ``profile`` (:class:`PartTimer`: each part's functions wrapped in a timer, a
+microsecond a call, so Python-heavy parts are not inflated as under cProfile).
 
 ``--against REV`` is the regression guard: the ``sequential`` engine of git revision ``REV``
 (its files from ``git archive``) and of this work tree, side by side on the same machine in
@@ -67,11 +67,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import cProfile
 import fcntl
+import functools
+import importlib
+import inspect
 import json
 import os
-import pstats
 import statistics
 import subprocess
 import sys
@@ -197,7 +198,7 @@ def run_in_process(settings: dict[str, Any], clients: int, engine: str,
     cfg = RunConfig.from_mapping(settings)
     grid = engine_grid(cfg, clients, engine=engine, device=device)
     bare = BareLoop(cfg, clients, device)
-    inner, bare_s = grid.trainer, {}
+    inner, bare_s = grid.trainer, dict[int, float]()
 
     def paired(jobs: Any) -> Any:
         server_round = len(bare_s) + 1
@@ -354,82 +355,159 @@ def max_rel_diff_float64(settings: dict[str, Any], clients: int, engines: list[s
 
 # ---------------------------------------------------------------------------- profile
 #: The parts of a round that ``--profile`` reports, by name ("a/b": part b, inside part a):
-#: the functions (a file's path, ending as given, and the function's name) whose time with
-#: what they call (cProfile's cumulative time) is that part.
-PARTS: dict[str, tuple[tuple[str, str], ...]] = {
+#: the functions (``"module:qualname"``) whose wall-clock time, with what they call, is that
+#: part.
+PARTS: dict[str, tuple[str, ...]] = {
     # the nodes' side (the engine's grid calls fedshard's handlers)
-    "client/receive": (("fedshard/client/shard.py", "from_message"),),
-    "client/receive/settings": (("fedshard/protocol/settings.py", "from_record"),),
-    "client/receive/submodel": (("fedshard/client/shard.py", "submodel_from_record"),),
-    "client/train": (("fedshard/client/train/loop.py", "_epochs"),),
-    "client/train/forward-loss": (("fedshard/client/train/step.py", "loss"),),
-    "client/train/backward": (("torch/_tensor.py", "backward"),),
-    "client/train/optimizer-step": (("torch/optim/optimizer.py", "wrapper"),),
-    "client/train/optimizer-step/rules": (("fedshard/client/train/rules.py", "before_step"),
-                                          ("fedshard/client/train/rules.py", "after_step")),
-    "client/reply": (("fedshard/client/shard.py", "reply"),),
+    "client/receive": ("fedshard.client.shard:Shard.from_message",),
+    "client/receive/settings": ("fedshard.protocol.settings:TrainSettings.from_record",),
+    "client/receive/submodel": ("fedshard.client.shard:submodel_from_record",),
+    "client/train": ("fedshard.client.train.loop:_epochs",),
+    "client/train/forward-loss": ("fedshard.client.train.step:EagerStep.loss",),
+    "client/train/backward": ("torch._tensor:Tensor.backward",),
+    "client/train/optimizer-step": ("torch.optim.sgd:SGD.step",),
+    "client/train/optimizer-step/rules": ("fedshard.client.train.rules:ClientRules.before_step",
+                                          "fedshard.client.train.rules:ClientRules.after_step"),
+    "client/reply": ("fedshard.client.shard:Shard.reply",),
     # the server's side
-    "server/configure": (("fedshard/server/base.py", "configure_train"),),
-    "server/configure/callbacks": (("fedshard/server/callbacks.py", "run_configure"),),
-    "server/aggregate": (("fedshard/server/rounds.py", "finish"),),
-    "server/aggregate/reply-checks": (("fedshard/protocol/shards.py", "check_train_reply"),),
-    "server/aggregate/receipts": (("fedshard/protocol/receipts.py", "read_receipt"),),
-    "server/aggregate/robust": (("fedshard/server/robust.py", "align_replies"),
-                                ("fedshard/server/robust.py", "spread_replies"),
-                                ("fedshard/server/rounds.py", "bound_weights")),
-    "server/aggregate/combine": (("fedshard/server/rounds.py", "aggregate"),),
-    "server/end-round": (("fedshard/server/callbacks.py", "run_round"),),
-    "server/end-round/central-evaluation": (("fedshard/client/train/loop.py", "evaluate"),),
-    "server/end-round/checkpoint": (("fedshard/app/checkpoint.py", "save"),),
+    "server/configure": ("fedshard.server.base:KeepRatioStrategy.configure_train",),
+    "server/configure/callbacks": ("fedshard.server.callbacks:run_configure",),
+    "server/aggregate": ("fedshard.server.rounds:RoundState.finish",),
+    "server/aggregate/reply-checks": ("fedshard.protocol.shards:check_train_reply",),
+    "server/aggregate/receipts": ("fedshard.protocol.receipts:read_receipt",),
+    "server/aggregate/robust": ("fedshard.server.robust:align_replies",
+                                "fedshard.server.robust:spread_replies",
+                                "fedshard.server.rounds:RoundState.bound_weights"),
+    "server/aggregate/trust-record": ("fedshard.server.trusted:TrustStage.weigh",),
+    "server/aggregate/combine": ("fedshard.server.rounds:RoundState.aggregate",),
+    "server/end-round": ("fedshard.server.callbacks:run_round",),
+    "server/end-round/central-evaluation": ("fedshard.client.train.loop:evaluate",),
+    "server/end-round/checkpoint": ("fedshard.app.checkpoint:Checkpoint.save",),
     # across both sides
-    "array-codec": (("fedshard/protocol/arrays.py", "decode_array"),
-                    ("fedshard/protocol/arrays.py", "encode_array")),
+    "array-codec": ("fedshard.protocol.arrays:decode_array",
+                    "fedshard.protocol.arrays:encode_array"),
 }
 
 
-def part_seconds(stats: pstats.Stats, rounds: int) -> dict[str, float | None]:
-    """Seconds per round of each of :data:`PARTS` in ``stats`` (``rounds`` rounds), ``None``
-    for a part none of whose functions ran (or exists in the code measured)."""
-    table: dict[tuple[str, int, str], tuple[Any, ...]] = stats.stats  # type: ignore[attr-defined]
-    out: dict[str, float | None] = {}
-    for part, functions in PARTS.items():
-        found = [row[3] for (file, _, name), row in table.items()
-                 if any(name == fn and file.replace(os.sep, "/").endswith(path)
-                        for path, fn in functions)]
-        out[part] = round(sum(found) / rounds, 4) if found else None
-    return out
+def resolve_function(spec: str) -> tuple[Any, str, Any] | None:
+    """``"module:qualname"`` -> (the module or class holding it, its name there, the object
+    as stored: a function, or a ``staticmethod``/``classmethod``); ``None`` if the code
+    measured has no such function."""
+    module_name, qualname = spec.split(":")
+    try:
+        owner: Any = importlib.import_module(module_name)
+    except ImportError:
+        return None
+    *path, name = qualname.split(".")
+    for part in path:
+        owner = getattr(owner, part, None)
+        if owner is None:
+            return None
+    found = (inspect.getattr_static(owner, name, None) if inspect.isclass(owner)
+             else getattr(owner, name, None))
+    raw = found.__func__ if isinstance(found, (staticmethod, classmethod)) else found
+    return (owner, name, found) if callable(raw) else None
+
+
+class PartTimer:
+    """Wall-clock seconds of each of :data:`PARTS`, summed over the calls made while
+    :attr:`active`: each function is replaced, in its class or module and in every loaded
+    ``fedshard``/``fedshard_lab`` module that imported it by name, by a wrapper that times the
+    outermost call (a recursive call counts once); :meth:`installed` puts the originals back.
+    A wrapper costs about a microsecond a call, much less than cProfile's per-call cost, so
+    Python-heavy parts are not inflated against torch's kernels."""
+
+    def __init__(self, parts: dict[str, tuple[str, ...]]) -> None:
+        self.parts = parts
+        self.active = False
+        self.seconds: dict[str, float] = {}
+        self.found: set[str] = set()
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[PartTimer]:
+        undo: list[tuple[Any, str, Any]] = []
+        try:
+            for part, specs in self.parts.items():
+                for spec in specs:
+                    hit = resolve_function(spec)
+                    if hit is None:
+                        continue
+                    self.found.add(part)
+                    owner, name, stored = hit
+                    wrapped = self._wrap(part, stored)
+                    raw = stored.__func__ if isinstance(stored, (staticmethod, classmethod)) \
+                        else stored
+                    undo.append((owner, name, stored))
+                    setattr(owner, name, wrapped)
+                    for module in list(sys.modules.values()):
+                        held = getattr(module, "__dict__", None)
+                        if not held or not str(getattr(module, "__name__", "")).startswith(
+                                ("fedshard", "fedshard_lab")) or module is owner:
+                            continue
+                        for attr, value in list(held.items()):
+                            if value is raw:
+                                undo.append((module, attr, value))
+                                setattr(module, attr, wrapped)
+            yield self
+        finally:
+            for owner, name, stored in reversed(undo):
+                setattr(owner, name, stored)
+
+    def _wrap(self, part: str, stored: Any) -> Any:
+        raw = stored.__func__ if isinstance(stored, (staticmethod, classmethod)) else stored
+        depth = [0]
+
+        @functools.wraps(raw)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.active or depth[0]:
+                return raw(*args, **kwargs)
+            depth[0] += 1
+            t0 = time.perf_counter()
+            try:
+                return raw(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+                self.seconds[part] = self.seconds.get(part, 0.0) + time.perf_counter() - t0
+
+        return type(stored)(timed) if isinstance(stored, (staticmethod, classmethod)) \
+            else timed
+
+    def per_round(self, rounds: int) -> dict[str, float | None]:
+        """Seconds per round of each part, ``None`` for a part none of whose functions
+        exists in the code measured."""
+        return {part: round(self.seconds.get(part, 0.0) / rounds, 4)
+                if part in self.found else None for part in self.parts}
 
 
 def profile_round(settings: dict[str, Any], clients: int, device: str) -> dict[str, Any]:
-    """Where the engine's round goes: cProfile over the rounds after the first (from the
-    training of round 2 to the training of the last round: whole rounds, warm), seconds per
-    round of each of :data:`PARTS`, with ``round`` the profiled round and ``other`` what no
-    top-level part holds. The profiler slows Python-heavy parts more than torch's kernels:
-    compare parts within a profile and profiles with each other, not with unprofiled
-    times."""
+    """Where the engine's round goes: wall-clock time of each of :data:`PARTS`
+    (:class:`PartTimer`) over the rounds after the first (from the training of round 2 to
+    the training of the last round: whole rounds, warm), in seconds per round, with
+    ``round`` the whole round and ``other`` what no top-level part holds (Flower's strategy
+    loop, the engine's grid, logging, the metrics file)."""
     cfg = RunConfig.from_mapping(settings)
     if cfg.num_server_rounds < 3:
         raise SystemExit("bench_engine: --profile needs --rounds ≥ 3 (it profiles whole "
                          "rounds after the first)")
     grid = engine_grid(cfg, clients, engine="sequential", device=device)
-    inner, calls = grid.trainer, [0]
-    profiler = cProfile.Profile()
+    inner, calls, marks = grid.trainer, [0], dict[str, float]()
+    timer = PartTimer(PARTS)
 
     def trainer(jobs: Any) -> Any:
         calls[0] += 1
         if calls[0] == 2:
-            profiler.enable()
+            timer.active, marks["start"] = True, time.perf_counter()
         elif calls[0] == cfg.num_server_rounds:
-            profiler.disable()
+            timer.active, marks["stop"] = False, time.perf_counter()
         return inner(jobs)
 
     grid.trainer = trainer
-    run_server(grid, cfg, device=device)
+    with timer.installed():
+        run_server(grid, cfg, device=device)
     rounds = cfg.num_server_rounds - 2
-    stats = pstats.Stats(profiler)
-    parts = part_seconds(stats, rounds)
-    total = stats.total_tt / rounds  # type: ignore[attr-defined]
-    top = [v for k, v in parts.items() if "/" in k and k.count("/") == 1
+    parts = timer.per_round(rounds)
+    total = (marks["stop"] - marks["start"]) / rounds
+    top = [v for k, v in parts.items() if k.count("/") == 1
            and k.split("/")[0] in ("client", "server") and v is not None]
     return {"round": round(total, 4), **parts, "other": round(total - sum(top), 4)}
 
@@ -668,8 +746,9 @@ def main() -> None:
     ap.add_argument("--equality-rounds", type=int, default=1, help="0: skip the check")
     ap.add_argument("--equality-examples", type=int, default=100)
     ap.add_argument("--profile", action="store_true",
-                    help="also profile the sequential engine's round (cProfile, rounds after "
-                    "the first): seconds per round of each part (PARTS), under 'profile'")
+                    help="also profile the sequential engine's round (wall-clock timers, rounds "
+                    "after the first): seconds per round of each part (PARTS), under "
+                    "'profile'")
     ap.add_argument("--against", metavar="REV", default=None,
                     help="run the sequential engine of git revision REV and of this work "
                     "tree side by side (alternating, one process per run, --repeats of each; "

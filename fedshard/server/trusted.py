@@ -80,23 +80,22 @@ def update_of(values: Mapping[str, np.ndarray], sent: Mapping[str, np.ndarray]
               ) -> dict[str, np.ndarray]:
     """``values − sent`` in float64 for every floating key of ``sent`` (a node's update in its
     own coordinates: its factor columns and dense entries, or its narrow slice)."""
-    return {k: np.asarray(values[k], np.float64) - np.asarray(s, np.float64)
+    return {k: np.subtract(values[k], s, dtype=np.float64)
             for k, s in sent.items() if np.issubdtype(np.asarray(s).dtype, np.floating)}
 
 
-def _flat(update: Mapping[str, np.ndarray]) -> np.ndarray:
-    keys = sorted(update)
-    return (np.concatenate([update[k].ravel() for k in keys]) if keys
-            else np.zeros(0))
+def _norm(update: Mapping[str, np.ndarray]) -> float:
+    """The Euclidean norm of an update over all its keys."""
+    return math.sqrt(sum(float(np.vdot(x, x)) for x in update.values()))
 
 
 def cosine(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> float:
     """The cosine of two updates over the keys of ``a`` (0 where either is zero)."""
-    x, y = _flat(a), _flat({k: b[k] for k in a})
-    nx, ny = float(np.linalg.norm(x)), float(np.linalg.norm(y))
+    xy = sum(float(np.vdot(a[k], b[k])) for k in a)
+    nx, ny = _norm(a), _norm({k: b[k] for k in a})
     if not (nx > 0 and ny > 0 and math.isfinite(nx * ny)):
         return 0.0
-    return float(np.clip(x @ y / (nx * ny), -1.0, 1.0))
+    return float(np.clip(xy / (nx * ny), -1.0, 1.0))
 
 
 def fltrust_weights(updates: Sequence[Mapping[str, np.ndarray]],
@@ -115,7 +114,7 @@ def fltrust_weights(updates: Sequence[Mapping[str, np.ndarray]],
     for g, g0, w in zip(updates, references, weights, strict=True):
         c = cosine(g, g0)
         t = max(0.0, c)
-        ng, n0 = float(np.linalg.norm(_flat(g))), float(np.linalg.norm(_flat(g0)))
+        ng, n0 = _norm(g), _norm(g0)
         out_w.append(t * float(w))
         out_s.append(n0 / ng if t > 0 and ng > 0 else 0.0)
         out_c.append(c)
@@ -388,22 +387,22 @@ class TrustStage:
             metrics["distrusted-excluded"] = float(len(accepted) - len(out))
         if not out:
             return out
-        updates = [update_of(r.values, sent[r.node].values) for r in out]
         if self.reference is not None:
+            deltas = [update_of(r.values, sent[r.node].values) for r in out]
             by_node = {m.metadata.dst_node_id: m for m in messages}
             epochs = self.reference.epochs_for(float(np.median([r.weight for r in out])))
             refs = [self.reference.update(by_node[r.node], sent[r.node], epochs) for r in out]
             if not any(np.any(v) for g0 in refs for v in g0.values()):
                 log(INFO, "Round %d: the trusted reference did not move (lr 0?); the replies "
                     "are not reweighted.", server_round)
-                cosines = [cosine(g, g0) for g, g0 in zip(updates, refs, strict=True)]
+                cosines = [cosine(g, g0) for g, g0 in zip(deltas, refs, strict=True)]
             else:
-                weights, scales, cosines = fltrust_weights(updates, refs, [r.weight for r in out])
+                weights, scales, cosines = fltrust_weights(deltas, refs, [r.weight for r in out])
                 out = self._rescaled(out, sent, weights, scales, metrics)
                 metrics["trust-mean"] = float(np.mean([max(0.0, c) for c in cosines]))
             source = "the server's trusted reference update"
         else:
-            cosines = _aggregate_cosines(out, updates, sent)
+            cosines = _aggregate_cosines(out, sent)
             source = "the aggregate of the round's other accepted nodes"
         for r, c in zip(out, cosines, strict=True):
             self.record.add(r.node, c)
@@ -456,19 +455,34 @@ class TrustStage:
 _OTHERS = 1e-9
 
 
-def _aggregate_cosines(out: Sequence[P.TrainReply], updates: Sequence[dict[str, np.ndarray]],
-                       sent: Mapping[int, P.SentShard]) -> list[float]:
+def _aggregate_cosines(out: Sequence[P.TrainReply], sent: Mapping[int, P.SentShard]
+                       ) -> list[float]:
     """Each node's cosine with the weighted mean update of the round's *other* accepted nodes,
-    in its own coordinates: per factor column the mean over the other nodes holding that term
-    (the same sent column), per dense entry or slice over the other nodes sent the same shape
-    (zero where no other node holds it).
+    in its own coordinates (:func:`update_of`): per factor column the mean over the other nodes
+    holding that term (the same sent column), per dense entry or slice over the other nodes
+    sent the same shape (zero where no other node holds it).
 
     Notes
     -----
     Leave-one-out: a term has few holders (about ``r`` of the cohort) and averaging shrinks
     the honest updates' mean, so a mean that counted the node itself would give any update
     (noise, a negated one) a positive cosine with it; measured in docs/robustness.md.
+
+    Two passes over the replies, each node's update taken afresh in one float64 scratch
+    array per shape rather than kept (keeping every node's float64 copy costs the memory of
+    the round's replies twice over, and its page faults, every round). The first sums the
+    weighted updates over their holders: ``S`` and total weight ``T`` per dense key, per term
+    for a factor key. The second takes, for each node of weight ``w`` and update ``x``, the
+    others' sum ``d = S − w x``, their mean ``d / (T − w)``, and accumulates ``x·d`` and
+    ``d·d`` (per column for a factor key, whose ``T`` is per term) and ``x·x``.
     """
+    scratch: dict[tuple[int, ...], np.ndarray] = {}  # float64 arrays reused across nodes
+
+    def update(r: P.TrainReply, k: str) -> np.ndarray:
+        # the node's update of key k, in a scratch array (valid until the next call)
+        got = r.values[k]
+        return np.subtract(got, sent[r.node].values[k], out=_buffer(scratch, got, 0),
+                           dtype=np.float64)
 
     def terms(node: int, key: str, x: np.ndarray) -> np.ndarray | None:
         # the term index of each factor column of ``x``, ``None`` for a dense entry or slice
@@ -477,46 +491,77 @@ def _aggregate_cosines(out: Sequence[P.TrainReply], updates: Sequence[dict[str, 
             return np.asarray(idx, dtype=np.intp).reshape(-1)
         return None
 
+    keys = [[k for k, s in sent[r.node].values.items()
+             if np.issubdtype(np.asarray(s).dtype, np.floating)] for r in out]
     # per factor key: (N, rows) sums of the weighted columns over their term's holders and
     # (N,) total weights; per dense key and shape: the weighted sum and total weight. Each
     # column and entry adds its nodes in the order of ``out``, as one sum per slot would.
     width: dict[tuple[str, int], int] = {}
-    for r, g in zip(out, updates, strict=True):
-        for k, x in g.items():
+    for r, ks in zip(out, keys, strict=True):
+        for k in ks:
+            x = r.values[k]
             idx = terms(r.node, k, x)
             if idx is not None and idx.size:
                 width[(k, x.shape[0])] = max(width.get((k, x.shape[0]), 0), int(idx.max()) + 1)
     col_sums = {slot: np.zeros((n, slot[1])) for slot, n in width.items()}
     col_totals = {slot: np.zeros(n) for slot, n in width.items()}
-    sums: dict[tuple[str, Any], Any] = {}
+    sums: dict[tuple[str, Any], np.ndarray] = {}
     totals: dict[tuple[str, Any], float] = {}
-    for r, g in zip(out, updates, strict=True):
-        for k, x in g.items():
+    squares = []  # each node's x·x
+    for r, ks in zip(out, keys, strict=True):
+        xx = 0.0
+        for k in ks:
+            x = update(r, k)
+            xx += float(np.vdot(x, x))
             idx = terms(r.node, k, x)
             if idx is None:
-                sums[(k, x.shape)] = sums.get((k, x.shape), 0.0) + r.weight * x
-                totals[(k, x.shape)] = totals.get((k, x.shape), 0.0) + r.weight
+                if (k, x.shape) in sums:
+                    sums[(k, x.shape)] += np.multiply(x, r.weight, out=x)
+                    totals[(k, x.shape)] += r.weight
+                else:
+                    sums[(k, x.shape)] = r.weight * x
+                    totals[(k, x.shape)] = r.weight
             elif idx.size:
                 np.add.at(col_sums[(k, x.shape[0])], idx, (r.weight * x[:, :idx.size]).T)
                 np.add.at(col_totals[(k, x.shape[0])], idx, r.weight)
+        squares.append(xx)
     cosines = []
-    for r, g in zip(out, updates, strict=True):
-        mean: dict[str, np.ndarray] = {}
-        for k, x in g.items():
+    for r, ks, xx in zip(out, keys, squares, strict=True):
+        w = r.weight
+        xd = dd = 0.0  # x·mean and mean·mean over the node's keys
+        for k in ks:
+            x = update(r, k)
             idx = terms(r.node, k, x)
             # the others' weight; under a rounding's width of the total: no other holder
             if idx is None:
                 total = totals[(k, x.shape)]
-                t = total - r.weight
-                mean[k] = ((sums[(k, x.shape)] - r.weight * x) / t
-                           if t > _OTHERS * total else np.zeros_like(x))
-            elif not idx.size:  # a factor key of no terms
-                mean[k] = np.zeros_like(x)
-            else:
+                t = total - w
+                if t > _OTHERS * total:
+                    d = np.multiply(x, -w, out=_buffer(scratch, x, 1))
+                    d += sums[(k, x.shape)]  # the others' weighted sum, S − w x
+                    xd += float(np.vdot(x, d)) / t
+                    dd += float(np.vdot(d, d)) / (t * t)
+            elif idx.size:
                 total_col = col_totals[(k, x.shape[0])][idx]
-                t = total_col - r.weight
-                s = col_sums[(k, x.shape[0])][idx].T - r.weight * x[:, :idx.size]
+                t = total_col - w
                 held = t > _OTHERS * total_col
-                mean[k] = np.where(held, s / np.where(held, t, 1.0), 0.0)
-        cosines.append(cosine(g, mean))
+                if held.any():
+                    xc = x[:, :idx.size] if held.all() else x[:, held.nonzero()[0]]
+                    th = t[held]
+                    d = col_sums[(k, x.shape[0])][idx[held]].T - w * xc  # (rows, held)
+                    xd += float(np.sum(np.einsum("ij,ij->j", xc, d) / th))
+                    dd += float(np.sum(np.einsum("ij,ij->j", d, d) / (th * th)))
+        norm = math.sqrt(xx) * math.sqrt(dd)
+        cosines.append(float(np.clip(xd / norm, -1.0, 1.0))
+                       if norm > 0 and math.isfinite(norm) else 0.0)
     return cosines
+
+
+def _buffer(scratch: dict[tuple[int, ...], np.ndarray], like: np.ndarray,
+            slot: int) -> np.ndarray:
+    """Float64 scratch array number ``slot`` of ``like``'s shape, reused across nodes."""
+    key = (slot, *like.shape)
+    buf = scratch.get(key)
+    if buf is None:
+        buf = scratch[key] = np.empty(like.shape)
+    return buf

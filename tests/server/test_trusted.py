@@ -444,11 +444,19 @@ def test_aggregate_cosines_match_a_per_term_brute_force() -> None:
         out, updates, sent = [], [], {}
         for node in range(int(rng.integers(1, 7))):
             idx = np.sort(rng.choice(N, size=int(rng.integers(0, 5)), replace=False))
-            sent[node] = SimpleNamespace(indices={"l": idx})
-            out.append(SimpleNamespace(node=node, weight=float(rng.choice([0.0, 0.1, 0.2, 3.0]))))
-            updates.append({"l.u": rng.normal(size=(4, idx.size)),
-                            "l.v": rng.normal(size=(3, idx.size)),
-                            "b": rng.normal(size=(5,) if rng.random() < 0.5 else (2, 2))})
+            before = {"l.u": rng.normal(size=(4, idx.size)).astype(np.float32),
+                      "l.v": rng.normal(size=(3, idx.size)).astype(np.float32),
+                      "b": rng.normal(size=(5,) if rng.random() < 0.5 else (2, 2)
+                                      ).astype(np.float32),
+                      "l.indices": idx.astype(np.int64)}  # not floating: not an update
+            got = {k: (v + rng.normal(size=v.shape)).astype(v.dtype) if k != "l.indices"
+                   else v for k, v in before.items()}
+            sent[node] = SimpleNamespace(indices={"l": idx}, values=before)
+            out.append(SimpleNamespace(node=node, values=got,
+                                       weight=float(rng.choice([0.0, 0.1, 0.2, 3.0]))))
+            # the update, as the brute force below takes it: float64 of each side, subtracted
+            updates.append({k: got[k].astype(np.float64) - before[k].astype(np.float64)
+                            for k in ("l.u", "l.v", "b")})
         expected = []
         for r, g in zip(out, updates, strict=True):
             x, y = [], []
@@ -473,8 +481,8 @@ def test_aggregate_cosines_match_a_per_term_brute_force() -> None:
             a, b = np.concatenate(x), np.concatenate(y)
             na, nb = np.linalg.norm(a), np.linalg.norm(b)
             expected.append(0.0 if na == 0 or nb == 0 else float(a @ b / (na * nb)))
-        got = _aggregate_cosines(out, updates, sent)  # type: ignore[arg-type]
-        np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
+        cosines = _aggregate_cosines(out, sent)  # type: ignore[arg-type]
+        np.testing.assert_allclose(cosines, expected, rtol=1e-12, atol=1e-12)
 
 
 def test_a_noise_or_negated_node_is_not_aligned_with_an_aggregate_of_itself() -> None:
@@ -490,9 +498,10 @@ def test_a_noise_or_negated_node_is_not_aligned_with_an_aggregate_of_itself() ->
     honest = [{"w": common + 0.5 * rng.normal(size=400)} for _ in range(3)]
     noise = {"w": rng.normal(size=400) * float(np.linalg.norm(honest[0]["w"])) / 20}
     negated = {"w": -(common + 0.5 * rng.normal(size=400))}  # a fourth node's, negated
-    out = [SimpleNamespace(node=n, weight=1.0) for n in range(4)]
-    sent = {n: SimpleNamespace(indices={}) for n in range(4)}
+    sent = {n: SimpleNamespace(indices={}, values={"w": np.zeros(400)}) for n in range(4)}
     for bad, below in ((noise, 0.15), (negated, -0.2)):
-        cosines = _aggregate_cosines(out, [*honest, bad], sent)  # type: ignore[arg-type]
+        out = [SimpleNamespace(node=n, weight=1.0, values=u)
+               for n, u in enumerate([*honest, bad])]
+        cosines = _aggregate_cosines(out, sent)  # type: ignore[arg-type]
         assert cosines[3] < below, cosines
         assert min(cosines[:3]) > 0.2, cosines

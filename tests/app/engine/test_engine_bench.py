@@ -10,9 +10,11 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -100,12 +102,44 @@ def test_profile_parts_name_functions_that_exist() -> None:
     function would silently report nothing)."""
     bench = _bench_module()
     for part, functions in bench.PARTS.items():
-        for path, name in functions:
-            if path.startswith("torch/"):
-                source = (Path(torch.__file__).parent / path.removeprefix("torch/")).read_text()
-            else:
-                source = (ROOT / path).read_text()
-            assert f"def {name}(" in source, (part, path, name)
+        for spec in functions:
+            assert bench.resolve_function(spec) is not None, (part, spec)
+    assert bench.resolve_function("fedshard.client.shard:no_such_function") is None
+
+
+def test_part_timer_times_the_outermost_call_only_while_active_and_undoes_itself() -> None:
+    """:class:`PartTimer` times a part's function wherever a module imported it by name,
+    nothing while inactive, and puts the original back."""
+    import fedshard.protocol.arrays as arrays_module
+    import fedshard.protocol.shards as shards_module
+
+    bench = _bench_module()
+    original = arrays_module.decode_array
+    imported = shards_module.decode_array  # bound by name at import ("from ... import")
+    assert imported is original
+    timer = bench.PartTimer({"codec": ("fedshard.protocol.arrays:decode_array",),
+                             "missing": ("fedshard.protocol.arrays:no_such_function",)})
+    array = bench_array()
+    with timer.installed():
+        assert shards_module.decode_array is not original  # the by-name import is wrapped
+        shards_module.decode_array(array)
+        assert timer.seconds == {}  # inactive: not timed
+        timer.active = True
+        t0 = time.perf_counter()
+        for _ in range(3):
+            arrays_module.decode_array(array)
+        elapsed = time.perf_counter() - t0
+    assert arrays_module.decode_array is original and shards_module.decode_array is original
+    assert 0 < timer.seconds["codec"] <= elapsed
+    per_round = timer.per_round(2)
+    assert per_round["missing"] is None
+    assert per_round["codec"] == round(timer.seconds["codec"] / 2, 4)
+
+
+def bench_array() -> Any:
+    from flwr.app import Array
+
+    return Array(np.arange(12, dtype=np.float32).reshape(3, 4))
 
 
 def test_pfl_side_says_why_it_did_not_run(tmp_path: Path) -> None:
