@@ -188,12 +188,15 @@ def _engine() -> list[str]:
 
 
 #: The parts of the engine's round that docs/performance.md tabulates from the profile.
-ENGINE_PARTS = ("round", "client/receive", "client/receive/settings", "client/train",
-                "client/train/optimizer-step/rules", "client/reply", "server/configure",
-                "server/aggregate", "server/aggregate/reply-checks", "server/aggregate/receipts",
-                "server/aggregate/robust", "server/end-round",
+ENGINE_PARTS = ("round", "client/receive", "client/receive/settings", "client/receive/submodel",
+                "client/train", "client/train/forward-loss", "client/train/backward",
+                "client/train/optimizer-step", "client/train/optimizer-step/rules",
+                "client/reply", "server/configure", "server/aggregate",
+                "server/aggregate/reply-checks", "server/aggregate/receipts",
+                "server/aggregate/robust", "server/aggregate/trust-record",
+                "server/aggregate/combine", "server/end-round",
                 "server/end-round/central-evaluation", "server/end-round/checkpoint",
-                "array-codec")
+                "array-codec", "other")
 
 
 def _seconds(value: float | None) -> str:
@@ -224,6 +227,25 @@ def _engine_against() -> list[str]:
         cells = [_seconds(profile[side][m][part]) for m in ("none", "collective")
                  for side in ("against", "work-tree")]
         facts.append(f"| `{part}` | " + " | ".join(cells) + " |")
+    runs = [run["engine_vs_bare"] for run in r["runs"]["work-tree"]]
+    this, last = profile["work-tree"]["none"], profile["against"]["none"]
+    facts += [f"from {min(x['none'] for x in runs):.3f}× to {max(x['none'] for x in runs):.3f}×",
+              f"from {min(x['collective'] for x in runs):.3f}× to "
+              f"{max(x['collective'] for x in runs):.3f}× with Collective",
+              f"is {this['client/train']:.3f} s of this release's {this['round']:.3f} s "
+              "FedAvg round",
+              f"({last['server/aggregate/trust-record']:.3f} s, mostly first touches",
+              f"one scratch array per shape ({this['server/aggregate/trust-record']:.3f} s"]
+    checks = sum(this[k] for k in ("server/aggregate/reply-checks", "server/aggregate/robust",
+                                   "server/aggregate/trust-record",
+                                   "server/end-round/checkpoint"))
+    facts.append(f"together are {checks:.3f} s of the {this['round']:.3f} s round")
+    loop = _record("train-loop")
+    q = loop["train_vs_bare_quartiles"]
+    facts += [_command(loop), loop["date"], "results/performance/train-loop.json",
+              f"{loop['pairs']} pairs run alternately: {loop['train_vs_bare']:.3f}× (quartiles "
+              f"{q[0]:.3f} to {q[2]:.3f}; an epoch took {loop['s_per_epoch']['fedshard']:.4f} s "
+              f"against {loop['s_per_epoch']['bare']:.4f} s)"]
     return facts
 
 
