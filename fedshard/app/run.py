@@ -37,8 +37,9 @@ from fedshard.app.task import (
     width_family,
 )
 from fedshard.data import dataset_info
+from fedshard.server.advice import TrainingReceipts
 from fedshard.server.base import KeepRatioStrategy
-from fedshard.server.callbacks import RoundCallback, TrainingReceipts
+from fedshard.server.callbacks import RoundCallback
 from fedshard.server.side_jobs import TensorBoardLog
 from fedshard.server.strategy import SpectralSharding
 from fedshard.server.width import WidthSlicing

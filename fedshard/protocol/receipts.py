@@ -6,7 +6,7 @@ client rules applied to and whether ClipLR and Frobenius decay were applied; a n
 with DP-SGD (Opacus) also says so, with its noise multiplier σ and clipping norm C
 (``trained-dp-sgd``, ``trained-noise-multiplier``, ``trained-max-grad-norm``; left out
 otherwise, so the replies of nodes without DP are as before). The server
-compares them with what it sent (:class:`fedshard.server.callbacks.TrainingReceipts`). A
+compares them with what it sent (:class:`fedshard.server.advice.TrainingReceipts`). A
 receipt is a node's word, bounded and checked like every other value a node sends; a reply
 without one (an older node) is used as before.
 """

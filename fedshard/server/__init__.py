@@ -17,7 +17,9 @@
 - :mod:`~fedshard.server.metrics` - per-round metrics, client-metric aggregation, TensorBoard.
 - :mod:`~fedshard.server.fedavg_cosine` - the paper's post-gradient analysis (Sec. 4.4).
 - :mod:`~fedshard.server.callbacks` - what a run does around its rounds (:class:`RoundCallback`:
-  the strategy's own checks and stops, yours); :mod:`~fedshard.server.side_jobs` - central
+  the strategy's own checks and stops, yours); :mod:`~fedshard.server.advice` - what a run
+  says and warns as it goes; :mod:`~fedshard.server.stops` - runs that cannot go on or train
+  nothing; :mod:`~fedshard.server.side_jobs` - central
   evaluation and TensorBoard as callbacks; :mod:`~fedshard.server.progress` - is the run
   learning (the slow start of a sharded model, an accuracy that keeps falling).
 - :mod:`~fedshard.server.central_dp` - central differential privacy for factor shards and
@@ -30,30 +32,30 @@
   :class:`~fedshard.protocol.LegacyApiError` with the migration guide.
 """
 
-from fedshard.server.base import KeepRatioStrategy
-from fedshard.server.callbacks import (
-    NO_TRAINING_PATIENCE,
+from fedshard.server.advice import (
     CompoundingMultipliers,
     ConfigPrecedence,
-    RoundCallback,
     SettingsSummary,
     ShardingBudgetReport,
     SingleNodeGroups,
     SmallCohort,
-    StopOnDivergence,
-    StopRun,
-    StopWhenEveryReplyFails,
-    StopWhenUntrained,
     TrainingReceipts,
-    UnchangingModel,
     UntrainedChannels,
-    default_callbacks,
 )
+from fedshard.server.base import KeepRatioStrategy
+from fedshard.server.callbacks import RoundCallback, StopRun, default_callbacks
 from fedshard.server.metrics import mean_client_metrics
 from fedshard.server.nodes import load_keep_ratio_table
 from fedshard.server.progress import FallingAccuracy, SlowStart
 from fedshard.server.schedule import cosine_lr
 from fedshard.server.side_jobs import CentralEvaluation, TensorBoardLog
+from fedshard.server.stops import (
+    NO_TRAINING_PATIENCE,
+    StopOnDivergence,
+    StopWhenEveryReplyFails,
+    StopWhenUntrained,
+    UnchangingModel,
+)
 from fedshard.server.strategy import (
     SHARDING_METHODS,
     NoRoundTrainedError,

@@ -34,6 +34,7 @@ from fedshard.server.metrics import mean_client_metrics
 from fedshard.server.nodes import NodeDirectory
 from fedshard.server.privacy import driving_strategy, refuse_foreign_driver
 from fedshard.server.schedule import RunRounds, round_recipe
+from fedshard.server.stops import StopWhenUntrained
 from fedshard.server.trusted import TrustedReference, TrustStage
 from fedshard.settings import (
     CONCERNS,
@@ -316,7 +317,7 @@ class KeepRatioStrategy(FedAvg):
 
     def describe(self) -> list[str]:
         """What the strategy does, as log lines (logged once by
-        :class:`~fedshard.server.callbacks.SettingsSummary`): a subclass puts what it sends
+        :class:`~fedshard.server.advice.SettingsSummary`): a subclass puts what it sends
         before these lines, the local-training recipe and its schedule."""
         t = self.training
         schedule = (f"{t.lr_schedule} over {self.num_rounds} rounds"
@@ -359,7 +360,7 @@ class KeepRatioStrategy(FedAvg):
         # StopWhenUntrained's error, and only where that check is one of the callbacks
         nodes = self.nodes.sample(grid, server_round, self.fraction_train, self.min_train_nodes,
                                   training=True, stop_if_all_fail=any(
-                                      isinstance(c, cb.StopWhenUntrained)
+                                      isinstance(c, StopWhenUntrained)
                                       for c in self.callbacks),
                                   leave_out=self.trust.left_out())
         if not nodes:

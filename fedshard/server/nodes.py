@@ -273,7 +273,8 @@ class NodeDirectory:
         reasons = set(failures.values())
         if len(reasons) != 1 or not (reason := next(iter(reasons))).startswith("error reply"):
             return
-        from fedshard.server.callbacks import NoRoundTrainedError, likely_fix  # (a cycle)
+        from fedshard.server.callbacks import NoRoundTrainedError  # (a cycle)
+        from fedshard.server.stops import likely_fix
 
         message = (f"No round trained: in round {server_round} every one of the "
                    f"{len(node_ids)} connected nodes answered the capability query with the "

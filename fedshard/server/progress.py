@@ -23,7 +23,8 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message
 
 from fedshard import protocol as P
-from fedshard.server.callbacks import RoundCallback, TrainingReceipts
+from fedshard.server.advice import TrainingReceipts
+from fedshard.server.callbacks import RoundCallback
 
 if TYPE_CHECKING:
     from fedshard.server.base import KeepRatioStrategy

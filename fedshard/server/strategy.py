@@ -16,11 +16,11 @@ from fedshard.sampling import SHARDING_METHODS
 from fedshard.server import rounds
 from fedshard.server.base import KeepRatioStrategy
 from fedshard.server.callbacks import (
-    NO_TRAINING_PATIENCE,
     NoRoundTrainedError,
     RoundCallback,
     TrainingDivergedError,
 )
+from fedshard.server.stops import NO_TRAINING_PATIENCE
 from fedshard.server.trusted import TrustedReference
 from fedshard.settings import (
     Cohort,
@@ -123,7 +123,7 @@ class SpectralSharding(KeepRatioStrategy):
     round hooks, so they hold whoever drives the hooks: Flower's ``start()`` (this strategy
     overrides neither it nor ``summary()``), a subclass's own ``start()``, a loop of one's
     own. They log the settings at round 1, stop a run that trained nothing
-    (:class:`~fedshard.server.callbacks.StopWhenUntrained`: :class:`NoRoundTrainedError`
+    (:class:`~fedshard.server.stops.StopWhenUntrained`: :class:`NoRoundTrainedError`
     after the last round), stop a run whose training diverged (:class:`TrainingDivergedError`),
     and warn about the round config, keep-ratio groups of one node and compounding
     multipliers.
@@ -205,10 +205,10 @@ class SpectralSharding(KeepRatioStrategy):
         Remembers whether the model has a normalization layer (:attr:`unnormalized`): without
         one, the first round whose multipliers exceed 1 (Unbiased, PriSM + Wallenius,
         Collective with ≥ 2 nodes of a keep ratio < 1) logs a WARNING that ω can compound
-        from layer to layer (:class:`~fedshard.server.callbacks.CompoundingMultipliers`). Keeps
+        from layer to layer (:class:`~fedshard.server.advice.CompoundingMultipliers`). Keeps
         ``model`` and ``example_input`` so that the first round with each keep ratio logs what
         a node receives and computes against the dense model, and warns where sharding saves
-        less than it should (:class:`~fedshard.server.callbacks.ShardingBudgetReport`).
+        less than it should (:class:`~fedshard.server.advice.ShardingBudgetReport`).
         """
         kwargs = cls._arguments(options, taken=("sharded_layers",))
         layers = sharded_layer_names(model, example_input=example_input,

@@ -13,7 +13,7 @@ from flwr.app import ConfigRecord, Error, Message
 
 from fedshard import protocol as P
 from fedshard.server import TrainingDivergedError
-from fedshard.server.callbacks import StopOnDivergence
+from fedshard.server.stops import StopOnDivergence
 from fedshard.settings import ReplyPolicy, SettingsError
 
 

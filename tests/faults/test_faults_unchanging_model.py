@@ -17,7 +17,8 @@ from torch import nn
 
 from fedshard import handle_query, handle_train
 from fedshard.app.config import ConfigError, RunConfig
-from fedshard.server.callbacks import UnchangingModel, default_callbacks
+from fedshard.server.callbacks import default_callbacks
+from fedshard.server.stops import UnchangingModel
 from fedshard.settings import MIN_LR, SettingsError
 
 
