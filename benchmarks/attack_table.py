@@ -88,7 +88,7 @@ from fedshard.app.config import RunConfig  # noqa: E402
 from fedshard.app.run import run_server  # noqa: E402
 from fedshard.app.task import client_dataset, template_model  # noqa: E402
 from fedshard.client import handle_train  # noqa: E402
-from fedshard.server.trusted import TrustRecord, TrustStage  # noqa: E402
+from fedshard.server.trust_record import TrustRecord, TrustStage  # noqa: E402
 from fedshard.settings import SHARDING_METHODS, WIDTH_METHODS  # noqa: E402
 
 REAL = Path("/usr/share/datasets/fashion-mnist")
@@ -442,7 +442,7 @@ class _Named(logging.Handler):
 class _Cosines:
     """Each node's cosine per round as the server's agreement record received it (node ->
     ``[round, cosine]`` pairs): the record a naming rule reads, kept whole so that a rule can
-    be replayed on it (:class:`fedshard.server.trusted.TrustRecord` keeps a node's last rounds
+    be replayed on it (:class:`fedshard.server.trust_record.TrustRecord` keeps a node's last rounds
     only). Wraps ``TrustStage.weigh`` (the round) and ``TrustRecord.add`` while it is open."""
 
     def __enter__(self) -> _Cosines:
@@ -562,8 +562,8 @@ def markdown(paths: list[str]) -> str:
 def replay_names(rows: dict[str, list[list[float]]], below: float) -> dict[int, int]:
     """The nodes the server's naming rule names on a cell's recorded cosines (``cosines``:
     node -> ``[round, cosine]`` pairs), each with the first round it is named in: the rule
-    of the code that replays it (:meth:`fedshard.server.trusted.TrustRecord.distrusts`), fed
-    round by round as :class:`~fedshard.server.trusted.TrustStage` feeds it."""
+    of the code that replays it (:meth:`fedshard.server.trust_record.TrustRecord.distrusts`), fed
+    round by round as :class:`~fedshard.server.trust_record.TrustStage` feeds it."""
     record, first = TrustRecord(), {}
     by_round: dict[int, list[tuple[int, float]]] = {}
     for node, pairs in rows.items():

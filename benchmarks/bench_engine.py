@@ -378,7 +378,8 @@ PARTS: dict[str, tuple[str, ...]] = {
     "server/aggregate/robust": ("fedshard.server.robust:align_replies",
                                 "fedshard.server.robust:spread_replies",
                                 "fedshard.server.rounds:RoundState.bound_weights"),
-    "server/aggregate/trust-record": ("fedshard.server.trusted:TrustStage.weigh",),
+    "server/aggregate/trust-record": ("fedshard.server.trust_record:TrustStage.weigh",
+                                      "fedshard.server.trusted:TrustStage.weigh"),  # (before)
     "server/aggregate/combine": ("fedshard.server.rounds:RoundState.aggregate",),
     "server/end-round": ("fedshard.server.callbacks:run_round",),
     "server/end-round/central-evaluation": ("fedshard.client.train.loop:evaluate",),

@@ -515,7 +515,7 @@ class ReplyPolicy(Settings):
         In ``[-1, 1]`` (default 0.02), with trusted data: a node whose updates' cosine with
         the server's trusted reference update has a median below this over its last rounds
         (at least 3 of the last 10 it took part in) is named in a WARNING with its cosines
-        (:mod:`fedshard.server.trusted`; counted in ``distrusted-nodes``). -1: never named.
+        (:mod:`fedshard.server.trust_record`; counted in ``distrusted-nodes``). -1: never named.
     distrust_below_aggregate : float
         In ``[-1, 1]`` (default -0.5), without trusted data: the same rule on each node's
         cosine with the aggregate of the round's other accepted nodes. Honest nodes on

@@ -179,7 +179,7 @@ class Checkpoint:
     capabilities: dict[int, tuple[float, str]] = field(default_factory=dict)
     history: dict[int, dict[str, float]] = field(default_factory=dict)
     path: Path | None = None  # the file it was loaded from (None: not loaded)
-    # node -> its last rounds' cosines (fedshard.server.trusted.TrustRecord); optional in a file
+    # node -> its last rounds' cosines (fedshard.server.trust_record.TrustRecord); optional
     trust: dict[int, list[float]] = field(default_factory=dict)
     # node -> the round exclude-distrusted left it out in (TrustStage.excluded); optional
     excluded: dict[int, int] = field(default_factory=dict)

@@ -10,6 +10,9 @@
 - :mod:`~fedshard.server.robust` - what one dishonest node can do within the bounds, undone:
   terms re-signed and re-balanced, the weight cap, the spread bound (a node out of line held
   to the median), Flower's robust rules on dense replies.
+- :mod:`~fedshard.server.trusted` - the server's trusted reference update (FLTrust, opt-in);
+  :mod:`~fedshard.server.trust_record` - each node's agreement record across rounds, named
+  and optionally left out when it keeps pointing elsewhere.
 - :mod:`~fedshard.server.nodes` - waiting for nodes, their declared keep ratios, the rules
   that bound them, seeded node sampling.
 - :mod:`~fedshard.server.schedule` - a run's rounds (resumed runs count on) and the

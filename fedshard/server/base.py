@@ -35,7 +35,8 @@ from fedshard.server.nodes import NodeDirectory
 from fedshard.server.privacy import driving_strategy, refuse_foreign_driver
 from fedshard.server.schedule import RunRounds, round_recipe
 from fedshard.server.stops import StopWhenUntrained
-from fedshard.server.trusted import TrustedReference, TrustStage
+from fedshard.server.trust_record import TrustStage
+from fedshard.server.trusted import TrustedReference
 from fedshard.settings import (
     CONCERNS,
     Cohort,

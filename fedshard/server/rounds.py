@@ -42,7 +42,7 @@ from fedshard.server.robust import (
     spread_replies,
     weight_bound,
 )
-from fedshard.server.trusted import TrustStage
+from fedshard.server.trust_record import TrustStage
 from fedshard.settings import LocalTraining, ReplyPolicy, Sharding
 from fedshard.spectral.aggregate import DENSE_AGGREGATIONS, aggregate_state
 from fedshard.spectral.decompose import LayerSpectrum, layer_spectrum

@@ -1,19 +1,17 @@
-"""Trust in a node's updates: the server's own reference update on a small clean set
-(FLTrust, Cao et al., NDSS 2021), and each node's agreement record across rounds.
+"""The server's own reference update on a small clean set (FLTrust, Cao et al., NDSS 2021):
+each round the server trains what each node was sent and weighs each node by how far its
+update points the same way.
 
 A round's replies alone cannot tell three dishonest nodes in ten with honest-sized updates
-from honest nodes on other data (Dirichlet α = 1). Two things can:
+from honest nodes on other data (Dirichlet α = 1). Two things can: :class:`TrustedReference`
+(opt-in) here, and each node's agreement record across rounds
+(:mod:`fedshard.server.trust_record`, whose :class:`~fedshard.server.trust_record.TrustStage`
+is what a round calls, with the reference when there is one).
 
-* :class:`TrustedReference` (opt-in): the server trains, each round, what each node was sent
-  on its own clean examples with the nodes' recipe and client rules (the same ``train``
-  message, :func:`fedshard.client.handle_node_train`), and weighs each node by how far its
-  update points the same way (:func:`fltrust_weights`);
-* :class:`TrustRecord`: each node's cosines over its last rounds (with the reference, or,
-  without one, with the round's other accepted nodes' aggregate), so that a node whose
-  updates keep pointing elsewhere is named, and, with ``exclude-distrusted``, no longer used.
-
-:class:`TrustStage` joins the two and is what a round calls, once, after the reply bounds
-(:meth:`TrustStage.weigh`).
+* :class:`TrustedReference`: the server trains, each round, what each node was sent on its
+  own clean examples with the nodes' recipe and client rules (the same ``train`` message,
+  :func:`fedshard.client.handle_node_train`), and :func:`fltrust_weights` weighs each node by
+  its update's cosine with the reference's (:func:`update_of`, :func:`cosine`).
 
 Notes
 -----
@@ -43,21 +41,15 @@ zero or orthogonal update) is left out of the round.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
-from logging import INFO, WARNING
 from typing import Any
 
 import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
-from flwr.common.logger import log
 
 from fedshard import protocol as P
-from fedshard.settings import ReplyPolicy
 
-__all__ = ["TrainFn", "TrustRecord", "TrustStage", "TrustedReference", "fltrust_weights",
-           "update_of"]
+__all__ = ["TrainFn", "TrustedReference", "cosine", "fltrust_weights", "update_of"]
 
 #: The server's training function: a ``train`` message as a node would get it -> the reply
 #: a node would send (fedshard's ``train_reply`` layout: the trained arrays under ``arrays``).
@@ -65,15 +57,6 @@ TrainFn = Callable[[Message], Message]
 
 #: The ``train`` config key of the local epochs.
 _EPOCHS = "local-epochs"
-
-#: Rounds of a node's record kept (its last ones) and the fewest before it can be named:
-#: over 5 rounds, the noisy last rounds of a cosine lr schedule named honest nodes on data
-#: unlike the trusted set's (docs/robustness.md).
-RECORD_WINDOW = 10
-RECORD_MIN_ROUNDS = 3
-#: Nodes a record keeps (the least recently seen goes first): a bound on the server's memory
-#: and on a checkpoint's size, whatever the federation's churn.
-RECORD_MAX_NODES = 10_000
 
 
 def update_of(values: Mapping[str, np.ndarray], sent: Mapping[str, np.ndarray]
@@ -238,330 +221,3 @@ def _longer(msg: Message, epochs: int) -> Message:
                   dst_node_id=msg.metadata.dst_node_id,
                   message_type=msg.metadata.message_type, group_id=msg.metadata.group_id)
     return out
-
-
-class TrustRecord:
-    """Each node's cosines over its last rounds: bounded (:data:`RECORD_WINDOW` rounds per
-    node, :data:`RECORD_MAX_NODES` nodes) and checkpointed (:meth:`state` /
-    :meth:`restore`)."""
-
-    def __init__(self) -> None:
-        self.cosines: OrderedDict[int, deque[float]] = OrderedDict()
-
-    def add(self, node: int, value: float) -> None:
-        """Record one round's cosine of ``node``."""
-        row = self.cosines.pop(node, None) or deque(maxlen=RECORD_WINDOW)
-        row.append(float(value))
-        self.cosines[node] = row
-        while len(self.cosines) > RECORD_MAX_NODES:
-            self.cosines.popitem(last=False)
-
-    def level(self, node: int) -> float | None:
-        """The median of ``node``'s recorded cosines (``None``: fewer than
-        :data:`RECORD_MIN_ROUNDS`): one odd round (an honest node's update in a round of
-        tiny lr is mostly noise) does not move it."""
-        row = self.cosines.get(node)
-        return float(np.median(row)) if row and len(row) >= RECORD_MIN_ROUNDS else None
-
-    def distrusts(self, node: int, below: float) -> bool:
-        """Whether ``node``'s record names it under ``below`` (``distrust-below`` against a
-        trusted reference, ``distrust-below-aggregate`` against the other nodes' aggregate):
-        the median of its last :data:`RECORD_WINDOW` cosines (at least
-        :data:`RECORD_MIN_ROUNDS`) is below it.
-
-        Notes
-        -----
-        Against a trusted reference, a dishonest node's cosines (negated, IPM, noise, zero,
-        label flip) stay below it from its first rounds on, so it is named by its third
-        round. An honest node's cosines scatter
-        in the last rounds of a cosine lr schedule (its tiny steps are mostly noise), widely
-        for a node whose data is unlike the trusted set's: over 5 rounds their median fell
-        below 0.02 for 3 of 30 honest nodes of clean whole runs, over 10 for none (measured
-        in docs/robustness.md). The price: a node that turns dishonest after many honest
-        rounds is named once more than half of its last 10 are below.
-        """
-        level = self.level(node)
-        return level is not None and level < below
-
-    def state(self) -> dict[int, list[float]]:
-        """The record as plain data (node -> cosines, oldest first), for a checkpoint."""
-        return {n: list(r) for n, r in self.cosines.items()}
-
-    def restore(self, state: Mapping[int, Sequence[float]]) -> None:
-        """The record of :meth:`state` (a checkpoint's).
-
-        Raises
-        ------
-        ValueError
-            If it is not node ids mapped to finite cosines in [-1, 1]; nothing is changed.
-        """
-        bad = [n for n, r in state.items()
-               if isinstance(n, bool) or not isinstance(n, int) or isinstance(r, (str, bytes))
-               or not all(isinstance(c, (int, float)) and math.isfinite(c) and -1 <= c <= 1
-                          for c in r)]
-        if bad or not isinstance(state, Mapping):
-            raise ValueError(f"trust record {bad[:5]!r}: expected node ids mapped to lists of "
-                             "cosines in [-1, 1]; the record is not restored")
-        self.cosines = OrderedDict((int(n), deque((float(c) for c in r),
-                                                  maxlen=RECORD_WINDOW))
-                                   for n, r in state.items())
-
-
-class TrustStage:
-    """What a round does with trust, after the reply bounds: exclude distrusted nodes (with
-    ``exclude_distrusted``), weigh by the reference (with one), record, name.
-
-    Parameters
-    ----------
-    reference : TrustedReference, optional
-        The server's clean training; ``None``: the record uses each node's cosine with the
-        round's other accepted nodes' aggregate, and nothing is reweighted.
-    policy : fedshard.settings.ReplyPolicy
-        ``distrust_below`` (the median cosine under which a node is named, with a reference),
-        ``distrust_below_aggregate`` (without one) and ``exclude_distrusted``.
-    """
-
-    def __init__(self, reference: TrustedReference | None, policy: ReplyPolicy) -> None:
-        self.reference, self.policy = reference, policy
-        self.record = TrustRecord()
-        # with exclude_distrusted: node -> the round it was named in and left out from
-        self.excluded: dict[int, int] = {}
-
-    @property
-    def below(self) -> float:
-        """The median cosine under which a node is named: ``distrust_below`` against a
-        trusted reference, ``distrust_below_aggregate`` against the other nodes' aggregate."""
-        return (self.policy.distrust_below if self.reference is not None
-                else self.policy.distrust_below_aggregate)
-
-    @property
-    def threshold_key(self) -> str:
-        """The run-config key of :attr:`below`."""
-        return "distrust-below" if self.reference is not None else "distrust-below-aggregate"
-
-    def left_out(self) -> dict[int, str]:
-        """The nodes a round leaves out of its training sample (with ``exclude_distrusted``),
-        each with why: node -> reason."""
-        return {n: f"named distrusted in round {r} (median cosine under {self.threshold_key}="
-                   f"{self.below:g}) and exclude-distrusted is on"
-                for n, r in self.excluded.items()}
-
-    def restore(self, record: Mapping[int, Sequence[float]] | None,
-                excluded: Mapping[int, int] | None = None) -> None:
-        """The record and the left-out nodes of a checkpoint (:meth:`TrustRecord.state`,
-        :attr:`excluded`; ``None``: none kept).
-
-        Raises
-        ------
-        ValueError
-            If either is malformed (the left-out nodes: node ids mapped to the round ≥ 1 each
-            was named in); nothing is changed.
-        """
-        if excluded is not None and (not isinstance(excluded, Mapping) or not all(
-                isinstance(n, int) and not isinstance(n, bool) and isinstance(r, int)
-                and not isinstance(r, bool) and r >= 1 for n, r in excluded.items())):
-            raise ValueError(f"left-out nodes {excluded!r}: expected node ids mapped to the "
-                             "round (≥ 1) each was named in; the record is not restored")
-        if record is not None:
-            self.record.restore(record)
-        if excluded is not None:
-            self.excluded = {int(n): int(r) for n, r in excluded.items()}
-
-    def weigh(self, server_round: int, accepted: Sequence[P.TrainReply],
-              sent: Mapping[int, P.SentShard], messages: Sequence[Message],
-              metrics: dict[str, float]) -> list[P.TrainReply]:
-        """``accepted`` without the excluded nodes and, with a reference, FLTrust-weighted
-        (:func:`fltrust_weights`; a node of trust 0 left out); each node's cosine recorded and
-        a node whose record stays below :attr:`below` named in a WARNING (counted in
-        ``distrusted-nodes``; ``trust-zero`` counts the replies left out by the reference,
-        ``trust-mean`` is the round's mean trust score).
-
-        Raises
-        ------
-        ValueError
-            If the reference's reply does not match what a node was sent
-            (:meth:`TrustedReference.update`): the round is not aggregated.
-        """
-        out = [r for r in accepted if r.node not in self.excluded]
-        if len(out) < len(accepted):
-            metrics["distrusted-excluded"] = float(len(accepted) - len(out))
-        if not out:
-            return out
-        if self.reference is not None:
-            deltas = [update_of(r.values, sent[r.node].values) for r in out]
-            by_node = {m.metadata.dst_node_id: m for m in messages}
-            epochs = self.reference.epochs_for(float(np.median([r.weight for r in out])))
-            refs = [self.reference.update(by_node[r.node], sent[r.node], epochs) for r in out]
-            if not any(np.any(v) for g0 in refs for v in g0.values()):
-                log(INFO, "Round %d: the trusted reference did not move (lr 0?); the replies "
-                    "are not reweighted.", server_round)
-                cosines = [cosine(g, g0) for g, g0 in zip(deltas, refs, strict=True)]
-            else:
-                weights, scales, cosines = fltrust_weights(deltas, refs, [r.weight for r in out])
-                out = self._rescaled(out, sent, weights, scales, metrics)
-                metrics["trust-mean"] = float(np.mean([max(0.0, c) for c in cosines]))
-            source = "the server's trusted reference update"
-        else:
-            cosines = _aggregate_cosines(out, sent)
-            source = "the aggregate of the round's other accepted nodes"
-        for r, c in zip(out, cosines, strict=True):
-            self.record.add(r.node, c)
-        self._name(server_round, [r.node for r in out], source, metrics)
-        if self.reference is not None:
-            out = [r for r in out if r.weight > 0]
-        return out
-
-    def _rescaled(self, out: list[P.TrainReply], sent: Mapping[int, P.SentShard],
-                  weights: list[float], scales: list[float], metrics: dict[str, float],
-                  ) -> list[P.TrainReply]:
-        new = []
-        for r, w, s in zip(out, weights, scales, strict=True):
-            if w <= 0:
-                metrics["trust-zero"] = metrics.get("trust-zero", 0.0) + 1.0
-                new.append(replace(r, weight=0.0))
-                continue
-            values = dict(r.values)
-            for k, before in sent[r.node].values.items():
-                if np.issubdtype(np.asarray(before).dtype, np.floating):
-                    b = np.asarray(before, np.float64)
-                    values[k] = (b + s * (np.asarray(r.values[k], np.float64) - b)).astype(
-                        r.values[k].dtype)
-            new.append(replace(r, values=values, weight=w))
-        return new
-
-    def _name(self, server_round: int, nodes: Sequence[int], source: str,
-              metrics: dict[str, float]) -> None:
-        named = 0
-        for node in nodes:
-            if not self.record.distrusts(node, self.below):
-                continue
-            named += 1
-            row, below = self.record.cosines[node], self.below
-            action = ("; exclude-distrusted: it is not sampled for training, nor its "
-                      "replies used, from now on" if self.policy.exclude_distrusted else
-                      "; exclude-distrusted = true would leave it out of later rounds")
-            log(WARNING, "Round %d: node %d is distrusted: its updates' cosine with %s was "
-                "below %s=%g in %d of its last %d rounds (%s; median %.3f)%s.",
-                server_round, node, source, self.threshold_key, below,
-                sum(c < below for c in row), len(row), ", ".join(f"{c:+.2f}" for c in row),
-                self.record.level(node), action)
-            if self.policy.exclude_distrusted:
-                self.excluded.setdefault(node, server_round)
-        if named:
-            metrics["distrusted-nodes"] = float(named)
-
-
-#: Relative weight under which a term or entry counts as held by no other node.
-_OTHERS = 1e-9
-
-
-def _aggregate_cosines(out: Sequence[P.TrainReply], sent: Mapping[int, P.SentShard]
-                       ) -> list[float]:
-    """Each node's cosine with the weighted mean update of the round's *other* accepted nodes,
-    in its own coordinates (:func:`update_of`): per factor column the mean over the other nodes
-    holding that term (the same sent column), per dense entry or slice over the other nodes
-    sent the same shape (zero where no other node holds it).
-
-    Notes
-    -----
-    Leave-one-out: a term has few holders (about ``r`` of the cohort) and averaging shrinks
-    the honest updates' mean, so a mean that counted the node itself would give any update
-    (noise, a negated one) a positive cosine with it; measured in docs/robustness.md.
-
-    Two passes over the replies, each node's update taken afresh in one float64 scratch
-    array per shape rather than kept (keeping every node's float64 copy costs the memory of
-    the round's replies twice over, and its page faults, every round). The first sums the
-    weighted updates over their holders: ``S`` and total weight ``T`` per dense key, per term
-    for a factor key. The second takes, for each node of weight ``w`` and update ``x``, the
-    others' sum ``d = S − w x``, their mean ``d / (T − w)``, and accumulates ``x·d`` and
-    ``d·d`` (per column for a factor key, whose ``T`` is per term) and ``x·x``.
-    """
-    scratch: dict[tuple[int, ...], np.ndarray] = {}  # float64 arrays reused across nodes
-
-    def update(r: P.TrainReply, k: str) -> np.ndarray:
-        # the node's update of key k, in a scratch array (valid until the next call)
-        got = r.values[k]
-        return np.subtract(got, sent[r.node].values[k], out=_buffer(scratch, got, 0),
-                           dtype=np.float64)
-
-    def terms(node: int, key: str, x: np.ndarray) -> np.ndarray | None:
-        # the term index of each factor column of ``x``, ``None`` for a dense entry or slice
-        idx = sent[node].indices.get(key.rsplit(".", 1)[0])
-        if key.endswith((".u", ".v")) and idx is not None and x.ndim == 2:
-            return np.asarray(idx, dtype=np.intp).reshape(-1)
-        return None
-
-    keys = [[k for k, s in sent[r.node].values.items()
-             if np.issubdtype(np.asarray(s).dtype, np.floating)] for r in out]
-    # per factor key: (N, rows) sums of the weighted columns over their term's holders and
-    # (N,) total weights; per dense key and shape: the weighted sum and total weight. Each
-    # column and entry adds its nodes in the order of ``out``, as one sum per slot would.
-    width: dict[tuple[str, int], int] = {}
-    for r, ks in zip(out, keys, strict=True):
-        for k in ks:
-            x = r.values[k]
-            idx = terms(r.node, k, x)
-            if idx is not None and idx.size:
-                width[(k, x.shape[0])] = max(width.get((k, x.shape[0]), 0), int(idx.max()) + 1)
-    col_sums = {slot: np.zeros((n, slot[1])) for slot, n in width.items()}
-    col_totals = {slot: np.zeros(n) for slot, n in width.items()}
-    sums: dict[tuple[str, Any], np.ndarray] = {}
-    totals: dict[tuple[str, Any], float] = {}
-    squares = []  # each node's x·x
-    for r, ks in zip(out, keys, strict=True):
-        xx = 0.0
-        for k in ks:
-            x = update(r, k)
-            xx += float(np.vdot(x, x))
-            idx = terms(r.node, k, x)
-            if idx is None:
-                if (k, x.shape) in sums:
-                    sums[(k, x.shape)] += np.multiply(x, r.weight, out=x)
-                    totals[(k, x.shape)] += r.weight
-                else:
-                    sums[(k, x.shape)] = r.weight * x
-                    totals[(k, x.shape)] = r.weight
-            elif idx.size:
-                np.add.at(col_sums[(k, x.shape[0])], idx, (r.weight * x[:, :idx.size]).T)
-                np.add.at(col_totals[(k, x.shape[0])], idx, r.weight)
-        squares.append(xx)
-    cosines = []
-    for r, ks, xx in zip(out, keys, squares, strict=True):
-        w = r.weight
-        xd = dd = 0.0  # x·mean and mean·mean over the node's keys
-        for k in ks:
-            x = update(r, k)
-            idx = terms(r.node, k, x)
-            # the others' weight; under a rounding's width of the total: no other holder
-            if idx is None:
-                total = totals[(k, x.shape)]
-                t = total - w
-                if t > _OTHERS * total:
-                    d = np.multiply(x, -w, out=_buffer(scratch, x, 1))
-                    d += sums[(k, x.shape)]  # the others' weighted sum, S − w x
-                    xd += float(np.vdot(x, d)) / t
-                    dd += float(np.vdot(d, d)) / (t * t)
-            elif idx.size:
-                total_col = col_totals[(k, x.shape[0])][idx]
-                t = total_col - w
-                held = t > _OTHERS * total_col
-                if held.any():
-                    xc = x[:, :idx.size] if held.all() else x[:, held.nonzero()[0]]
-                    th = t[held]
-                    d = col_sums[(k, x.shape[0])][idx[held]].T - w * xc  # (rows, held)
-                    xd += float(np.sum(np.einsum("ij,ij->j", xc, d) / th))
-                    dd += float(np.sum(np.einsum("ij,ij->j", d, d) / (th * th)))
-        norm = math.sqrt(xx) * math.sqrt(dd)
-        cosines.append(float(np.clip(xd / norm, -1.0, 1.0))
-                       if norm > 0 and math.isfinite(norm) else 0.0)
-    return cosines
-
-
-def _buffer(scratch: dict[tuple[int, ...], np.ndarray], like: np.ndarray,
-            slot: int) -> np.ndarray:
-    """Float64 scratch array number ``slot`` of ``like``'s shape, reused across nodes."""
-    key = (slot, *like.shape)
-    buf = scratch.get(key)
-    if buf is None:
-        buf = scratch[key] = np.empty(like.shape)
-    return buf

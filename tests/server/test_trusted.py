@@ -17,7 +17,8 @@ from test_strategy import LAYERS, initial, make_net, strategy
 
 from fedshard import protocol as P
 from fedshard.client import handle_query
-from fedshard.server.trusted import TrustedReference, TrustRecord
+from fedshard.server.trust_record import TrustRecord
+from fedshard.server.trusted import TrustedReference
 
 SEED = 11
 REF = 7  # the stream of the reference direction (no node of the grid)
@@ -436,7 +437,7 @@ def test_aggregate_cosines_match_a_per_term_brute_force() -> None:
     against a loop over terms and holders."""
     from types import SimpleNamespace
 
-    from fedshard.server.trusted import _aggregate_cosines
+    from fedshard.server.trust_record import _aggregate_cosines
 
     rng = np.random.default_rng([58, 1])
     N = 12
@@ -491,7 +492,7 @@ def test_a_noise_or_negated_node_is_not_aligned_with_an_aggregate_of_itself() ->
     few holders that counted it the cosine would come out positive."""
     from types import SimpleNamespace
 
-    from fedshard.server.trusted import _aggregate_cosines
+    from fedshard.server.trust_record import _aggregate_cosines
 
     rng = np.random.default_rng([58, 2])
     common = rng.normal(size=400)
