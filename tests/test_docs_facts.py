@@ -234,8 +234,8 @@ def _engine_against() -> list[str]:
               f"{max(x['collective'] for x in runs):.3f}× with Collective",
               f"is {this['client/train']:.3f} s of this release's {this['round']:.3f} s "
               "FedAvg round",
-              f"({last['server/aggregate/trust-record']:.3f} s, mostly first touches",
-              f"one scratch array per shape ({this['server/aggregate/trust-record']:.3f} s"]
+              f"kept them all for the round ({last['server/aggregate/trust-record']:.3f} s)",
+              f"array per shape ({this['server/aggregate/trust-record']:.3f} s;"]
     checks = sum(this[k] for k in ("server/aggregate/reply-checks", "server/aggregate/robust",
                                    "server/aggregate/trust-record",
                                    "server/end-round/checkpoint"))
