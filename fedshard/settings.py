@@ -526,8 +526,9 @@ class ReplyPolicy(Settings):
         Off by default. On: a node once named (under ``distrust_below`` or
         ``distrust_below_aggregate``) is no longer sampled
         for training (each such node logged once, with why; a round left with fewer nodes
-        than ``min-train-nodes`` says so in a WARNING), and a reply of it that still arrives
-        is not aggregated (``distrusted-excluded``). The left-out nodes are checkpointed.
+        than ``min-train-nodes`` says so in a WARNING; one that would leave every connected
+        node out stops the run with an ERROR), and a reply of it that still arrives is not
+        aggregated (``distrusted-excluded``). The left-out nodes are checkpointed.
     max_diverged_fraction : float
         In ``[0, 1]``: the run stops (``TrainingDivergedError``, logged as an ERROR) after a
         round in which more than this share of the nodes that replied, and at least two of

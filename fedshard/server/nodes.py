@@ -246,7 +246,13 @@ class NodeDirectory:
     def _without_left_out(self, server_round: int, node_ids: list[int],
                           leave_out: Mapping[int, str], minimum: int) -> list[int]:
         """``node_ids`` less ``leave_out`` (each logged once, with why); a WARNING every round
-        in which that leaves fewer than ``minimum`` nodes to train."""
+        in which that leaves fewer than ``minimum`` nodes to train.
+
+        Raises
+        ------
+        fedshard.server.callbacks.StopRun
+            When every connected node is left out: no round could train again (one ERROR
+            line; the model is the last trained round's)."""
         gone = [n for n in node_ids if n in leave_out]
         for node in gone:
             if node not in self._told_left_out:
@@ -254,6 +260,20 @@ class NodeDirectory:
                 log(WARNING, "Round %d: node %d is left out of training from now on: %s.",
                     server_round, node, leave_out[node])
         busy = [n for n in node_ids if n not in leave_out]
+        if gone and not busy:
+            from fedshard.server.callbacks import StopRun  # (a cycle)
+
+            message = (f"Round {server_round}: every one of the {len(node_ids)} connected "
+                       f"nodes is left out of training (nodes "
+                       f"{', '.join(map(str, gone[:10]))}{', ...' if len(gone) > 10 else ''}: "
+                       f"{leave_out[gone[0]]}), so no round can train again: the run stops "
+                       "here, and its model is the last trained round's (in the checkpoint). "
+                       "Start nodes that are not left out and a new run, or start the run "
+                       "again with exclude-distrusted = false (it cannot change on resume).")
+            log(ERROR, "%s", message)
+            stop = StopRun(message)
+            stop.logged = True
+            raise stop
         if gone and len(busy) < minimum:
             log(WARNING, "Round %d: leaving out %d distrusted node(s) (%s) leaves %d of the "
                 "%d connected nodes to train, fewer than the %d the round needs "

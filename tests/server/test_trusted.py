@@ -212,6 +212,24 @@ def test_exclusion_that_leaves_too_few_nodes_says_so_every_round(caplog) -> None
     assert "this round trains 3" in short[0] and "exclude-distrusted = false" in short[0]
 
 
+def test_a_round_that_leaves_every_node_out_stops_the_run_with_an_error(caplog) -> None:
+    """Every connected node left out by exclude-distrusted: no round could train again, so the
+    round stops the run (an ERROR saying which nodes, why and what to do), not a run of
+    empty rounds to the end."""
+    from fedshard.server.callbacks import StopRun
+
+    grid = InProcessGrid(_app, [{"keep-ratio": 0.5}] * 4)
+    s = strategy(method="collective", num_rounds=6, exclude_distrusted=True)
+    s.resume(3, {}, {}, None, {n: 3 for n in NODES})
+    with pytest.raises(StopRun, match=r"every one of the 4 connected nodes is left out of "
+                       r"training .*named distrusted in round 3.* the run stops here") as err:
+        s.configure_train(1, initial(), ConfigRecord(), grid)
+    assert err.value.logged
+    assert "exclude-distrusted = false" in str(err.value)
+    assert any(r.levelname == "ERROR" and "no round can train again" in r.getMessage()
+               for r in caplog.records)
+
+
 def test_a_resumed_run_keeps_the_excluded_node_out_from_its_first_round(tmp_path) -> None:
     """Resumed from the app's checkpoint after round 3 (the round that named node 1003), the
     node is not sent round 4's training message, as in the run that was not interrupted."""
