@@ -124,7 +124,7 @@ class TrustStage:
 
     Parameters
     ----------
-    reference : TrustedReference, optional
+    reference : fedshard.server.trusted.TrustedReference, optional
         The server's clean training; ``None``: the record uses each node's cosine with the
         round's other accepted nodes' aggregate, and nothing is reweighted.
     policy : fedshard.settings.ReplyPolicy
@@ -191,7 +191,7 @@ class TrustStage:
         ------
         ValueError
             If the reference's reply does not match what a node was sent
-            (:meth:`TrustedReference.update`): the round is not aggregated.
+            (:meth:`~fedshard.server.trusted.TrustedReference.update`): the round is not aggregated.
         """
         out = [r for r in accepted if r.node not in self.excluded]
         if len(out) < len(accepted):
