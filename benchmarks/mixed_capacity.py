@@ -32,7 +32,6 @@ Prints one JSON object (machine, torch, date, the suite, the cells and the costs
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import sys
@@ -46,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from machine import cpu_name, emit  # noqa: E402
+from machine import emit, provenance  # noqa: E402
 
 from fedshard_lab.experiments.suite import load_suite  # noqa: E402
 
@@ -82,11 +81,16 @@ def collect(folders: list[Path], suite_path: Path = SUITE) -> dict[str, Any]:
     cells: dict[tuple[str, str], dict[str, dict[int, float]]] = defaultdict(
         lambda: defaultdict(dict))
     columns = list(dict.fromkeys(s.column for s in suite.runs if s.column is not None))
+    missing: list[str] = []
+    commits: set[str] = set()
     for spec in suite.runs:
         found = next((f / spec.name for f in folders if (f / spec.name).is_dir()), None)
         row = final_row(found) if found is not None else None
         if row is None:
+            missing.append(spec.name)
             continue
+        assert found is not None
+        commits.add(json.loads((found / "config.json").read_text()).get("git-commit", "?"))
         targets = [spec.column] if spec.column is not None else columns
         for column in targets:
             ratios = _column_ratios(suite, column)
@@ -102,7 +106,8 @@ def collect(folders: list[Path], suite_path: Path = SUITE) -> dict[str, Any]:
             cells[(label, column)] = {b: dict(v) for b, v in cells[(from_label, from_column)]
                                       .items() if b in budgets_of(column, _column_ratios(
                                           suite, column))}
-    return {"cells": cells, "columns": columns}
+    return {"cells": cells, "columns": columns, "expected": len(suite.runs),
+            "missing": missing, "commits": sorted(commits)}
 
 
 def _column_ratios(suite: Any, column: str) -> tuple[float, ...]:
@@ -164,7 +169,10 @@ def markdown(result: dict[str, Any]) -> str:
     for column, budgets in result["statistics"].items():
         names = list(budgets)
         labels = sorted({label for b in budgets.values() for label in b})
-        lines += [f"**{column}** (test accuracy, %)", "",
+        seed_sets = {tuple(sorted(e["seeds"], key=int)) for b in budgets.values()
+                     for e in b.values()}
+        common = max(seed_sets, key=len)  # a cell with fewer seeds says which it has
+        lines += [f"**{column}** (test accuracy, %, mean ± std over seeds {_and(common)})", "",
                   "| method | " + " | ".join(names) + " |",
                   "|---|" + "---|" * len(names)]
         for label in labels:
@@ -179,9 +187,44 @@ def markdown(result: dict[str, Any]) -> str:
                 d = e.get("vs-best-baseline")
                 if d is not None:
                     text += f" ({100 * d['mean']:+.1f}{'*' if d['beyond-spread'] else ''})"
+                seeds = tuple(sorted(e["seeds"], key=int))
+                if seeds != common:
+                    text += f" [seed{'s' * (len(seeds) > 1)} {_and(seeds)}]"
                 cells.append(text)
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
         lines.append("")
+    return "\n".join(lines)
+
+
+def _and(items: tuple[str, ...]) -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+def costs_markdown(result: dict[str, Any]) -> str:
+    """The cost table: per keep ratio, the model a device of that budget trains (the spectral
+    sub-model, and the width slice of the same forward FLOPs, which is also the small model's
+    width at the weakest budget), its training FLOPs per example, bytes each way per round and
+    client peak memory (live tensors, process RSS)."""
+    costs = result["costs"]
+    dense = costs["dense"]
+    lines = ["| budget | model a device trains | training MFLOPs per example | received per "
+             "round (MB) | sent per round (MB) | tensor peak (MB) | process RSS peak (MB) |",
+             "|---|---|---|---|---|---|---|"]
+
+    def row(budget: str, model: str, c: dict[str, Any]) -> str:
+        cells = [f"{c['train-flops-per-example'] / 1e6:.1f}",
+                 *(f"{c[k] / 1e6:.2f}" for k in ("bytes-received", "bytes-sent")),
+                 *(f"{c[k] / 1e6:.1f}" for k in ("tensor-peak-bytes", "rss-peak-bytes"))]
+        return f"| {budget} | {model} | " + " | ".join(cells) + " |"
+
+    lines.append(row("r = 1", "the whole model (no sharding)", dense))
+    for ratio, at in sorted(costs["ratios"].items(), key=lambda kv: -float(kv[0])):
+        lines.append(row(f"r = {ratio}", "spectral: every term" if float(ratio) == 1 else
+                         f"spectral: top {100 * float(ratio):g} % of terms", at["spectral"]))
+        width = at["width-same-flops"]
+        if float(ratio) < 1:
+            lines.append(row(f"r = {ratio}", f"width {width['width']} of "
+                             f"{round(width['width'] / width['width-ratio'])}", width))
     return "\n".join(lines)
 
 
@@ -195,12 +238,21 @@ def main() -> None:
                         help="print the table of a saved result and exit")
     args = parser.parse_args()
     if args.markdown is not None:
-        print(markdown(json.loads(args.markdown.read_text())))
+        saved = json.loads(args.markdown.read_text())
+        print(markdown(saved))
+        if "costs" in saved:
+            print(costs_markdown(saved))
         return
     torch.set_num_threads(1)
     found = collect(args.results, args.suite)
-    result = {"machine": cpu_name(), "torch": torch.__version__,
-              "date": datetime.date.today().isoformat(), "suite": str(args.suite.name),
+    missing = found["missing"]
+    result = {**provenance("cpu"), "suite": str(args.suite.name),
+              # the runs behind the table: how many of the suite's, which are not finished,
+              # and the code they ran (each run's config.json names its commit)
+              "runs": {"expected": found["expected"],
+                       "finished": found["expected"] - len(missing), "missing": missing,
+                       "commits": found["commits"]},
+              "complete": not missing,
               "statistics": statistics_of(found["cells"]),
               **({"costs": costs()} if args.costs else {})}
     emit(result, args.out)

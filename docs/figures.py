@@ -514,7 +514,9 @@ def figure_mixed_capacity(out: Path) -> Path:
     axes = fig.subplots(2, len(columns), squeeze=False)
     for k, column in enumerate(columns):
         ax = axes[0][k]
-        for cell in (c for c in cells if c.column == column):
+        # the reference row (every node trains the whole model) has no column: it is the
+        # same runs in each
+        for cell in (c for c in cells if c.column in (column, None)):
             colour, style, _ = MIXED_STYLES[cell.label]
             rounds, mean, _ = _seed_mean([r.curve for r in cell.runs])
             ax.plot(rounds, mean, color=colour, ls=style, lw=1.8,
@@ -523,7 +525,7 @@ def figure_mixed_capacity(out: Path) -> Path:
         ax.set_xlabel("round")
         ax.set_ylabel("test accuracy (%)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="x-small", loc="lower right")
+        ax.legend(fontsize="x-small", loc="upper left")
         ax = axes[1][k]
         budgets = table["statistics"].get(column, {})
         ratios = [float(b.removeprefix("r")) for b in budgets if b != "full"]
@@ -536,8 +538,7 @@ def figure_mixed_capacity(out: Path) -> Path:
                 ax.plot([p[0] / 1e6 for p in points], [p[1] for p in points], color=colour,
                         marker=marker, lw=1.0, label=label)
         ax.set_xscale("log")
-        ax.set_title(f"{column}: final accuracy of the model each device runs",
-                     fontsize="medium")
+        ax.set_title(f"{column}: the model each device runs", fontsize="medium")
         ax.set_xlabel("forward MFLOPs per example of that model (log)")
         ax.set_ylabel("test accuracy (%)")
         ax.grid(alpha=0.3)

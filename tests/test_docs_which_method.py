@@ -1,0 +1,149 @@
+"""docs/which-method.md, README's advice and docs/sharding.md's first question against the
+mixed-capacity record: the page's tables are what ``benchmarks/mixed_capacity.py`` prints from
+``results/mixed-capacity/table.json``, that record is what the committed runs say, each number
+the prose cites is a cell of it, and the page says how many of the suite's runs stand behind it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "results" / "mixed-capacity"
+TABLE = RESULTS / "table.json"
+PAGE = ROOT / "docs" / "which-method.md"
+
+A = "20 % r = 1 / 80 % r = 0.1"
+B = "60 % r = 0.2 / 40 % r = 0.4"
+C = "r = 0.1"
+TOPN = "Top-n, low-rank start"
+
+#: (column, budget, row) of every accuracy the page's prose cites as "mean ± std %"
+PAGE_CELLS = [
+    (A, "full", "Small model"), (A, "full", "Whole model, every node"),
+    (A, "full", TOPN), (A, "full", "Strong devices only"), (A, "full", "Collective"),
+    (A, "full", "HeteroFL"), (A, "full", "Ordered dropout"), (A, "full", "FedRolex"),
+    (A, "r0.1", "HeteroFL"), (A, "r0.1", "Ordered dropout"), (A, "r0.1", "Collective"),
+    (B, "full", "Small model"), (B, "full", TOPN), (B, "r0.2", "HeteroFL"),
+    (C, "full", "Small model"), (C, "r0.1", "HeteroFL"), (C, "r0.1", TOPN),
+    (C, "r0.1", "Collective"),
+]
+#: (column, budget, row) whose paired difference to the column's best baseline the prose cites
+PAGE_DIFFERENCES = [(A, "full", TOPN), (B, "full", TOPN), (C, "r0.1", TOPN),
+                    (A, "r0.1", "HeteroFL"), (A, "r0.1", "Ordered dropout")]
+#: what README's and docs/sharding.md's advice cite
+ADVICE_CELLS = [(A, "full", "Small model"), (A, "full", "Whole model, every node"),
+                (A, "full", TOPN), (A, "r0.1", "HeteroFL")]
+
+
+def _module() -> Any:
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(
+        "mixed_capacity", ROOT / "benchmarks" / "mixed_capacity.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _flat(path: Path) -> str:
+    return " ".join(path.read_text(encoding="utf-8").split())
+
+
+@pytest.fixture(scope="module")
+def record() -> dict[str, Any]:
+    return json.loads(TABLE.read_text())
+
+
+def accuracy(record: dict[str, Any], column: str, budget: str, row: str) -> str:
+    """A cell as the prose writes it: ``74.0 ± 0.3 %`` (one seed: ``74.0 %``)."""
+    e = record["statistics"][column][budget][row]
+    spread = f" ± {100 * e['std']:.1f}" if e["std"] is not None else ""
+    return f"{100 * e['mean']:.1f}{spread} %"
+
+
+def difference(record: dict[str, Any], column: str, budget: str, row: str) -> str:
+    """A paired difference as the prose writes it: ``-6.5 ± 2.3 points``."""
+    d = record["statistics"][column][budget][row]["vs-best-baseline"]
+    spread = f" ± {100 * d['std']:.1f}" if d["std"] is not None else ""
+    return f"{100 * d['mean']:+.1f}{spread} points"
+
+
+def test_the_pages_tables_are_what_the_script_prints_from_the_record(
+        record: dict[str, Any]) -> None:
+    module = _module()
+    page = _flat(PAGE)
+    assert " ".join(module.markdown(record).split()) in page
+    assert " ".join(module.costs_markdown(record).split()) in page
+
+
+def test_the_record_is_what_the_committed_runs_say(record: dict[str, Any]) -> None:
+    """Rebuilt from the committed run folders, the statistics are the record's: no cell
+    was written or kept by hand."""
+    module = _module()
+    found = module.collect([RESULTS])
+    assert module.statistics_of(found["cells"]) == record["statistics"]
+    assert found["missing"] == record["runs"]["missing"]
+    assert found["commits"] == record["runs"]["commits"]
+
+
+def test_every_committed_run_is_a_finished_runner_record_without_its_model() -> None:
+    folders = [p for p in RESULTS.iterdir() if p.is_dir()]
+    assert folders
+    for folder in folders:
+        names = {p.name for p in folder.iterdir()}
+        assert {"config.json", "metrics.jsonl", "runner.json", "summary.json"} <= names, folder
+        assert not any(n.endswith((".pt", ".pth")) for n in names), folder
+        runner = json.loads((folder / "runner.json").read_text())
+        summary = json.loads((folder / "summary.json").read_text())
+        assert runner["status"] == "finished" and runner["returncode"] == 0, folder
+        assert summary["status"] == "finished", folder
+        assert runner["run-name"] == folder.name
+
+
+def test_the_page_says_where_when_how_and_how_much_of_the_suite(record: dict[str, Any]) -> None:
+    page = _flat(PAGE)
+    runs = record["runs"]
+    facts = [record["cpu"], record["torch"], record["date"], record["command"],
+             "results/mixed-capacity/table.json", "python docs/figures.py mixed-capacity",
+             f"{runs['finished']} of the suite's {runs['expected']} runs",
+             *(c[:7] for c in runs["commits"])]
+    if not record["complete"]:
+        facts.append("seed 2 is running")  # what the page says of the missing runs
+    missing = [f for f in facts if " ".join(f.split()) not in page]
+    assert not missing, f"docs/which-method.md lacks {missing}"
+
+
+def test_each_number_the_pages_prose_cites_is_a_cell_of_the_record(
+        record: dict[str, Any]) -> None:
+    page = _flat(PAGE)
+    facts = [accuracy(record, *cell) for cell in PAGE_CELLS]
+    facts += [difference(record, *cell) for cell in PAGE_DIFFERENCES]
+    missing = [f for f in facts if f not in page]
+    assert not missing, f"docs/which-method.md lacks {missing}"
+
+
+@pytest.mark.parametrize("path", ["README.md", "docs/sharding.md"])
+def test_the_advice_elsewhere_cites_the_same_cells(record: dict[str, Any], path: str) -> None:
+    text = _flat(ROOT / path)
+    facts = [accuracy(record, *cell) for cell in ADVICE_CELLS]
+    missing = [f for f in facts if f not in text]
+    assert not missing, f"{path} lacks {missing}"
+    assert "which-method.md" in text
+    assert "try width slicing at the same compute first" not in text
+
+
+def test_the_cited_cells_exist_and_the_formats_can_fail(record: dict[str, Any]) -> None:
+    """The helpers read real cells and would miss a changed one."""
+    cell = record["statistics"][A]["full"]["Small model"]
+    assert accuracy(record, A, "full", "Small model").startswith(f"{100 * cell['mean']:.1f}")
+    changed = json.loads(json.dumps(record))
+    changed["statistics"][A]["full"]["Small model"]["mean"] += 0.01
+    assert accuracy(changed, A, "full", "Small model") not in _flat(PAGE)
