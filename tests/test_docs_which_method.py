@@ -130,6 +130,19 @@ def test_each_number_the_pages_prose_cites_is_a_cell_of_the_record(
     assert not missing, f"docs/which-method.md lacks {missing}"
 
 
+def test_each_cost_the_pages_prose_cites_is_the_records(record: dict[str, Any]) -> None:
+    page = _flat(PAGE)
+    costs = record["costs"]
+    dense, at = costs["dense"], costs["ratios"]["0.1"]
+    spectral, width = at["spectral"], at["width-same-flops"]
+    facts = [*(f"{c['tensor-peak-bytes'] / 1e6:.1f} MB" for c in (spectral, dense, width)),
+             *(f"{c['bytes-received'] / 1e6:.2f} MB" for c in (spectral, width, dense)),
+             f"{dense['bytes-received'] / spectral['bytes-received']:.1f} times fewer",
+             f"width {width['width']} of 16"]
+    missing = [f for f in facts if f not in page]
+    assert not missing, f"docs/which-method.md lacks {missing}"
+
+
 @pytest.mark.parametrize("path", ["README.md", "docs/sharding.md"])
 def test_the_advice_elsewhere_cites_the_same_cells(record: dict[str, Any], path: str) -> None:
     text = _flat(ROOT / path)
