@@ -51,7 +51,8 @@ from fedshard_lab.experiments.suite import load_suite  # noqa: E402
 
 SUITE = ROOT / "experiments" / "mixed-capacity.toml"
 #: rows that are not the paper's method: the baselines each spectral row is compared with
-BASELINES = ("HeteroFL", "FedRolex", "Ordered dropout", "Small model", "Strong devices only")
+BASELINES = ("HeteroFL", "FedRolex", "Ordered dropout", "Small model", "Strong devices only",
+             "Strong devices only, 10 a round")
 #: a reference row: every node trains the whole model (no weak device could)
 UPPER = "Whole model, every node"
 #: cells that are another cell's runs: the small model of width 6 is the same run in the

@@ -473,10 +473,12 @@ MIXED_STYLES: dict[str, tuple[str, Any, str]] = {
     "Ordered dropout": ("tab:green", "--", "s"),
     "Small model": ("black", "-", "^"),
     "Strong devices only": ("0.45", "-", "v"),
+    "Strong devices only, 10 a round": ("0.3", "--", "v"),
     "Whole model, every node": ("0.7", (0, (1, 1.5)), "D"),
 }
 SPECTRAL_ROWS = ("Collective", "Unbiased", "Top-n, low-rank start", "PriSM + Wallenius + ClipLR",
-                 "Strong devices only", "Whole model, every node")
+                 "Strong devices only", "Strong devices only, 10 a round",
+                 "Whole model, every node")
 
 
 def _deployed_flops(table: dict[str, Any], label: str, budget: str, weakest: float) -> float:
