@@ -160,3 +160,20 @@ def test_the_cited_cells_exist_and_the_formats_can_fail(record: dict[str, Any]) 
     changed = json.loads(json.dumps(record))
     changed["statistics"][A]["full"]["Small model"]["mean"] += 0.01
     assert accuracy(changed, A, "full", "Small model") not in _flat(PAGE)
+
+
+def test_the_figure_draws_every_row_of_the_suite_from_the_committed_records(
+        tmp_path: Path) -> None:
+    """docs/figures.py has a style for each row the suite can put in the record (a new row
+    without one would stop the figure), and draws the page's figure from the committed
+    results."""
+    spec = importlib.util.spec_from_file_location("figures", ROOT / "docs" / "figures.py")
+    assert spec is not None and spec.loader is not None
+    figures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(figures)
+    from fedshard_lab.experiments.suite import load_suite
+
+    suite = load_suite(ROOT / "experiments" / "mixed-capacity.toml", resolve_comparisons=False)
+    assert {run.label for run in suite.runs} <= set(figures.MIXED_STYLES)
+    path = figures.figure_mixed_capacity(tmp_path)
+    assert path.stat().st_size > 10_000
