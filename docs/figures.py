@@ -501,6 +501,9 @@ def figure_mixed_capacity(out: Path) -> Path:
     from fedshard_lab.experiments import collect, load_suite
     from fedshard_lab.experiments.plots import _matplotlib
 
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from mixed_capacity import SAME_RUN
+
     table_path = ROOT / "results" / "mixed-capacity" / "table.json"
     if not table_path.is_file():
         raise SystemExit(f"{table_path} is missing: write it with `python "
@@ -517,8 +520,12 @@ def figure_mixed_capacity(out: Path) -> Path:
     for k, column in enumerate(columns):
         ax = axes[0][k]
         # the reference row (every node trains the whole model) has no column: it is the
-        # same runs in each
-        for cell in (c for c in cells if c.column in (column, None)):
+        # same runs in each; a cell that is another cell's runs (SAME_RUN) draws those
+        shown = [c for c in cells if c.column in (column, None)]
+        shown += [c for (label, col), (from_label, from_col) in SAME_RUN.items()
+                  if col == column for c in cells
+                  if (c.label, c.column) == (from_label, from_col)]
+        for cell in shown:
             colour, style, _ = MIXED_STYLES[cell.label]
             rounds, mean, _ = _seed_mean([r.curve for r in cell.runs])
             ax.plot(rounds, mean, color=colour, ls=style, lw=1.8,
