@@ -172,7 +172,9 @@ def markdown(result: dict[str, Any]) -> str:
         labels = sorted({label for b in budgets.values() for label in b})
         seed_sets = {tuple(sorted(e["seeds"], key=int)) for b in budgets.values()
                      for e in b.values()}
-        common = max(seed_sets, key=len)  # a cell with fewer seeds says which it has
+        # the most seeds any cell has (ties: the lowest seeds, so the header is the same in
+        # every process); a cell with fewer says which it has
+        common = max(seed_sets, key=lambda t: (len(t), [-int(x) for x in t]))
         lines += [f"**{column}** (test accuracy, %, mean ± std over seeds {_and(common)})", "",
                   "| method | " + " | ".join(names) + " |",
                   "|---|" + "---|" * len(names)]

@@ -522,7 +522,7 @@ def figure_mixed_capacity(out: Path) -> Path:
         # the reference row (every node trains the whole model) has no column: it is the
         # same runs in each; a cell that is another cell's runs (SAME_RUN) draws those
         shown = [c for c in cells if c.column in (column, None)]
-        shown += [c for (label, col), (from_label, from_col) in SAME_RUN.items()
+        shown += [c for (_, col), (from_label, from_col) in SAME_RUN.items()
                   if col == column for c in cells
                   if (c.label, c.column) == (from_label, from_col)]
         for cell in shown:

@@ -113,10 +113,9 @@ def test_the_page_says_where_when_how_and_how_much_of_the_suite(record: dict[str
     runs = record["runs"]
     facts = [record["cpu"], record["torch"], record["date"], record["command"],
              "results/mixed-capacity/table.json", "python docs/figures.py mixed-capacity",
-             f"{runs['finished']} of the suite's {runs['expected']} runs",
-             *(c[:7] for c in runs["commits"])]
+             f"{runs['finished']} of the suite's {runs['expected']} runs"]
     if not record["complete"]:
-        facts.append("seed 2 is running")  # what the page says of the missing runs
+        facts.append("not yet in this record")  # what the page says of the missing runs
     missing = [f for f in facts if " ".join(f.split()) not in page]
     assert not missing, f"docs/which-method.md lacks {missing}"
 

@@ -54,3 +54,13 @@ def test_a_difference_inside_the_seeds_spread_is_said_so() -> None:
     assert d["beyond-spread"] is False
     table = mixed_capacity.markdown({"statistics": mixed_capacity.statistics_of(cells)})
     assert "| Unbiased | 75.0 ± 7.1 (+0.5) |" in table
+
+
+def test_a_block_is_headed_by_its_most_seeds_and_a_tie_by_the_lowest() -> None:
+    """Two cells with as many seeds but not the same ones: the block names the lower pair in
+    every process (not whichever a set happens to iterate first) and the other cell its own."""
+    cells = {("Unbiased", COLUMN): {"full": {0: 0.70, 2: 0.80}},
+             ("HeteroFL", COLUMN): {"full": {0: 0.75, 1: 0.74}}}
+    table = mixed_capacity.markdown({"statistics": mixed_capacity.statistics_of(cells)})
+    assert "mean ± std over seeds 0 and 1)" in table
+    assert "| Unbiased | 75.0 ± 7.1 (-5.0) [seeds 0 and 2] |" in table  # paired on seed 0
