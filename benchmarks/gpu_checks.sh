@@ -42,6 +42,9 @@ PY
 run cuda_tests 200 python3 -m pytest -q -rf --tb=short -o log_level=WARNING -p no:cacheprovider \
   --deselect tests/client/train/fast/test_step_pool.py::test_pooled_compiled_step_trains_later_clients_like_eager \
   tests/client/train/fast/test_cuda.py tests/spectral/test_spectral_device.py tests/client/train/fast/test_step_pool.py tests/client/train/test_tensor_batches.py
+# why the batched engine loses: kernels per step, batched against one client after another,
+# and the CUDA time of the slowest operations of each
+run bench_batched_kernels 120 python3 benchmarks/bench_batched_kernels.py --device cuda --profile --repeats 5
 run bench_simulation_graph 60 python3 benchmarks/bench_simulation.py --device cuda --rounds 3 --cuda-graph
 run bench_simulation_graph_merged 60 python3 benchmarks/bench_simulation.py --device cuda --rounds 3 --cuda-graph --merge-terms
 run bench_simulation_graph_fresh 60 python3 benchmarks/bench_simulation.py --device cuda --rounds 3 --cuda-graph --no-reuse-step

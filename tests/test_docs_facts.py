@@ -322,6 +322,40 @@ def _scale() -> list[str]:
             f"({r['server_peak_mb_100']:.1f} MB at 100)"]
 
 
+def _batched_kernels() -> list[str]:
+    r = _record("batched-kernels")
+    k, gn, ms = r["kernels_per_step"], r["group_norm_layer_kernels"], r["ms_per_step"]
+    prof = {side: {row["op"]: row["ms"] for row in r["profile"][side]}
+            for side in ("batched", "clients")}
+    b, c = prof["batched"], prof["clients"]
+    assert r["shape"]["clients"] == 10 and r["profile"]["time"] == "cpu"
+    assert "native_group_norm_backward" in r["only_per_client"]
+    assert "aten::add" not in c  # "no addition was among the 12 slowest"
+    return [_command(r), r["date"], r["torch"], "results/performance/batched-kernels.json",
+            f"launched {k['batched']} for the 10 clients against {k['per_client']:.0f} for one "
+            f"client's step ({k['clients']:,} for the ten): "
+            f"{k['clients'] / k['batched']:.1f} times fewer",
+            f"ran {r['only_per_client']['native_group_norm_backward']:.0f} times in a client's "
+            f"step and never in the batched one",
+            f"{gn['batched']} kernels for the clients together against {gn['one_client']} for "
+            "one client alone",
+            f"{r['only_batched']['clone']} copies (`clone`), "
+            f"{r['more_than_one_client']['mul']['batched']} multiplications against "
+            f"{r['more_than_one_client']['mul']['one_client']:.0f} in one client's step, "
+            f"{r['more_than_one_client']['sum']['batched']} sums against "
+            f"{r['more_than_one_client']['sum']['one_client']:.0f}",
+            f"{r['convolutions_by_groups']['batched']['10']} a step against "
+            f"{r['convolutions_by_groups']['clients']['1']}",
+            f"batched step took {ms['batched'] / 1e3:.1f} s against {ms['clients'] / 1e3:.1f} s",
+            f"backward took {b['aten::convolution_backward'] / 1e3:.1f} s against "
+            f"{c['aten::convolution_backward'] / 1e3:.1f} s",
+            f"forward {b['aten::mkldnn_convolution'] / 1e3:.1f} s against "
+            f"{c['aten::mkldnn_convolution'] / 1e3:.1f} s",
+            f"took {b['aten::add'] / 1e3:.1f}, {b['aten::mul'] / 1e3:.1f} and "
+            f"{b['aten::copy_'] / 1e3:.1f} s",
+            f"took {c['aten::mul'] / 1e3:.2f} and {c['aten::copy_'] / 1e3:.1f} s"]
+
+
 def _finding() -> list[str]:
     step, scale = _record("client-step"), _record("scale")
     return [f"r = 0.1 step took {step['step_time_ratio_r0.1']:.3f}× the dense step's time for "
@@ -338,7 +372,8 @@ def _first_runs() -> list[str]:
             f"reached {100 * defaults['final-test-accuracy']:.1f} %"]
 
 
-@pytest.mark.parametrize("facts", [_finding, _engine, _engine_against, _client_step, _receive,
+@pytest.mark.parametrize("facts", [_finding, _engine, _engine_against, _batched_kernels,
+                                   _client_step, _receive,
                                    _batches, _server, _standardize, _scale, _first_runs])
 def test_each_figure_of_the_performance_page_is_its_records(facts: Any) -> None:
     """Every figure docs/performance.md prints, beside the command, date and torch version of
