@@ -19,6 +19,10 @@ that the answer does not need a GPU to start:
   vmap runs a decomposition of them instead) and those only the batched step runs;
 * the kernels of one GroupNorm layer (forward and backward) under ``vmap(grad)`` for ``C``
   clients and for one client alone;
+* the same step with the clients *folded* into the channels by hand (:func:`fold`: every
+  convolution grouped by client, GroupNorm with ``C`` times its groups, the last layer as one
+  batched product) and differentiated by autograd without vmap, so that every operation runs
+  its own fused backward once for all the clients: a candidate for the batched engine;
 * the convolutions the batched step runs as one grouped convolution (``groups`` = ``C``:
   vmap folds the clients' weights into the channels), whose per-group kernels a GPU library
   may run far below a dense convolution's speed;
@@ -40,6 +44,7 @@ command.
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import time
@@ -48,6 +53,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.func import grad, vmap
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -58,6 +65,7 @@ from bench_client import build  # noqa: E402
 from machine import emit, provenance  # noqa: E402
 
 from fedshard.client.train.step import cross_entropy_sums  # noqa: E402
+from fedshard.spectral.conv import SpectralConv2d  # noqa: E402
 from fedshard_lab.engine.batched import _client_loss  # noqa: E402
 
 #: ATen operations that return a view or an alias: they launch no kernel.
@@ -126,6 +134,125 @@ def client_steps(s: dict[str, Any]) -> Any:
             model.zero_grad(set_to_none=True)
             loss_sum, _, count = cross_entropy_sums(model(s["x"][c]), s["y"][c])
             (loss_sum / count.clamp_min(1)).backward()
+    return run
+
+
+# ---------------------------------------------------------------------------- folded
+# The clients folded into the channels by hand, without vmap: each layer of the sub-model
+# becomes one layer of C times its channels in C groups, so that autograd runs every
+# operation's own backward (GroupNorm's fused one too) once for all the clients.
+
+class _FoldedConv(nn.Module):
+    """A convolution of ``C`` clients' weights ``(C, out, in/g, k, k)`` as one grouped
+    convolution on ``(B, C·in, H, W)``."""
+
+    def __init__(self, conv: nn.Conv2d, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        c = weight.shape[0]
+        self.weight = nn.Parameter(weight.reshape(-1, *weight.shape[2:]).clone())
+        self.bias = None if bias is None else nn.Parameter(bias.reshape(-1).clone())
+        self.stride, self.padding, self.dilation = conv.stride, conv.padding, conv.dilation
+        self.groups = c * conv.groups
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation,
+                        self.groups)
+
+
+class _FoldedSpectralConv(nn.Module):
+    """A sharded convolution of ``C`` clients (their ``u`` ``(C, out, n)``, ``v``
+    ``(C, in·k·k, n)``, ``ω`` ``(C, n)``): the k×k convolution with ``n`` outputs and the 1×1
+    convolution with ``U diag(ω)``, each grouped by client."""
+
+    def __init__(self, layer: SpectralConv2d, u: torch.Tensor, v: torch.Tensor,
+                 omega: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        if layer.padding_mode != "zeros" or isinstance(layer.padding, str):
+            raise TypeError(f"{layer}: only zero padding given as numbers is folded here")
+        self.u, self.v = nn.Parameter(u.clone()), nn.Parameter(v.clone())
+        self.register_buffer("omega", omega.clone())
+        self.bias = None if bias is None else nn.Parameter(bias.reshape(-1).clone())
+        self.in_channels, self.kernel_size = layer.in_channels, layer.kernel_size
+        self.stride, self.padding, self.dilation = layer.stride, layer.padding, layer.dilation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c, _, n = self.v.shape
+        kernel = self.v.mT.reshape(c * n, self.in_channels, *self.kernel_size)  # (C·n, in, k, k)
+        hidden = F.conv2d(x, kernel, None, self.stride, self.padding, self.dilation, c)
+        uw = (self.u * self.omega[:, None, :]).reshape(-1, n, 1, 1)  # (C·out, n, 1, 1)
+        return F.conv2d(hidden, uw, self.bias, groups=c)
+
+
+class _FoldedGroupNorm(nn.Module):
+    """GroupNorm of ``C`` clients: ``C·g`` groups over ``C·ch`` channels (a group never spans
+    two clients' channels), with their affine weights side by side."""
+
+    def __init__(self, norm: nn.GroupNorm, weight: torch.Tensor, bias: torch.Tensor) -> None:
+        super().__init__()
+        self.groups, self.eps = weight.shape[0] * norm.num_groups, norm.eps
+        self.weight = nn.Parameter(weight.reshape(-1).clone())
+        self.bias = nn.Parameter(bias.reshape(-1).clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.group_norm(x, self.groups, self.weight, self.bias, self.eps)
+
+
+class _FoldedLinear(nn.Module):
+    """The last layer of ``C`` clients on ``(B, C·f)`` features: logits ``(B, C, out)``."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.clone())  # (C, out, f)
+        self.bias = None if bias is None else nn.Parameter(bias.clone())  # (C, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c, _, f = self.weight.shape
+        out = torch.einsum("bcf,cof->bco", x.reshape(x.shape[0], c, f), self.weight)
+        return out if self.bias is None else out + self.bias
+
+
+def fold(model: nn.Module, params: dict[str, torch.Tensor],
+         buffers: dict[str, torch.Tensor]) -> nn.Module:
+    """``model`` with every layer replaced by its ``C``-client folded form, the clients'
+    stacked tensors (``(C, ...)`` per name) as its parameters. Inputs are ``(B, C·in, H, W)``
+    (client-major channels), outputs ``(B, C, classes)``. For ResNet-18 as fedshard builds it
+    (convolutions, sharded convolutions, GroupNorm, one last Linear)."""
+    tensors = {**buffers, **params}
+    out = copy.deepcopy(model)
+    for name, module in list(out.named_modules()):
+        def get(attr: str) -> torch.Tensor | None:
+            return tensors.get(f"{name}.{attr}")
+        if isinstance(module, SpectralConv2d):
+            new: nn.Module = _FoldedSpectralConv(module, get("u"), get("v"), get("omega"),
+                                                 get("bias"))
+        elif isinstance(module, nn.Conv2d):
+            new = _FoldedConv(module, get("weight"), get("bias"))
+        elif isinstance(module, nn.GroupNorm):
+            new = _FoldedGroupNorm(module, get("weight"), get("bias"))
+        elif isinstance(module, nn.Linear):
+            new = _FoldedLinear(get("weight"), get("bias"))
+        elif any(True for _ in module.parameters(recurse=False)):
+            raise TypeError(f"{name}: {type(module).__name__} is not folded here")
+        else:
+            continue
+        parent, _, child = name.rpartition(".")
+        setattr(out.get_submodule(parent) if parent else out, child, new)
+    return out
+
+
+def folded_step(s: dict[str, Any]) -> Any:
+    """Every client's gradient at once through the folded model (autograd, no vmap)."""
+    model = fold(s["model"], s["params"], s["buffers"])
+    x, y = s["x"], s["y"]  # (C, B, 3, H, W), (C, B)
+    c, b = y.shape
+    inputs = x.transpose(0, 1).reshape(b, c * x.shape[2], *x.shape[3:])  # (B, C·3, H, W)
+
+    def run() -> None:
+        model.zero_grad(set_to_none=True)
+        logits = model(inputs)  # (B, C, classes)
+        # each client's mean cross-entropy; their sum's gradient is each client's own
+        F.cross_entropy(logits.permute(0, 2, 1), y.T, reduction="sum").div(b).backward()
+    run.model = model  # type: ignore[attr-defined]
     return run
 
 
@@ -217,8 +344,8 @@ def main() -> None:
     if device.type == "cpu":
         torch.set_num_threads(1)
     s = setup(args, device)
-    batched, clients = batched_step(s), client_steps(s)
-    b, one = count_ops(batched), count_ops(clients)
+    batched, clients, folded = batched_step(s), client_steps(s), folded_step(s)
+    b, one, fo = count_ops(batched), count_ops(clients), count_ops(folded)
     c = args.clients
     per_client = Counter({op: n / c for op, n in one.ops.items()})
     only_client = {op: n for op, n in sorted(per_client.items()) if op not in b.ops}
@@ -233,20 +360,25 @@ def main() -> None:
         "shape": {"model": "resnet18 (GroupNorm)", "width": args.width, "batch": args.batch,
                   "image": [3, 32, 32], "clients": c, "keep_ratio": args.keep_ratio},
         "kernels_per_step": {"batched": kernels(b.ops), "clients": kernels(one.ops),
-                             "per_client": round(kernels(one.ops) / c, 1)},
-        "ops_per_step": {"batched": sum(b.ops.values()), "clients": sum(one.ops.values())},
+                             "per_client": round(kernels(one.ops) / c, 1),
+                             "folded": kernels(fo.ops)},
+        "ops_per_step": {"batched": sum(b.ops.values()), "clients": sum(one.ops.values()),
+                         "folded": sum(fo.ops.values())},
         "only_per_client": only_client,
         "only_batched": only_batched,
         "more_than_one_client": more,
         "group_norm_layer_kernels": group_norm_kernels(c),
         "convolutions_by_groups": {"batched": dict(b.conv_groups),
-                                   "clients": dict(one.conv_groups)},
-        "ms_per_step": timed({"batched": batched, "clients": clients}, args.repeats, device),
+                                   "clients": dict(one.conv_groups),
+                                   "folded": dict(fo.conv_groups)},
+        "ms_per_step": timed({"batched": batched, "clients": clients, "folded": folded},
+                             args.repeats, device),
     }
     if args.profile:
         record["profile"] = {"time": "cuda" if device.type == "cuda" else "cpu",
                              "batched": profile_ops(batched, device),
-                             "clients": profile_ops(clients, device)}
+                             "clients": profile_ops(clients, device),
+                             "folded": profile_ops(folded, device)}
     emit(record, args.out)
 
 

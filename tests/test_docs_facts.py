@@ -326,11 +326,13 @@ def _batched_kernels() -> list[str]:
     r = _record("batched-kernels")
     k, gn, ms = r["kernels_per_step"], r["group_norm_layer_kernels"], r["ms_per_step"]
     prof = {side: {row["op"]: row["ms"] for row in r["profile"][side]}
-            for side in ("batched", "clients")}
-    b, c = prof["batched"], prof["clients"]
+            for side in ("batched", "clients", "folded")}
+    b, c, f = prof["batched"], prof["clients"], prof["folded"]
     assert r["shape"]["clients"] == 10 and r["profile"]["time"] == "cpu"
     assert "native_group_norm_backward" in r["only_per_client"]
-    assert "aten::add" not in c  # "no addition was among the 12 slowest"
+    assert "aten::add" not in c  # "no addition was among the 12 slowest operations"
+    assert r["convolutions_by_groups"]["folded"] == {"10": 39}
+    assert f["aten::native_group_norm_backward"] > 0  # "with GroupNorm's fused backward"
     return [_command(r), r["date"], r["torch"], "results/performance/batched-kernels.json",
             f"launched {k['batched']} for the 10 clients against {k['per_client']:.0f} for one "
             f"client's step ({k['clients']:,} for the ten): "
@@ -351,9 +353,15 @@ def _batched_kernels() -> list[str]:
             f"{c['aten::convolution_backward'] / 1e3:.1f} s",
             f"forward {b['aten::mkldnn_convolution'] / 1e3:.1f} s against "
             f"{c['aten::mkldnn_convolution'] / 1e3:.1f} s",
-            f"took {b['aten::add'] / 1e3:.1f}, {b['aten::mul'] / 1e3:.1f} and "
-            f"{b['aten::copy_'] / 1e3:.1f} s",
-            f"took {c['aten::mul'] / 1e3:.2f} and {c['aten::copy_'] / 1e3:.1f} s"]
+            f"took {b['aten::copy_'] / 1e3:.1f}, {b['aten::mul'] / 1e3:.1f} and "
+            f"{b['aten::add'] / 1e3:.1f} s",
+            f"the copies and multiplications took {c['aten::copy_'] / 1e3:.1f} and "
+            f"{c['aten::mul'] / 1e3:.2f} s",
+            f"launched {k['folded']} kernels for the 10 clients, about one client's "
+            f"{k['per_client']:.0f}",
+            f"it took {ms['folded'] / 1e3:.1f} s",
+            f"their backward took {f['aten::convolution_backward'] / 1e3:.1f} s against "
+            f"{c['aten::convolution_backward'] / 1e3:.1f} s"]
 
 
 def _finding() -> list[str]:
