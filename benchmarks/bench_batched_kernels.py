@@ -220,8 +220,9 @@ def fold(model: nn.Module, params: dict[str, torch.Tensor],
     tensors = {**buffers, **params}
     out = copy.deepcopy(model)
     for name, module in list(out.named_modules()):
-        def get(attr: str) -> torch.Tensor | None:
-            return tensors.get(f"{name}.{attr}")
+        prefix = f"{name}."
+        get = {k[len(prefix):]: t for k, t in tensors.items()  # this module's own tensors
+               if k.startswith(prefix) and "." not in k[len(prefix):]}.get
         if isinstance(module, SpectralConv2d):
             new: nn.Module = _FoldedSpectralConv(module, get("u"), get("v"), get("omega"),
                                                  get("bias"))
