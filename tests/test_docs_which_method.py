@@ -22,6 +22,7 @@ A = "20 % r = 1 / 80 % r = 0.1"
 B = "60 % r = 0.2 / 40 % r = 0.4"
 C = "r = 0.1"
 TOPN = "Top-n, low-rank start"
+STRONG_10 = "Strong devices only, 10 a round"
 
 #: (column, budget, row) of every accuracy the page's prose cites as "mean ± std %"
 PAGE_CELLS = [
@@ -31,11 +32,13 @@ PAGE_CELLS = [
     (A, "r0.1", "HeteroFL"), (A, "r0.1", "Ordered dropout"), (A, "r0.1", "Collective"),
     (B, "full", "Small model"), (B, "full", TOPN), (B, "r0.2", "HeteroFL"),
     (C, "full", "Small model"), (C, "r0.1", "HeteroFL"), (C, "r0.1", TOPN),
-    (C, "r0.1", "Collective"),
+    (C, "r0.1", "Collective"), (A, "full", STRONG_10), (A, "r0.1", STRONG_10),
+    (A, "full", "PriSM + Wallenius + ClipLR"),
 ]
 #: (column, budget, row) whose paired difference to the column's best baseline the prose cites
 PAGE_DIFFERENCES = [(A, "full", TOPN), (B, "full", TOPN), (C, "r0.1", TOPN),
-                    (A, "r0.1", "HeteroFL"), (A, "r0.1", "Ordered dropout")]
+                    (A, "r0.1", "HeteroFL"), (A, "r0.1", "Ordered dropout"),
+                    (A, "full", STRONG_10)]
 #: what README's and docs/sharding.md's advice cite
 ADVICE_CELLS = [(A, "full", "Small model"), (A, "full", "Whole model, every node"),
                 (A, "full", TOPN), (A, "r0.1", "HeteroFL")]
