@@ -2,14 +2,15 @@
 against C steps of one client, and the time of each, side by side in one process.
 
 The batched engine (``fedshard_lab.engine.batched``) trains a round's clients of equal
-sub-model shapes as one model: ``torch.func.vmap`` of ``grad`` over their stacked parameters.
+sub-model shapes as one model: the clients folded into one model's channels where the model
+allows, else ``torch.func.vmap`` of ``grad`` over their stacked parameters.
 It was built because one client's step on a GPU is bound by kernel launches; it pays only if
 the vectorized step launches far fewer kernels than the clients one after another, and if
 those kernels are not slower per unit of work. This script counts what each way runs, so
 that the answer does not need a GPU to start:
 
 * every ATen operation of one step (forward, backward; the gradient, not the optimizer),
-  caught by a ``TorchDispatchMode``: of the batched engine's own loss
+  caught by a ``TorchDispatchMode``: of the batched engine's vmap loss
   (``fedshard_lab.engine.batched``'s ``_client_loss`` under ``vmap(grad(...))``) on ``C``
   stacked clients, and of one client's step of the same sub-model as ``EagerStep`` computes
   it (``cross_entropy_sums``, mean loss, ``backward``);
@@ -19,10 +20,11 @@ that the answer does not need a GPU to start:
   vmap runs a decomposition of them instead) and those only the batched step runs;
 * the kernels of one GroupNorm layer (forward and backward) under ``vmap(grad)`` for ``C``
   clients and for one client alone;
-* the same step with the clients *folded* into the channels by hand (:func:`fold`: every
-  convolution grouped by client, GroupNorm with ``C`` times its groups, the last layer as one
-  batched product) and differentiated by autograd without vmap, so that every operation runs
-  its own fused backward once for all the clients: a candidate for the batched engine;
+* the same step with the clients *folded* into the channels (``fedshard_lab.engine.folded``:
+  every convolution grouped by client, GroupNorm with ``C`` times its groups, the last layer
+  per client) and differentiated by autograd without vmap, so that every operation runs its
+  own fused backward once for all the clients: what the batched engine runs for the models
+  it can fold;
 * the convolutions the batched step runs as one grouped convolution (``groups`` = ``C``:
   vmap folds the clients' weights into the channels), whose per-group kernels a GPU library
   may run far below a dense convolution's speed;
@@ -44,7 +46,6 @@ command.
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import sys
 import time
@@ -53,8 +54,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 from torch.func import grad, vmap
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -65,8 +64,9 @@ from bench_client import build  # noqa: E402
 from machine import emit, provenance  # noqa: E402
 
 from fedshard.client.train.step import cross_entropy_sums  # noqa: E402
-from fedshard.spectral.conv import SpectralConv2d  # noqa: E402
 from fedshard_lab.engine.batched import _client_loss  # noqa: E402
+from fedshard_lab.engine.folded import fold  # noqa: E402
+from fedshard_lab.engine.folded import folded_step as engine_folded_step  # noqa: E402
 
 #: ATen operations that return a view or an alias: they launch no kernel.
 VIEW_OPS = frozenset({
@@ -137,124 +137,11 @@ def client_steps(s: dict[str, Any]) -> Any:
     return run
 
 
-# ---------------------------------------------------------------------------- folded
-# The clients folded into the channels by hand, without vmap: each layer of the sub-model
-# becomes one layer of C times its channels in C groups, so that autograd runs every
-# operation's own backward (GroupNorm's fused one too) once for all the clients.
-
-class _FoldedConv(nn.Module):
-    """A convolution of ``C`` clients' weights ``(C, out, in/g, k, k)`` as one grouped
-    convolution on ``(B, C·in, H, W)``."""
-
-    def __init__(self, conv: nn.Conv2d, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        c = weight.shape[0]
-        self.weight = nn.Parameter(weight.reshape(-1, *weight.shape[2:]).clone())
-        self.bias = None if bias is None else nn.Parameter(bias.reshape(-1).clone())
-        self.stride, self.padding, self.dilation = conv.stride, conv.padding, conv.dilation
-        self.groups = c * conv.groups
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation,
-                        self.groups)
-
-
-class _FoldedSpectralConv(nn.Module):
-    """A sharded convolution of ``C`` clients (their ``u`` ``(C, out, n)``, ``v``
-    ``(C, in·k·k, n)``, ``ω`` ``(C, n)``): the k×k convolution with ``n`` outputs and the 1×1
-    convolution with ``U diag(ω)``, each grouped by client."""
-
-    def __init__(self, layer: SpectralConv2d, u: torch.Tensor, v: torch.Tensor,
-                 omega: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        if layer.padding_mode != "zeros" or isinstance(layer.padding, str):
-            raise TypeError(f"{layer}: only zero padding given as numbers is folded here")
-        self.u, self.v = nn.Parameter(u.clone()), nn.Parameter(v.clone())
-        self.register_buffer("omega", omega.clone())
-        self.bias = None if bias is None else nn.Parameter(bias.reshape(-1).clone())
-        self.in_channels, self.kernel_size = layer.in_channels, layer.kernel_size
-        self.stride, self.padding, self.dilation = layer.stride, layer.padding, layer.dilation
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        c, _, n = self.v.shape
-        kernel = self.v.mT.reshape(c * n, self.in_channels, *self.kernel_size)  # (C·n, in, k, k)
-        hidden = F.conv2d(x, kernel, None, self.stride, self.padding, self.dilation, c)
-        uw = (self.u * self.omega[:, None, :]).reshape(-1, n, 1, 1)  # (C·out, n, 1, 1)
-        return F.conv2d(hidden, uw, self.bias, groups=c)
-
-
-class _FoldedGroupNorm(nn.Module):
-    """GroupNorm of ``C`` clients: ``C·g`` groups over ``C·ch`` channels (a group never spans
-    two clients' channels), with their affine weights side by side."""
-
-    def __init__(self, norm: nn.GroupNorm, weight: torch.Tensor, bias: torch.Tensor) -> None:
-        super().__init__()
-        self.groups, self.eps = weight.shape[0] * norm.num_groups, norm.eps
-        self.weight = nn.Parameter(weight.reshape(-1).clone())
-        self.bias = nn.Parameter(bias.reshape(-1).clone())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.group_norm(x, self.groups, self.weight, self.bias, self.eps)
-
-
-class _FoldedLinear(nn.Module):
-    """The last layer of ``C`` clients on ``(B, C·f)`` features: logits ``(B, C, out)``."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight.clone())  # (C, out, f)
-        self.bias = None if bias is None else nn.Parameter(bias.clone())  # (C, out)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        c, _, f = self.weight.shape
-        out = torch.einsum("bcf,cof->bco", x.reshape(x.shape[0], c, f), self.weight)
-        return out if self.bias is None else out + self.bias
-
-
-def fold(model: nn.Module, params: dict[str, torch.Tensor],
-         buffers: dict[str, torch.Tensor]) -> nn.Module:
-    """``model`` with every layer replaced by its ``C``-client folded form, the clients'
-    stacked tensors (``(C, ...)`` per name) as its parameters. Inputs are ``(B, C·in, H, W)``
-    (client-major channels), outputs ``(B, C, classes)``. For ResNet-18 as fedshard builds it
-    (convolutions, sharded convolutions, GroupNorm, one last Linear)."""
-    tensors = {**buffers, **params}
-    out = copy.deepcopy(model)
-    for name, module in list(out.named_modules()):
-        prefix = f"{name}."
-        get = {k[len(prefix):]: t for k, t in tensors.items()  # this module's own tensors
-               if k.startswith(prefix) and "." not in k[len(prefix):]}.get
-        if isinstance(module, SpectralConv2d):
-            new: nn.Module = _FoldedSpectralConv(module, get("u"), get("v"), get("omega"),
-                                                 get("bias"))
-        elif isinstance(module, nn.Conv2d):
-            new = _FoldedConv(module, get("weight"), get("bias"))
-        elif isinstance(module, nn.GroupNorm):
-            new = _FoldedGroupNorm(module, get("weight"), get("bias"))
-        elif isinstance(module, nn.Linear):
-            new = _FoldedLinear(get("weight"), get("bias"))
-        elif any(True for _ in module.parameters(recurse=False)):
-            raise TypeError(f"{name}: {type(module).__name__} is not folded here")
-        else:
-            continue
-        parent, _, child = name.rpartition(".")
-        setattr(out.get_submodule(parent) if parent else out, child, new)
-    return out
-
-
 def folded_step(s: dict[str, Any]) -> Any:
-    """Every client's gradient at once through the folded model (autograd, no vmap)."""
-    model = fold(s["model"], s["params"], s["buffers"])
-    x, y = s["x"], s["y"]  # (C, B, 3, H, W), (C, B)
-    c, b = y.shape
-    inputs = x.transpose(0, 1).reshape(b, c * x.shape[2], *x.shape[3:])  # (B, C·3, H, W)
-
-    def run() -> None:
-        model.zero_grad(set_to_none=True)
-        logits = model(inputs)  # (B, C, classes)
-        # each client's mean cross-entropy; their sum's gradient is each client's own
-        F.cross_entropy(logits.permute(0, 2, 1), y.T, reduction="sum").div(b).backward()
-    run.model = model  # type: ignore[attr-defined]
-    return run
+    """Every client's gradient at once with the clients folded into the channels, as the
+    batched engine computes it (``fedshard_lab.engine.folded``: autograd, no vmap)."""
+    step = engine_folded_step(fold(s["model"]))
+    return lambda: step(s["params"], s["buffers"], s["x"], s["y"], s["weights"])
 
 
 def count_ops(fn: Any) -> OpCounter:

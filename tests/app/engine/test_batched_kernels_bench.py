@@ -79,39 +79,3 @@ def test_group_norms_backward_has_no_batching_rule(monkeypatch) -> None:  # type
     got = bench.group_norm_kernels(4)
     assert got["one_client"] == 4  # forward, the loss's sum and seed, the fused backward
     assert got["batched"] > 2 * got["one_client"]
-
-
-def test_the_folded_step_gives_each_client_its_own_gradient(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The clients folded into the channels (grouped convolutions, GroupNorm with C times its
-    groups) against each client's own autograd step on the unfolded sub-model, in float64,
-    clients with different parameters and data; and the folded step launches about one
-    client's kernels, not C times as many."""
-    import argparse
-    bench = _module(monkeypatch)
-    torch.set_default_dtype(torch.float64)
-    try:
-        s = bench.setup(argparse.Namespace(width=4, keep_ratio=0.3, clients=3, batch=2),
-                        torch.device("cpu"))
-        gen = torch.Generator().manual_seed(1)
-        for t in s["params"].values():  # three different clients
-            t.add_(0.1 * torch.randn(t.shape, generator=gen, dtype=t.dtype))
-        step = bench.folded_step(s)
-        step()
-        folded = dict(step.model.named_parameters())
-        model, worst = s["model"], 0.0
-        for c in range(3):
-            with torch.no_grad():
-                for n, p in model.named_parameters():
-                    if n in s["params"]:
-                        p.copy_(s["params"][n][c])
-            model.zero_grad(set_to_none=True)
-            torch.nn.functional.cross_entropy(model(s["x"][c]), s["y"][c]).backward()
-            for n, p in model.named_parameters():
-                if p.requires_grad:
-                    got = folded[n].grad.reshape(3, *p.shape)[c]
-                    worst = max(worst, float((got - p.grad).abs().max() / p.grad.abs().max()))
-        assert worst < 1e-12
-        one = bench.count_ops(bench.client_steps(s)).ops  # the three clients' steps
-        assert bench.kernels(bench.count_ops(step).ops) < 1.2 * bench.kernels(one) / 3
-    finally:
-        torch.set_default_dtype(torch.float32)
