@@ -6,7 +6,7 @@ client axis and one step trains all of them: ten small, latency-bound steps beco
 with ten times the work per kernel (what is meant to pay on a GPU; on a CPU the clients one
 after another are faster). The step folds the clients into one model's channels where the
 model allows (:mod:`fedshard_lab.engine.folded`: about one client's kernels for all of them;
-fedshard's ``mlp`` and ``resnet18``), else it is :func:`torch.func.vmap` over
+fedshard's ``mlp``, ``resnet18`` and ``lenet``), else it is :func:`torch.func.vmap` over
 :func:`torch.func.functional_call` (about 3.6 times one client's kernels for ten clients:
 GroupNorm's backward has no batching rule and every convolution runs grouped;
 ``benchmarks/bench_batched_kernels.py``).

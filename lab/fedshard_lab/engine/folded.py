@@ -21,9 +21,9 @@ Folded: ``nn.Conv2d`` (zero padding), :class:`~fedshard.spectral.SpectralConv2d`
 padding, neither padded nor merged terms), ``nn.GroupNorm``, ``nn.LayerNorm`` over the last
 dimension, ``nn.Linear`` and :class:`~fedshard.spectral.SpectralLinear` on ``(B, features)``,
 and modules without parameters or buffers that act on each channel or feature alone (ReLU,
-pooling, flatten, the residual additions of a block's ``forward``): fedshard's ``mlp`` and
-``resnet18``. :func:`foldable` names what a model has beyond that; the batched engine then
-uses vmap.
+pooling, flatten, the residual additions of a block's ``forward``): fedshard's ``mlp``,
+``resnet18`` and ``lenet``. :func:`foldable` names what a model has beyond that; the batched
+engine then uses vmap.
 """
 
 from __future__ import annotations

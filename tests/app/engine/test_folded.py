@@ -1,7 +1,8 @@
 """The batched engine's folded step (``fedshard_lab.engine.folded``) against two independent
 routes, in float64: each client's own autograd step on the unfolded sub-model, and vmap of
 grad over the stacked clients (the batched engine's other route). Sub-models of fedshard's
-``mlp`` (sharded Linear, LayerNorm) and ``resnet18`` (sharded convolutions, GroupNorm), three
+``mlp`` (sharded Linear, LayerNorm), ``resnet18`` (sharded convolutions, GroupNorm) and
+``lenet`` (sharded convolution and Linear, pooling, a flatten in its ``forward``), three
 clients with different parameters and data, one of them with a padded batch."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 from torch.func import grad, vmap
 
-from fedshard.models import mlp, resnet18
+from fedshard.models import lenet, mlp, resnet18
 from fedshard.spectral import decompose, shard_model
 from fedshard.spectral.selection import sharded_layer_names
 from fedshard_lab.engine.batched import _client_loss
@@ -38,6 +39,9 @@ def _case(kind: str) -> tuple[nn.Module, torch.Tensor]:
     if kind == "mlp":
         return _submodel(mlp(784, 10, width=12, depth=3).double(), 0.5), \
             torch.randn(C, B, 1, 28, 28, dtype=torch.float64)
+    if kind == "lenet":
+        return _submodel(lenet(10).double(), 0.5), \
+            torch.randn(C, B, 1, 28, 28, dtype=torch.float64)
     return _submodel(resnet18(10, 3, width=4, seed=0).double(), 0.5), \
         torch.randn(C, B, 3, 16, 16, dtype=torch.float64)
 
@@ -53,7 +57,7 @@ def _stacked(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch
     return params, buffers
 
 
-@pytest.mark.parametrize("kind", ["mlp", "resnet"])
+@pytest.mark.parametrize("kind", ["mlp", "resnet", "lenet"])
 def test_each_client_gets_its_own_gradient(kind: str) -> None:
     model, x = _case(kind)
     assert foldable(model) == []
