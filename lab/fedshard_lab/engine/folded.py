@@ -21,9 +21,10 @@ Folded: ``nn.Conv2d`` (zero padding), :class:`~fedshard.spectral.SpectralConv2d`
 padding, neither padded nor merged terms), ``nn.GroupNorm``, ``nn.LayerNorm`` over the last
 dimension, ``nn.Linear`` and :class:`~fedshard.spectral.SpectralLinear` on ``(B, features)``,
 and modules without parameters or buffers that act on each channel or feature alone (ReLU,
-pooling, flatten, the residual additions of a block's ``forward``): fedshard's ``mlp``,
-``resnet18`` and ``lenet``. :func:`foldable` names what a model has beyond that; the batched
-engine then uses vmap.
+pooling, flatten), inside the forwards of fedshard's ``mlp``, ``resnet18`` (its residual
+blocks) and ``lenet`` and of ``nn.Sequential``. Another model's forward could mix the
+channels, and so the clients, where no check of its modules can see it: :func:`foldable`
+names such a forward and every module beyond that list, and the batched engine then uses vmap.
 """
 
 from __future__ import annotations
@@ -43,15 +44,31 @@ __all__ = ["fold", "foldable", "folded_step"]
 
 #: Modules without parameters that act on each channel or feature alone: folding keeps them.
 _PER_CHANNEL = (nn.ReLU, nn.Identity, nn.Flatten, nn.AdaptiveAvgPool2d, nn.AvgPool2d,
-                nn.MaxPool2d, nn.Sequential)
+                nn.MaxPool2d)
+
+
+def _known_forwards() -> tuple[type, ...]:
+    """The modules with children whose ``forward`` keeps each client's channels apart once
+    folded (it only calls its children, ``flatten(1)``, additions and per-element
+    functions): a forward that mixes channels (a mean over them, a ``view`` with sizes) would
+    mix the clients, which no check of the modules could see, so any other is refused."""
+    from torchvision.models.resnet import BasicBlock
+
+    from fedshard.models.lenet import LeNet
+    from fedshard.models.mlp import MLP
+    from fedshard.models.resnet import ResNet
+    return (nn.Sequential, MLP, ResNet, LeNet, BasicBlock)
 
 
 def foldable(model: nn.Module) -> list[str]:
     """Why ``model`` cannot be folded (empty: it can), one reason per module."""
     reasons = []
+    known = _known_forwards()
     for name, m in model.named_modules():
         where = f"{name or 'model'}: {type(m).__name__}"
-        if isinstance(m, SpectralConv2d):
+        if any(True for _ in m.children()) and type(m) not in known:
+            reasons.append(f"{where} (a forward folding does not know)")
+        elif isinstance(m, SpectralConv2d):
             if m.padding_mode != "zeros" or m.merge_terms or m.pad_terms_to != 1:
                 reasons.append(f"{where} with padding mode {m.padding_mode!r}, merged or "
                                "padded terms")
@@ -69,7 +86,7 @@ def foldable(model: nn.Module) -> list[str]:
         elif any(True for _ in m.parameters(recurse=False)) or any(
                 True for _ in m.buffers(recurse=False)):
             reasons.append(f"{where} (not a layer folding knows)")
-        elif not list(m.children()) and m is not model:
+        elif not any(True for _ in m.children()) and type(m) not in known:
             reasons.append(f"{where} (a leaf module folding does not know)")
     return reasons
 

@@ -104,13 +104,29 @@ def test_it_names_what_it_cannot_fold() -> None:
             return x
 
     reasons = foldable(Odd())
-    assert len(reasons) == 4, reasons
+    assert len(reasons) == 5, reasons
+    assert any("model: Odd (a forward folding does not know)" in r for r in reasons)
     assert any("embed: Embedding" in r for r in reasons)
     assert any("padding mode 'reflect'" in r for r in reasons)
     assert any("without affine weights" in r for r in reasons)
     assert any("act: GELU" in r for r in reasons)
-    with pytest.raises(TypeError, match="cannot fold the model: embed: Embedding"):
+    with pytest.raises(TypeError, match="cannot fold the model: model: Odd"):
         fold(Odd())
+
+
+def test_a_forward_it_does_not_know_is_refused_even_with_known_layers() -> None:
+    """Layers folding knows, in a forward that mixes the channels (and so, folded, the
+    clients): refused, as no check of the modules could see the mixing."""
+    class Mixing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1)
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x: Any) -> Any:
+            return self.fc(self.conv(x).mean(dim=(1, 2)).unsqueeze(-1).expand(-1, 4))
+
+    assert foldable(Mixing()) == ["model: Mixing (a forward folding does not know)"]
 
 
 def test_targets_per_token_are_refused() -> None:
