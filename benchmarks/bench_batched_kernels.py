@@ -120,7 +120,8 @@ def setup(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
 
 
 def batched_step(s: dict[str, Any]) -> Any:
-    """One step of the batched engine's gradient: every client's at once."""
+    """Every client's gradient at once by vmap of grad (the batched engine's route for a
+    model it cannot fold; ``batched`` in the record)."""
     step = vmap(grad(_client_loss(s["model"]), has_aux=True))
     return lambda: step(s["params"], s["buffers"], s["x"], s["y"], s["weights"])
 
