@@ -128,6 +128,18 @@ def tensors(dataset: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 
+def batched_step(settings: dict[str, Any]) -> str:
+    """Which step the batched engine takes for this run's model: ``"folded"`` (the clients in
+    one model's channels) or ``"vmap"`` with the reasons the model does not fold. Checked on
+    the dense model; its sub-models keep its forward. A tree from before folding: ``"vmap"``."""
+    try:
+        from fedshard_lab.engine.folded import foldable
+    except ImportError:
+        return "vmap (this tree has no folded step)"
+    why = foldable(build_model(RunConfig.from_mapping(settings)))
+    return "folded" if not why else "vmap: " + "; ".join(why)
+
+
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -841,6 +853,8 @@ def main() -> None:
                   "test_examples": test, "cuda_graph": args.cuda_graph,
                   "keep_ratio": {m: 1.0 if m == "none" else 0.1 for m in methods}},
         "repeats": args.repeats, "rounds": args.rounds, "engine": engine,
+        "batched_step": {m: batched_step(per_method[m]) for m in methods}
+        if "batched" in paths else None,
         "s_per_round": {p: {m: round(statistics.median(v), 4) for m, v in t.items()}
                         for p, t in times.items()},
         "engine_vs_bare": {m: round(statistics.median(v), 3) for m, v in paired[engine].items()}

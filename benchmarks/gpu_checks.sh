@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check of the project in one run (the device machine has torch but no flwr/Ray):
+# bench_engine.py's CIFAR-10 preset (batched vs sequential vs a bare loop); bench_batched_kernels.py;
 # the CUDA tests; bench_simulation.py at full size, graphed with the step pool, the same with
 # merge-terms, graphed with a step per client (its baseline), graphed with DataLoaders (the baseline of TensorBatches),
 # compiled + graphed; bench_batches.py (data held on the GPU vs a DataLoader); bench_client.py with the whole-step
@@ -37,14 +38,17 @@ except ValueError:
 PY
   tar czf "$OUT/logs.tgz" -C "$LOGS" . ; }
 # most wanted first: a run stopped at its limit keeps what finished
+# the in-process engine at the CIFAR-10 preset's shape: batched vs sequential vs a bare loop
+# (the batched engine stays only if its round takes at most half the bare loop's)
+run bench_engine_cifar10 300 python3 benchmarks/bench_engine.py --preset cifar10 --device cuda --repeats 3 --rounds 3 --cuda-graph --equality-examples 64
+# why the batched engine wins or loses: kernels per step, batched against one client after another,
+# and the CUDA time of the slowest operations of each
+run bench_batched_kernels 120 python3 benchmarks/bench_batched_kernels.py --device cuda --profile --repeats 5
 # (the CPU-only compiled pool test is deselected: Inductor's CPU build checks took over 50 s there;
 # CI runs it)
 run cuda_tests 200 python3 -m pytest -q -rf --tb=short -o log_level=WARNING -p no:cacheprovider \
   --deselect tests/client/train/fast/test_step_pool.py::test_pooled_compiled_step_trains_later_clients_like_eager \
   tests/client/train/fast/test_cuda.py tests/spectral/test_spectral_device.py tests/client/train/fast/test_step_pool.py tests/client/train/test_tensor_batches.py
-# why the batched engine loses: kernels per step, batched against one client after another,
-# and the CUDA time of the slowest operations of each
-run bench_batched_kernels 120 python3 benchmarks/bench_batched_kernels.py --device cuda --profile --repeats 5
 run bench_simulation_graph 60 python3 benchmarks/bench_simulation.py --device cuda --rounds 3 --cuda-graph
 run bench_simulation_graph_merged 60 python3 benchmarks/bench_simulation.py --device cuda --rounds 3 --cuda-graph --merge-terms
 run bench_simulation_graph_fresh 60 python3 benchmarks/bench_simulation.py --device cuda --rounds 3 --cuda-graph --no-reuse-step
@@ -54,8 +58,6 @@ run bench_simulation_compile_graph 90 python3 benchmarks/bench_simulation.py --d
 run bench_receive 60 python3 benchmarks/bench_receive.py --repeats 5
 run bench_client_eager_graph 80 python3 benchmarks/bench_client.py --device cuda --quick --cuda-graph --pad-terms --merge-terms --ratios 0.1 1.0 --steps 20 --repeats 10 --warmup 5 --kernels 12
 run bench_client_compile 150 python3 benchmarks/bench_client.py --device cuda --quick --compile --cuda-graph --ratios 0.1 --steps 20 --repeats 10 --warmup 5
-# the in-process engine at the CIFAR-10 preset's shape: batched vs sequential vs a bare loop
-run bench_engine_cifar10 300 python3 benchmarks/bench_engine.py --preset cifar10 --device cuda --repeats 3 --rounds 3 --cuda-graph --equality-examples 64
 if [ -d .gpu/old ] && [ -n "${OLD:-}" ]; then cd .gpu/old
   run bench_client_old 50 python3 benchmarks/bench_client.py --device cuda --ratios 0.1 1.0 --steps 10 --repeats 5
   cd "$ROOT"; fi

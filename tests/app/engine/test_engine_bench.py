@@ -33,6 +33,8 @@ def test_cifar10_preset_runs_tiny_on_the_cpu(tmp_path: Path) -> None:
     assert got["machine"] and got["torch"] and got["date"]
     assert got["command"].startswith("python benchmarks/bench_engine.py --preset cifar10")
     assert got["engine"] == "batched" and got["preset"] == "cifar10"
+    # ResNet-18's forward and layers are among those folding knows (tests/app/engine/test_folded.py)
+    assert got["batched_step"] == {"collective": "folded"}
     assert set(got["s_per_round"]) == {"bare", "sequential", "batched"}
     assert all(v["collective"] > 0 for v in got["s_per_round"].values())
     assert got["engine_vs_bare"]["collective"] > 0
