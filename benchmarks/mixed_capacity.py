@@ -61,9 +61,13 @@ SAME_RUN = {("Small model", "r = 0.1"): ("Small model", "20 % r = 1 / 80 % r = 0
 
 
 def final_row(folder: Path) -> dict[str, Any] | None:
-    """The last evaluated round of a finished run (``None``: not finished)."""
-    summary = folder / "summary.json"
+    """The last evaluated round of a finished run (``None``: not finished). Finished means the
+    app's ``summary.json`` and the runner's ``runner.json`` both say so (a runner stopped after
+    the app finished wrote "interrupted": that record is broken and the run is re-run)."""
+    summary, runner = folder / "summary.json", folder / "runner.json"
     if not summary.is_file() or json.loads(summary.read_text()).get("status") != "finished":
+        return None
+    if not runner.is_file() or json.loads(runner.read_text()).get("status") != "finished":
         return None
     rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines() if x]
     evaluated = [r for r in rows if "test-accuracy" in r]

@@ -64,3 +64,21 @@ def test_a_block_is_headed_by_its_most_seeds_and_a_tie_by_the_lowest() -> None:
     table = mixed_capacity.markdown({"statistics": mixed_capacity.statistics_of(cells)})
     assert "mean ± std over seeds 0 and 1)" in table
     assert "| Unbiased | 75.0 ± 7.1 (-5.0) [seeds 0 and 2] |" in table  # paired on seed 0
+
+
+@pytest.mark.parametrize(("summary", "runner", "counted"), [
+    ("finished", "finished", True),
+    ("finished", "interrupted", False),  # the runner was stopped after the app finished
+    ("finished", None, False),  # no runner record: not a run the runner made
+    ("failed", "failed", False),
+])
+def test_a_run_counts_only_when_the_app_and_the_runner_both_recorded_it_finished(
+        tmp_path: Path, summary: str, runner: str | None, counted: bool) -> None:
+    import json
+    (tmp_path / "summary.json").write_text(json.dumps({"status": summary}))
+    if runner is not None:
+        (tmp_path / "runner.json").write_text(json.dumps({"status": runner}))
+    (tmp_path / "metrics.jsonl").write_text(
+        json.dumps({"round": 59}) + "\n" + json.dumps({"round": 60, "test-accuracy": 0.5}) + "\n")
+    row = mixed_capacity.final_row(tmp_path)
+    assert (row == {"round": 60, "test-accuracy": 0.5}) if counted else row is None
