@@ -127,17 +127,15 @@ def tensors(dataset: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return inputs, targets
 
 
-
 def batched_step(settings: dict[str, Any]) -> str:
-    """Which step the batched engine takes for this run's model: ``"folded"`` (the clients in
-    one model's channels) or ``"vmap"`` with the reasons the model does not fold. Checked on
-    the dense model; its sub-models keep its forward. A tree from before folding: ``"vmap"``."""
+    """The batched engine's own choice of step (``step_route``) for this run's model, asked
+    of the dense model (its sub-models keep its forward and, at these settings, fold the same
+    layers). A tree from before folding had only vmap."""
     try:
-        from fedshard_lab.engine.folded import foldable
+        from fedshard_lab.engine.batched import step_route
     except ImportError:
         return "vmap (this tree has no folded step)"
-    why = foldable(build_model(RunConfig.from_mapping(settings)))
-    return "folded" if not why else "vmap: " + "; ".join(why)
+    return step_route(build_model(RunConfig.from_mapping(settings)))
 
 
 def sync(device: str) -> None:

@@ -4,6 +4,7 @@ best baseline seed by seed."""
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -74,7 +75,6 @@ def test_a_block_is_headed_by_its_most_seeds_and_a_tie_by_the_lowest() -> None:
 ])
 def test_a_run_counts_only_when_the_app_and_the_runner_both_recorded_it_finished(
         tmp_path: Path, summary: str, runner: str | None, counted: bool) -> None:
-    import json
     (tmp_path / "summary.json").write_text(json.dumps({"status": summary}))
     if runner is not None:
         (tmp_path / "runner.json").write_text(json.dumps({"status": runner}))

@@ -56,7 +56,7 @@ from fedshard.spectral.selection import BATCH_NORMS
 from fedshard_lab.engine.folded import fold, foldable, folded_step
 from fedshard_lab.engine.grid import SequentialTrainer, TrainJob
 
-__all__ = ["BatchedTrainer", "train_together", "vectorizable"]
+__all__ = ["BatchedTrainer", "step_route", "train_together", "vectorizable"]
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +169,14 @@ class _StackedLayer:
     omega: torch.Tensor  # (C, n)
 
 
+def step_route(model: nn.Module) -> str:
+    """The step :func:`train_together` takes for ``model``: ``"folded"`` (the clients in one
+    model's channels, :func:`~fedshard_lab.engine.folded.folded_step`), else ``"vmap: "`` and
+    the reasons :func:`~fedshard_lab.engine.folded.foldable` gives."""
+    why = foldable(model)
+    return "folded" if not why else "vmap: " + "; ".join(why)
+
+
 def train_together(shards: Sequence[Shard], loaders: Sequence[TensorBatches]
                    ) -> list[Message | Exception]:
     """Train ``shards`` (sub-models of equal shapes, the same recipe) as one vectorized model,
@@ -225,7 +233,7 @@ def train_together(shards: Sequence[Shard], loaders: Sequence[TensorBatches]
     rules.attach(sgd)
     # the clients folded into one model's channels where the model allows (about one client's
     # kernels for all of them), else vmap over the stacked clients: the same numbers
-    step = (folded_step(fold(model)) if not foldable(model)
+    step = (folded_step(fold(model)) if step_route(model) == "folded"
             else vmap(grad(_client_loss(model), has_aux=True)))
     count = len(shards)
     device = params[names[0]].device

@@ -17,7 +17,7 @@ from torch.func import grad, vmap
 from fedshard.models import lenet, mlp, resnet18
 from fedshard.spectral import decompose, shard_model
 from fedshard.spectral.selection import sharded_layer_names
-from fedshard_lab.engine.batched import _client_loss
+from fedshard_lab.engine.batched import _client_loss, step_route
 from fedshard_lab.engine.folded import fold, foldable, folded_step
 
 C, B = 3, 4
@@ -60,7 +60,7 @@ def _stacked(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch
 @pytest.mark.parametrize("kind", ["mlp", "resnet", "lenet"])
 def test_each_client_gets_its_own_gradient(kind: str) -> None:
     model, x = _case(kind)
-    assert foldable(model) == []
+    assert foldable(model) == [] and step_route(model) == "folded"
     params, buffers = _stacked(model)
     y = torch.randint(0, 10, (C, B), generator=torch.Generator().manual_seed(2))
     weights = torch.ones(C, B, dtype=torch.float64)
@@ -127,6 +127,8 @@ def test_a_forward_it_does_not_know_is_refused_even_with_known_layers() -> None:
             return self.fc(self.conv(x).mean(dim=(1, 2)).unsqueeze(-1).expand(-1, 4))
 
     assert foldable(Mixing()) == ["model: Mixing (a forward folding does not know)"]
+    # and the batched engine's step for it is vmap, with that reason
+    assert step_route(Mixing()) == "vmap: model: Mixing (a forward folding does not know)"
 
 
 def test_targets_per_token_are_refused() -> None:
