@@ -33,12 +33,15 @@ PAGE_CELLS = [
     (B, "full", "Small model"), (B, "full", TOPN), (B, "r0.2", "HeteroFL"),
     (C, "full", "Small model"), (C, "r0.1", "HeteroFL"), (C, "r0.1", TOPN),
     (C, "r0.1", "Collective"), (A, "full", STRONG_10), (A, "r0.1", STRONG_10),
-    (A, "full", "PriSM + Wallenius + ClipLR"),
+    (A, "full", "PriSM + Wallenius + ClipLR"), (B, "full", "Collective"),
+    (B, "full", "PriSM + Wallenius + ClipLR"), (C, "r0.1", "PriSM + Wallenius + ClipLR"),
 ]
 #: (column, budget, row) whose paired difference to the column's best baseline the prose cites
 PAGE_DIFFERENCES = [(A, "full", TOPN), (B, "full", TOPN), (C, "r0.1", TOPN),
                     (A, "r0.1", "HeteroFL"), (A, "r0.1", "Ordered dropout"),
                     (A, "full", STRONG_10), (A, "full", "Whole model, every node")]
+#: (column, budget, row) of which the prose says in how many seeds it beat the best baseline
+PAGE_SEED_COUNTS = [(A, "full", STRONG_10)]
 #: what README's and docs/sharding.md's advice cite
 ADVICE_CELLS = [(A, "full", "Small model"), (A, "full", "Whole model, every node"),
                 (A, "full", TOPN), (A, "r0.1", "HeteroFL")]
@@ -111,6 +114,20 @@ def test_every_committed_run_is_a_finished_runner_record_without_its_model() -> 
         assert runner["run-name"] == folder.name
 
 
+_WORDS = ("no", "one", "two", "three", "four", "five", "six")
+
+
+def seeds_higher(record: dict[str, Any], column: str, budget: str, row: str) -> str:
+    """How the prose counts the seeds where ``row`` scored above the column's best baseline,
+    each seed against the same seed's baseline: ``scored higher in one of the three seeds``."""
+    cells = record["statistics"][column][budget]
+    e = cells[row]
+    base = cells[e["vs-best-baseline"]["baseline"]]["seeds"]
+    higher = sum(acc > base[seed] for seed, acc in e["seeds"].items() if seed in base)
+    paired = sum(seed in base for seed in e["seeds"])
+    return f"scored higher in {_WORDS[higher]} of the {_WORDS[paired]} seeds"
+
+
 def test_the_page_says_where_when_how_and_how_much_of_the_suite(record: dict[str, Any]) -> None:
     page = _flat(PAGE)
     runs = record["runs"]
@@ -128,6 +145,7 @@ def test_each_number_the_pages_prose_cites_is_a_cell_of_the_record(
     page = _flat(PAGE)
     facts = [accuracy(record, *cell) for cell in PAGE_CELLS]
     facts += [difference(record, *cell) for cell in PAGE_DIFFERENCES]
+    facts += [seeds_higher(record, *cell) for cell in PAGE_SEED_COUNTS]
     missing = [f for f in facts if f not in page]
     assert not missing, f"docs/which-method.md lacks {missing}"
 
@@ -162,6 +180,14 @@ def test_the_cited_cells_exist_and_the_formats_can_fail(record: dict[str, Any]) 
     changed = json.loads(json.dumps(record))
     changed["statistics"][A]["full"]["Small model"]["mean"] += 0.01
     assert accuracy(changed, A, "full", "Small model") not in _flat(PAGE)
+    # a seed that turns the count changes the words the page must say
+    column, budget, row = PAGE_SEED_COUNTS[0]
+    said = seeds_higher(record, column, budget, row)
+    cells = changed["statistics"][column][budget]
+    base = cells[cells[row]["vs-best-baseline"]["baseline"]]["seeds"]
+    for seed in cells[row]["seeds"]:
+        cells[row]["seeds"][seed] = base[seed] + (0.01 if "in no of" in said else -0.01)
+    assert seeds_higher(changed, column, budget, row) != said
 
 
 def test_the_figure_draws_every_row_of_the_suite_from_the_committed_records(
