@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +139,20 @@ def test_the_page_says_where_when_how_and_how_much_of_the_suite(record: dict[str
         facts.append("not yet in this record")  # what the page says of the missing runs
     missing = [f for f in facts if " ".join(f.split()) not in page]
     assert not missing, f"docs/which-method.md lacks {missing}"
+
+
+def test_the_run_time_the_page_gives_is_the_runner_records(record: dict[str, Any]) -> None:
+    """"the last N runs ... took A to B minutes each": the wall time (``wall-s``) the runner
+    wrote for the N runs it launched last, rounded to minutes."""
+    page = _flat(PAGE)
+    said = re.search(r"the last (\d+) runs of this record, .*? took (\d+) to (\d+) minutes each",
+                     page)
+    assert said, "docs/which-method.md no longer says how long the last runs took"
+    runners = sorted((json.loads((folder / "runner.json").read_text())
+                      for folder in RESULTS.iterdir() if folder.is_dir()),
+                     key=lambda r: r["launched"])
+    last = [r["wall-s"] / 60 for r in runners[-int(said.group(1)):]]
+    assert (round(min(last)), round(max(last))) == (int(said.group(2)), int(said.group(3)))
 
 
 def test_each_number_the_pages_prose_cites_is_a_cell_of_the_record(
