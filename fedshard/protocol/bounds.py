@@ -126,6 +126,17 @@ def _scale(norm: np.ndarray, ref: np.ndarray, ratio: float) -> tuple[np.ndarray,
     return np.asarray(scale), observed
 
 
+def _scale_one(norm: float, ref: float, ratio: float) -> tuple[float, float]:
+    """:func:`_scale` of one entry, in Python floats (the same numbers; a dense array is one
+    entry, and numpy's arrays of one cost more than the arithmetic): ``norm/ref`` is ``inf``
+    or ``nan`` for ``ref = 0`` as numpy's division gives."""
+    bound = ratio * ref
+    scale = bound / norm if norm > bound else 1.0
+    if ref != 0:
+        return scale, norm / ref
+    return scale, (math.nan if norm == 0 or math.isnan(norm) else math.inf)
+
+
 def bound_terms(sent: np.ndarray, got: np.ndarray,
                 ratio: float) -> tuple[np.ndarray, int, float]:
     """``got`` (a factor, one column per term) with each column's change from ``sent``
@@ -159,12 +170,10 @@ def bound_dense(sent: np.ndarray, got: np.ndarray,
     (checked in the arrays' precision, clipped in float64, as :func:`bound_terms`)."""
     flat_s, flat_d = sent.ravel(), (got - sent).ravel()
     ref = max(math.sqrt(float(np.dot(flat_s, flat_s))), DENSE_RMS_FLOOR * math.sqrt(flat_s.size))
-    scales, observed = _scale(np.array([math.sqrt(float(np.dot(flat_d, flat_d)))]),
-                              np.array([ref]), ratio)
+    scale, observed = _scale_one(math.sqrt(float(np.dot(flat_d, flat_d))), ref, ratio)
     if not math.isfinite(observed):  # squares beyond float32 (scale 0): the ratio in float64
         d64 = got.astype(np.float64).ravel() - flat_s.astype(np.float64)
         observed = math.sqrt(float(np.dot(d64, d64))) / ref
-    scale = float(scales[0])
     if scale >= 1.0:
         return got, 0, observed
     s64 = sent.astype(np.float64)

@@ -44,6 +44,7 @@ from fedshard.spectral.aggregate import (
     align_factors,
     dense_equivalents,
     relative_change,
+    shared_float64,
     shrink_change,
     spread_scales,
     squared_norm,
@@ -205,6 +206,8 @@ def spread_replies(server_round: int, accepted: Sequence[P.TrainReply],
     excess: dict[int, float] = {}  # a node's largest change over the median
     over: dict[int, int] = {}  # how many of a node's layers and entries were beyond κ
     groups = _groups(accepted[0], spectra)
+    wide = shared_float64(sent[r.node].values[k] for r in accepted for keys in groups.values()
+                          for k in keys)
     # per group: what each node was sent, each node's change and the round's median change
     seen: dict[str, tuple[list[list[np.ndarray]], list[float], float]] = {}
     for name, keys in groups.items():
@@ -212,9 +215,10 @@ def spread_replies(server_round: int, accepted: Sequence[P.TrainReply],
         # a dense entry was sent to every node as the same array: its norm is taken once
         norms: dict[tuple[int, ...], float] = {}
         for arrays in before:
-            norms.setdefault(tuple(map(id, arrays)), squared_norm(arrays))
+            if tuple(map(id, arrays)) not in norms:
+                norms[tuple(map(id, arrays))] = squared_norm(arrays)
         changes = [relative_change(arrays, [v[k] for k in keys], dense=name not in spectra,
-                                   sent_sq=norms[tuple(map(id, arrays))])
+                                   sent_sq=norms[tuple(map(id, arrays))], wide=wide)
                    for arrays, v in zip(before, values, strict=True)]
         median = float(np.median(changes))
         seen[name] = (before, changes, median)

@@ -36,6 +36,7 @@ from fedshard.server.trusted import (
     update_of,
 )
 from fedshard.settings import ReplyPolicy
+from fedshard.spectral.aggregate import shared_float64
 
 __all__ = ["RECORD_MAX_NODES", "RECORD_MIN_ROUNDS", "RECORD_WINDOW", "TrustRecord",
            "TrustStage"]
@@ -264,6 +265,10 @@ class TrustStage:
 
 #: Relative weight under which a term or entry counts as held by no other node.
 _OTHERS = 1e-9
+#: ``d·d`` from ``S·S − 2w x·S + w² x·x`` is kept when at least this share of
+#: ``S·S + w² x·x`` (it then carries at most ~1e-13 relative error from the cancellation);
+#: below it ``d = S − w x`` is formed (:func:`_aggregate_cosines`).
+_GRAM_CANCELS = 1e-3
 
 
 def _aggregate_cosines(out: Sequence[P.TrainReply], sent: Mapping[int, P.SentShard]
@@ -283,17 +288,27 @@ def _aggregate_cosines(out: Sequence[P.TrainReply], sent: Mapping[int, P.SentSha
     array per shape rather than kept (keeping every node's float64 copy costs the memory of
     the round's replies twice over, and its page faults, every round). The first sums the
     weighted updates over their holders: ``S`` and total weight ``T`` per dense key, per term
-    for a factor key. The second takes, for each node of weight ``w`` and update ``x``, the
-    others' sum ``d = S − w x``, their mean ``d / (T − w)``, and accumulates ``x·d`` and
-    ``d·d`` (per column for a factor key, whose ``T`` is per term) and ``x·x``.
+    for a factor key, and takes each node's ``x·x`` per key. The second takes, for each node
+    of weight ``w`` and update ``x``, the others' sum ``d = S − w x``, their mean
+    ``d / (T − w)``, and accumulates ``x·d`` and ``d·d`` (per column for a factor key, whose
+    ``T`` is per term). For a dense key both come from ``x·S`` alone:
+    ``x·d = x·S − w x·x`` and ``d·d = S·S − 2w x·S + w² x·x`` (one product per node instead
+    of forming ``d``), unless ``d·d`` comes out below :data:`_GRAM_CANCELS` times
+    ``S·S + w² x·x`` (the node's own update is nearly all of ``S``: the difference would
+    cancel most of its digits); then ``d`` is formed and both products taken from it.
     """
     scratch: dict[tuple[int, ...], np.ndarray] = {}  # float64 arrays reused across nodes
+    wide = shared_float64(v for r in out for v in sent[r.node].values.values())
 
     def update(r: P.TrainReply, k: str) -> np.ndarray:
         # the node's update of key k, in a scratch array (valid until the next call)
-        got = r.values[k]
-        return np.subtract(got, sent[r.node].values[k], out=_buffer(scratch, got, 0),
-                           dtype=np.float64)
+        got, before = r.values[k], sent[r.node].values[k]
+        buf = _buffer(scratch, got, 0)
+        before64 = wide.get(id(before))
+        if before64 is not None and before64.shape == got.shape:
+            np.copyto(buf, got)  # (the same numbers: both sides exact in float64)
+            return np.subtract(buf, before64, out=buf)
+        return np.subtract(got, before, out=buf, dtype=np.float64)
 
     def terms(node: int, key: str, x: np.ndarray) -> np.ndarray | None:
         # the term index of each factor column of ``x``, ``None`` for a dense entry or slice
@@ -318,12 +333,12 @@ def _aggregate_cosines(out: Sequence[P.TrainReply], sent: Mapping[int, P.SentSha
     col_totals = {slot: np.zeros(n) for slot, n in width.items()}
     sums: dict[tuple[str, Any], np.ndarray] = {}
     totals: dict[tuple[str, Any], float] = {}
-    squares = []  # each node's x·x
+    squares = []  # each node's x·x, per key
     for r, ks in zip(out, keys, strict=True):
-        xx = 0.0
+        xx: dict[str, float] = {}
         for k in ks:
             x = update(r, k)
-            xx += float(np.vdot(x, x))
+            xx[k] = float(np.vdot(x, x))
             idx = terms(r.node, k, x)
             if idx is None:
                 if (k, x.shape) in sums:
@@ -336,6 +351,7 @@ def _aggregate_cosines(out: Sequence[P.TrainReply], sent: Mapping[int, P.SentSha
                 np.add.at(col_sums[(k, x.shape[0])], idx, (r.weight * x[:, :idx.size]).T)
                 np.add.at(col_totals[(k, x.shape[0])], idx, r.weight)
         squares.append(xx)
+    sum_squares = {slot: float(np.vdot(s, s)) for slot, s in sums.items()}  # S·S per dense key
     cosines = []
     for r, ks, xx in zip(out, keys, squares, strict=True):
         w = r.weight
@@ -348,10 +364,15 @@ def _aggregate_cosines(out: Sequence[P.TrainReply], sent: Mapping[int, P.SentSha
                 total = totals[(k, x.shape)]
                 t = total - w
                 if t > _OTHERS * total:
-                    d = np.multiply(x, -w, out=_buffer(scratch, x, 1))
-                    d += sums[(k, x.shape)]  # the others' weighted sum, S − w x
-                    xd += float(np.vdot(x, d)) / t
-                    dd += float(np.vdot(d, d)) / (t * t)
+                    s = sums[(k, x.shape)]
+                    xs, ss, wxx = float(np.vdot(x, s)), sum_squares[(k, x.shape)], w * w * xx[k]
+                    x_d, d_d = xs - w * xx[k], ss - 2.0 * w * xs + wxx
+                    if not d_d >= _GRAM_CANCELS * (ss + wxx):  # (NaN too) form d itself
+                        d = np.multiply(x, -w, out=_buffer(scratch, x, 1))
+                        d += s  # the others' weighted sum, S − w x
+                        x_d, d_d = float(np.vdot(x, d)), float(np.vdot(d, d))
+                    xd += x_d / t
+                    dd += d_d / (t * t)
             elif idx.size:
                 total_col = col_totals[(k, x.shape[0])][idx]
                 t = total_col - w
@@ -362,7 +383,7 @@ def _aggregate_cosines(out: Sequence[P.TrainReply], sent: Mapping[int, P.SentSha
                     d = col_sums[(k, x.shape[0])][idx[held]].T - w * xc  # (rows, held)
                     xd += float(np.sum(np.einsum("ij,ij->j", xc, d) / th))
                     dd += float(np.sum(np.einsum("ij,ij->j", d, d) / (th * th)))
-        norm = math.sqrt(xx) * math.sqrt(dd)
+        norm = math.sqrt(sum(xx.values())) * math.sqrt(dd)
         cosines.append(float(np.clip(xd / norm, -1.0, 1.0))
                        if norm > 0 and math.isfinite(norm) else 0.0)
     return cosines

@@ -105,3 +105,27 @@ def test_a_non_finite_aggregate_is_not_applied() -> None:
     new, metrics = one_round(strategy(max_update_ratio=0.0), g)
     assert new is None and metrics["aggregate-non-finite"] == 1.0
     assert metrics["rounds-trained"] == 0.0
+
+
+def test_one_dense_entry_is_scaled_as_numpy_scales_an_array_of_them() -> None:
+    """A dense array's bound works on Python floats; numpy's arrays of one (``_scale``) give
+    the same scale and ratio bit for bit, at 0, tiny, huge, inf and nan norms and a zero
+    reference."""
+    import math
+
+    from fedshard.protocol.bounds import _scale, _scale_one
+
+    rng = np.random.default_rng([56, 3])
+    norms = [0.0, 1e-300, 1.0, 9.999, 10.0, 10.001, 1e300, math.inf, math.nan,
+             *rng.lognormal(0, 3, size=200)]
+    refs = [0.0, 1e-300, 0.1, 1.0, 3.7, 1e300, *rng.lognormal(0, 3, size=20)]
+    for ratio in (0.5, 10.0, 1e6):
+        for norm in norms:
+            for ref in refs:
+                with np.errstate(over="ignore"):
+                    scales, want_ratio = _scale(np.array([norm]), np.array([ref]), ratio)
+                scale, seen = _scale_one(float(norm), float(ref), ratio)
+                assert scale == float(scales[0]) or (math.isnan(scale) and
+                                                     math.isnan(float(scales[0])))
+                assert seen == want_ratio or (math.isnan(seen) and math.isnan(want_ratio)), \
+                    (norm, ref, ratio)
