@@ -30,8 +30,9 @@ _MAX_HEADERS = 4096
 #: Headers longer than this are parsed by numpy every time (``np.save`` writes 64–128 bytes).
 _MAX_HEADER_BYTES = 1024
 
-# (dtype, shape) -> the header np.save writes for a C-contiguous array of them
-_written: dict[tuple[np.dtype, tuple[int, ...]], bytes] = {}
+# (dtype, shape) -> the header np.save writes for a C-contiguous array of them, and the
+# dtype's name as Array holds it (``str(dtype)`` is slow enough to count, per array sent)
+_written: dict[tuple[np.dtype, tuple[int, ...]], tuple[bytes, str]] = {}
 # header bytes -> (dtype, shape) np.load read from them (C order only)
 _read: dict[bytes, tuple[np.dtype, tuple[int, ...]]] = {}
 
@@ -54,15 +55,16 @@ def encode_array(x: np.ndarray) -> Array:
     if type(x) is not np.ndarray or not x.flags.c_contiguous or x.dtype.hasobject:
         return Array(x)
     key = (x.dtype, x.shape)
-    header = _written.get(key)
-    if header is None:
+    known = _written.get(key)
+    if known is None:
         reference = Array(x)
         header = reference.data[:len(reference.data) - x.nbytes]
         if len(_written) < _MAX_HEADERS and reference.data[len(header):] == x.tobytes():
-            _written[key] = header
+            _written[key] = (header, reference.dtype)
         return reference
+    header, dtype = known
     # one copy of the data (``header + x.tobytes()`` would copy them twice)
-    return Array(str(x.dtype), tuple(x.shape), _NUMPY, b"".join((header, x.data)))
+    return Array(dtype, tuple(x.shape), _NUMPY, b"".join((header, x.data)))
 
 
 def array_record(arrays: Mapping[str, Array]) -> ArrayRecord:

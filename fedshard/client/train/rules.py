@@ -283,7 +283,7 @@ class ClientRules:
         (columns it does not scale keep the optimizer's result exactly)."""
         for factor, old, scale, scaled in self._saved:
             clipped = torch.lerp(old, factor, scale)  # old + s (new − old)
-            factor.copy_(torch.where(scaled, clipped, factor))
+            torch.where(scaled, clipped, factor, out=factor)
         self._saved = []
         self.steps += 1
 
