@@ -583,3 +583,37 @@ def test_conv_layout_options_train_the_same_factors(option: str, value: object,
     assert got.loss == pytest.approx(want.loss, rel=1e-12)
     with pytest.raises(ValueError, match=error):
         FastOptions(**{option: 0})  # type: ignore[arg-type]
+
+
+def test_the_cpu_optimizer_is_fused_and_steps_as_torchs_default_sgd() -> None:
+    """On a CPU build_optimizer's SGD is torch's fused kernel; over 30 steps, with weight
+    decay on the dense group and a parameter whose first gradient comes at step 10 (the
+    fused kernel alone would find no momentum buffer for it), it moves every parameter as
+    torch's default SGD does, to float64 rounding."""
+    def two_layers() -> nn.Sequential:
+        g = _gen(3)
+        model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+        return model
+
+    model, reference = two_layers(), two_layers()
+    cfg = TrainConfig(recipe=LocalTraining(lr=0.05, momentum=0.9, weight_decay=1e-3))
+    opt = build_optimizer(model, cfg)
+    assert all(group["fused"] for group in opt.param_groups)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+    assert not plain.param_groups[0]["fused"]
+    g = _gen(4)
+    for step in range(30):
+        x = torch.randn(6, 5, generator=g, dtype=torch.float64)
+        t = torch.randint(0, 3, (6,), generator=g)
+        for net, optimizer in ((model, opt), (reference, plain)):
+            optimizer.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(net(x), t).backward()
+            if step < 10:  # the last layer's bias gets its first gradient at step 10
+                net[2].bias.grad = None
+            optimizer.step()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
+    assert not torch.equal(model[2].bias, two_layers()[2].bias)  # it did move
