@@ -78,66 +78,127 @@ def train(model: nn.Module, loader: DataLoader[Any] | TensorBatches,
             return _epochs(step, loader, cfg, device)
     if cfg.step is not None:
         return _epochs(cfg.step(model, cfg), loader, cfg, device)
-    return _epochs(EagerStep(model, cfg), loader, cfg, device)
+    return _epochs(EagerStep(model, cfg, every_target_counts=_every_target_counts(loader)),
+                   loader, cfg, device)
+
+
+def _every_target_counts(loader: DataLoader[Any] | TensorBatches) -> bool:
+    """Whether no batch of ``loader`` can hold an ignored target (-100): a
+    :class:`TensorBatches` whose targets hold none (read once per call; a ``DataLoader`` is
+    not read ahead)."""
+    return isinstance(loader, TensorBatches) and not bool((loader.targets == -100).any())
 
 
 def _epochs(step: Step, loader: DataLoader[Any] | TensorBatches, cfg: TrainConfig,
             device: torch.device) -> TrainResult:
-    # Device-side sums: the only reads back to the host are the periodic finiteness checks
-    # and the per-epoch log line. CE >= 0, so a sum is finite iff every summand is.
-    total_loss = torch.zeros((), dtype=torch.float64, device=device)
-    total_correct = torch.zeros((), dtype=torch.int64, device=device)
-    total_targets = torch.zeros((), dtype=torch.int64, device=device)
+    # Device-side sums (_Sums): the only reads back to the host are the periodic finiteness
+    # checks and the per-epoch log line. CE >= 0, so a sum is finite iff every summand is.
+    total = _Sums(device)
     examples_per_epoch = 0
     cap, taken = cfg.recipe.max_steps, 0  # max_steps: at most that many steps (0: no cap)
     with _forked_rng(cfg.torch_seed, device):
         for epoch in range(cfg.recipe.local_epochs):
             if cap and taken >= cap:
                 break
-            epoch_loss = torch.zeros((), dtype=torch.float64, device=device)
-            epoch_correct = torch.zeros((), dtype=torch.int64, device=device)
-            epoch_targets = torch.zeros((), dtype=torch.int64, device=device)
+            sums = _Sums(device)
             examples_per_epoch = 0
             steps = 0
             for batch in loader:
                 inputs, targets = unpack_batch(batch, device, cfg.input_key, cfg.target_key)
                 if cfg.channels_last and inputs.ndim == 4:
                     inputs = inputs.contiguous(memory_format=torch.channels_last)
-                loss_sum, correct, count = step(inputs, targets)
-                epoch_loss += loss_sum
-                epoch_correct += correct
-                epoch_targets += count
+                sums.add(*step(inputs, targets))
                 examples_per_epoch += int(inputs.shape[0])
                 steps += 1
                 taken += 1
                 if steps % _CHECK_EVERY == 0:
-                    _check_finite(epoch_loss, epoch, steps, cfg)
+                    _check_finite(sums.loss(), epoch, steps, cfg)
                 if cap and taken >= cap:
                     break
             if examples_per_epoch == 0:
                 raise ValueError("the DataLoader yielded no batches; nothing was trained.")
-            _check_finite(epoch_loss, epoch, steps, cfg)
-            total_loss += epoch_loss
-            total_correct += epoch_correct
-            total_targets += epoch_targets
+            _check_finite(sums.loss(), epoch, steps, cfg)
+            total.include(sums)
             if cfg.log_every_epoch:
-                seen = max(int(epoch_targets.item()), 1)
+                seen = max(sums.targets(), 1)
                 logger.info(
                     "epoch %d/%d: loss %.4f, accuracy %.4f over %d targets",
                     epoch + 1,
                     cfg.recipe.local_epochs,
-                    epoch_loss.item() / seen,
-                    epoch_correct.item() / seen,
-                    int(epoch_targets.item()),
+                    sums.loss().item() / seen,
+                    sums.correct().item() / seen,
+                    sums.targets(),
                 )
-    seen = max(int(total_targets.item()), 1)
+    seen = max(total.targets(), 1)
     rules = getattr(step, "rules", None)
     return TrainResult(
-        loss=total_loss.item() / seen,
-        accuracy=total_correct.item() / seen,
+        loss=total.loss().item() / seen,
+        accuracy=total.correct().item() / seen,
         num_examples=dataset_size(loader, examples_per_epoch),
         rules=rules.report() if rules is not None else None,
     )
+
+
+class _Sums:
+    """The summed cross-entropy (float64), correct predictions and counted targets of the
+    steps so far, on the training device.
+
+    The steps' values are kept as they come (:meth:`add`: no device operation per step) and
+    added up when read, in one operation per quantity; a count the step gives as an int is
+    added on the host."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._loss = torch.zeros((), dtype=torch.float64, device=device)
+        self._correct = torch.zeros((), dtype=torch.int64, device=device)
+        self._targets = torch.zeros((), dtype=torch.int64, device=device)
+        self._host_targets = 0
+        self._pending: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] = \
+            ([], [], [])
+
+    def add(self, loss_sum: torch.Tensor, correct: torch.Tensor,
+            count: torch.Tensor | int) -> None:
+        """One step's summed loss, correct predictions and counted targets."""
+        losses, corrects, counts = self._pending
+        losses.append(loss_sum)
+        corrects.append(correct)
+        if isinstance(count, int):
+            self._host_targets += count
+        else:
+            counts.append(count)
+
+    def include(self, other: _Sums) -> None:
+        """Add ``other``'s sums (an epoch's) to these."""
+        self._loss += other.loss()
+        self._correct += other.correct()
+        self._targets += other._counted()
+        self._host_targets += other._host_targets
+
+    def loss(self) -> torch.Tensor:
+        """The summed cross-entropy, a float64 device scalar."""
+        losses = self._pending[0]
+        if losses:
+            self._loss += torch.stack(losses).sum(dtype=torch.float64)
+            losses.clear()
+        return self._loss
+
+    def correct(self) -> torch.Tensor:
+        """The number of correct predictions, an int64 device scalar."""
+        corrects = self._pending[1]
+        if corrects:
+            self._correct += torch.stack(corrects).sum()
+            corrects.clear()
+        return self._correct
+
+    def _counted(self) -> torch.Tensor:
+        counts = self._pending[2]
+        if counts:
+            self._targets += torch.stack(counts).sum()
+            counts.clear()
+        return self._targets
+
+    def targets(self) -> int:
+        """The number of counted targets (reads the device when a step counted there)."""
+        return int(self._counted().item()) + self._host_targets
 
 
 #: Steps between two checks that the loss is finite (each check waits for the device).

@@ -51,13 +51,17 @@ class EagerStep:
     rounding.
     """
 
-    def __init__(self, model: nn.Module, cfg: TrainConfig) -> None:
+    def __init__(self, model: nn.Module, cfg: TrainConfig, *,
+                 every_target_counts: bool = False) -> None:
         self.model = model
         self.rules = ClientRules.of(model, cfg.recipe)
         self.optimizer = build_optimizer(model, cfg, self.rules)
         self.max_grad_norm = cfg.max_grad_norm
         self.params: list[torch.Tensor] = [
             p for g in self.optimizer.param_groups for p in g["params"]]
+        #: the batches hold no ignored target (-100): each step's count is its number of
+        #: targets, known on the host (the same loss and gradient, in fewer operations)
+        self.every_target_counts = every_target_counts
 
     def __call__(
         self, inputs: torch.Tensor, targets: torch.Tensor
@@ -66,11 +70,16 @@ class EagerStep:
 
         Returns
         -------
-        tuple of torch.Tensor
-            Device scalars: summed cross-entropy (detached), number of correct predictions,
-            number of counted targets.
+        tuple
+            Device scalars: summed cross-entropy (detached), number of correct predictions;
+            and the number of counted targets (a device scalar, or with
+            ``every_target_counts`` an int).
         """
-        self.optimizer.zero_grad(set_to_none=True)
+        if type(self.optimizer) is torch.optim.SGD:  # zero_grad(set_to_none=True), without
+            for p in self.params:                    # its profiler record per step
+                p.grad = None
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
         loss, loss_sum, correct, count = self.loss(inputs, targets)
         loss.backward()
         if self.max_grad_norm is not None:
@@ -78,8 +87,17 @@ class EagerStep:
         self.optimizer.step()  # the rules' hooks: decay before, ClipLR after
         return loss_sum.detach(), correct, count
 
-    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Mean cross-entropy (to differentiate), and the sums of :func:`cross_entropy_sums`."""
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[Any, ...]:
+        """Mean cross-entropy (to differentiate), and the sums of :func:`cross_entropy_sums`
+        (with ``every_target_counts``: the count an int, every target of the batch)."""
+        if self.every_target_counts:
+            logits = self.model(inputs)
+            loss_sum = F.cross_entropy(_flat(logits, targets),
+                                       targets if targets.ndim == 1 else targets.reshape(-1),
+                                       reduction="sum")
+            targets_seen = targets.numel()
+            correct = (logits.argmax(dim=-1) == targets).sum()
+            return loss_sum / targets_seen, loss_sum, correct, targets_seen
         loss_sum, correct, count = cross_entropy_sums(self.model(inputs), targets)
         return loss_sum / count.clamp_min(1), loss_sum, correct, count
 
@@ -92,6 +110,17 @@ def cross_entropy_sums(
     ``logits`` ``(B, C)`` with ``targets`` ``(B,)``, or ``(B, T, C)`` with ``(B, T)``;
     targets ``-100`` (PyTorch's ``ignore_index``) are not counted.
     """
+    flat_logits = _flat(logits, targets)  # (B*T, C)
+    flat_targets = targets.reshape(-1)  # (B*T,)
+    valid = flat_targets != -100
+    loss_sum = F.cross_entropy(flat_logits, flat_targets, reduction="sum")
+    correct = (flat_logits.argmax(dim=-1) == flat_targets).sum()  # argmax ≥ 0: never -100
+    return loss_sum, correct, valid.sum()
+
+
+def _flat(logits: Any, targets: torch.Tensor) -> torch.Tensor:
+    """``logits`` as ``(B*T, C)`` after checking it is a tensor of ``targets``' shape plus
+    classes."""
     if not isinstance(logits, torch.Tensor):
         raise ValueError(
             f"the model returned {type(logits).__name__}; expected a logits tensor of shape "
@@ -102,9 +131,4 @@ def cross_entropy_sums(
             f"logits of shape {tuple(logits.shape)} do not match targets of shape "
             f"{tuple(targets.shape)}; expected (B, C) with (B,) or (B, T, C) with (B, T)."
         )
-    flat_logits = logits.reshape(-1, logits.shape[-1])  # (B*T, C)
-    flat_targets = targets.reshape(-1)  # (B*T,)
-    valid = flat_targets != -100
-    loss_sum = F.cross_entropy(flat_logits, flat_targets, reduction="sum")
-    correct = (flat_logits.argmax(dim=-1) == flat_targets).sum()  # argmax ≥ 0: never -100
-    return loss_sum, correct, valid.sum()
+    return logits if logits.ndim == 2 else logits.reshape(-1, logits.shape[-1])

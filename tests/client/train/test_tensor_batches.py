@@ -217,3 +217,43 @@ def test_the_apps_train_and_evaluate_without_a_dataloader(
     last = rows[-1]
     assert last["round"] == 1 and last["replies-used"] == 3, last
     assert "test-accuracy" in last and "eval-accuracy" in last, last
+
+
+@pytest.mark.parametrize("ignored", [False, True])
+def test_next_token_targets_train_alike_through_both_loaders(ignored: bool) -> None:
+    """(B, T) targets, with and without ignored ones (-100): TensorBatches (whose steps count
+    every target on the host when none is ignored) and a DataLoader (whose steps count on the
+    device) report the same loss, accuracy and targets and train the same model bit for bit;
+    the loss is the mean over the counted targets, checked against a brute force."""
+    g = torch.Generator().manual_seed(9)
+    tokens = torch.randint(0, 7, (30, 6), generator=g)
+    targets = torch.randint(0, 7, (30, 6), generator=g)
+    if ignored:
+        targets[torch.rand(30, 6, generator=g) < 0.3] = -100
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(2)
+        return torch.nn.Sequential(torch.nn.Embedding(7, 5), torch.nn.Linear(5, 7))
+
+    cfg = TrainConfig(recipe=LocalTraining(local_epochs=2, lr=0.1), torch_seed=1,
+                      log_every_epoch=False)
+    ref_model, got_model = model(), model()
+    ref = train(ref_model, DataLoader(TensorDataset(tokens, targets), batch_size=8,
+                                      shuffle=True, generator=torch.Generator().manual_seed(3)),
+                cfg)
+    got = train(got_model, TensorBatches(tokens, targets, 8, seed=3), cfg)
+    assert (got.loss, got.accuracy, got.num_examples) == (ref.loss, ref.accuracy, ref.num_examples)
+    for (name, a), (_, b) in zip(ref_model.state_dict().items(),
+                                 got_model.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    # brute force: one step from a fresh model on the first batch, its loss by hand
+    fresh = model()
+    one = train(fresh, TensorBatches(tokens[:8], targets[:8], 8), TrainConfig(
+        recipe=LocalTraining(local_epochs=1, lr=0.1), log_every_epoch=False))  # (before its step)
+    logits = model()(tokens[:8])
+    kept = targets[:8] != -100
+    want = torch.nn.functional.log_softmax(logits, -1).gather(
+        -1, targets[:8].clamp_min(0).unsqueeze(-1)).squeeze(-1)[kept].neg().mean()
+    assert one.loss == pytest.approx(float(want), rel=1e-6)
+    correct = (logits.argmax(-1) == targets[:8])[kept].float().mean()
+    assert one.accuracy == pytest.approx(float(correct))
