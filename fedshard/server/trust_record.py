@@ -348,8 +348,15 @@ def _aggregate_cosines(out: Sequence[P.TrainReply], sent: Mapping[int, P.SentSha
                     sums[(k, x.shape)] = r.weight * x
                     totals[(k, x.shape)] = r.weight
             elif idx.size:
-                np.add.at(col_sums[(k, x.shape[0])], idx, (r.weight * x[:, :idx.size]).T)
-                np.add.at(col_totals[(k, x.shape[0])], idx, r.weight)
+                columns, totals_of = col_sums[(k, x.shape[0])], col_totals[(k, x.shape[0])]
+                if idx.size == 1 or bool(np.all(idx[1:] > idx[:-1])):
+                    # a node's terms, each once (the plan's sorted indices): one addition per
+                    # slot, as np.add.at makes it, without its slow unbuffered loop
+                    columns[idx] += (r.weight * x[:, :idx.size]).T
+                    totals_of[idx] += r.weight
+                else:
+                    np.add.at(columns, idx, (r.weight * x[:, :idx.size]).T)
+                    np.add.at(totals_of, idx, r.weight)
         squares.append(xx)
     sum_squares = {slot: float(np.vdot(s, s)) for slot, s in sums.items()}  # S·S per dense key
     cosines = []

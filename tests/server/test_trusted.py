@@ -452,7 +452,7 @@ def test_aggregate_cosines_match_a_per_term_brute_force() -> None:
     """Without trusted data each node's cosine is with the other nodes' weighted mean in its
     own coordinates: per factor column the mean over the other nodes holding that term, per
     dense entry over the other nodes sent that shape (zero where there is none); checked
-    against a loop over terms and holders."""
+    against a loop over terms and holders, with terms sent in sorted order and not."""
     from types import SimpleNamespace
 
     from fedshard.server.trust_record import _aggregate_cosines
@@ -463,6 +463,8 @@ def test_aggregate_cosines_match_a_per_term_brute_force() -> None:
         out, updates, sent = [], [], {}
         for node in range(int(rng.integers(1, 7))):
             idx = np.sort(rng.choice(N, size=int(rng.integers(0, 5)), replace=False))
+            if rng.random() < 0.3:  # terms in another order than the plan's sorted one
+                idx = rng.permutation(idx)
             before = {"l.u": rng.normal(size=(4, idx.size)).astype(np.float32),
                       "l.v": rng.normal(size=(3, idx.size)).astype(np.float32),
                       "b": rng.normal(size=(5,) if rng.random() < 0.5 else (2, 2)

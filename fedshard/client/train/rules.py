@@ -314,20 +314,22 @@ class ClientRules:
     def _add_decay(self, layer: Factors, weight: torch.Tensor | None = None) -> None:
         """Add Frobenius decay's gradient to ``layer``'s factors' gradients; ``weight``:
         ``2γ ωωᵀ`` (computed from ω when not given)."""
-        omega = layer.omega
+        u, v = layer.u, layer.v  # (a module's attributes are looked up each time)
         if weight is None:
+            omega = layer.omega
             weight = 2.0 * self.gamma * (omega.unsqueeze(-1) * omega.unsqueeze(-2))  # 2γ ωωᵀ
-        gram_u, gram_v = layer.u.mT @ layer.u, layer.v.mT @ layer.v  # (..., n, n) each
+        gram_u, gram_v = u.mT @ u, v.mT @ v  # (..., n, n) each
         # U's gradient mixes with V's Gram matrix and vice versa
-        for factor, gram in ((layer.u, gram_v), (layer.v, gram_u)):
-            if factor.grad is None:
+        for factor, gram in ((u, gram_v), (v, gram_u)):
+            grad = factor.grad
+            if grad is None:
                 if not factor.requires_grad:  # frozen: nothing to decay
                     continue
-                factor.grad = torch.zeros_like(factor)
+                factor.grad = grad = torch.zeros_like(factor)
             if factor.ndim == 2:
-                factor.grad.addmm_(factor, gram * weight)  # (rows, n) += (rows, n) @ (n, n)
+                grad.addmm_(factor, gram * weight)  # (rows, n) += (rows, n) @ (n, n)
             else:
-                factor.grad.add_(factor @ (gram * weight))  # stacked: (C, rows, n)
+                grad.add_(factor @ (gram * weight))  # stacked: (C, rows, n)
 
     # ------------------------------------------------------------------ where it runs
     def attach(self, optimizer: torch.optim.Optimizer) -> RulesHandle:
