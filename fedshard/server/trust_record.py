@@ -300,46 +300,38 @@ def _aggregate_cosines(out: Sequence[P.TrainReply], sent: Mapping[int, P.SentSha
     scratch: dict[tuple[int, ...], np.ndarray] = {}  # float64 arrays reused across nodes
     wide = shared_float64(v for r in out for v in sent[r.node].values.values())
 
-    def update(r: P.TrainReply, k: str) -> np.ndarray:
-        # the node's update of key k, in a scratch array (valid until the next call)
-        got, before = r.values[k], sent[r.node].values[k]
+    def update(entry: _Entry) -> np.ndarray:
+        # the node's update of one key, in a scratch array (valid until the next call)
+        _, got, before, before64, _ = entry
         buf = _buffer(scratch, got, 0)
-        before64 = wide.get(id(before))
-        if before64 is not None and before64.shape == got.shape:
+        if before64 is not None:
             np.copyto(buf, got)  # (the same numbers: both sides exact in float64)
             return np.subtract(buf, before64, out=buf)
         return np.subtract(got, before, out=buf, dtype=np.float64)
 
-    def terms(node: int, key: str, x: np.ndarray) -> np.ndarray | None:
-        # the term index of each factor column of ``x``, ``None`` for a dense entry or slice
-        idx = sent[node].indices.get(key.rsplit(".", 1)[0])
-        if key.endswith((".u", ".v")) and idx is not None and x.ndim == 2:
-            return np.asarray(idx, dtype=np.intp).reshape(-1)
-        return None
-
-    keys = [[k for k, s in sent[r.node].values.items()
-             if np.issubdtype(np.asarray(s).dtype, np.floating)] for r in out]
+    # per node, once: each floating key's reply, what was sent (and its shared float64 copy)
+    # and, for a factor key, the term index of each of its columns (None: a dense entry)
+    entries = [_entries(r, sent[r.node], wide) for r in out]
     # per factor key: (N, rows) sums of the weighted columns over their term's holders and
     # (N,) total weights; per dense key and shape: the weighted sum and total weight. Each
     # column and entry adds its nodes in the order of ``out``, as one sum per slot would.
     width: dict[tuple[str, int], int] = {}
-    for r, ks in zip(out, keys, strict=True):
-        for k in ks:
-            x = r.values[k]
-            idx = terms(r.node, k, x)
+    for node_entries in entries:
+        for k, got, _, _, idx in node_entries:
             if idx is not None and idx.size:
-                width[(k, x.shape[0])] = max(width.get((k, x.shape[0]), 0), int(idx.max()) + 1)
+                width[(k, got.shape[0])] = max(width.get((k, got.shape[0]), 0),
+                                               int(idx.max()) + 1)
     col_sums = {slot: np.zeros((n, slot[1])) for slot, n in width.items()}
     col_totals = {slot: np.zeros(n) for slot, n in width.items()}
     sums: dict[tuple[str, Any], np.ndarray] = {}
     totals: dict[tuple[str, Any], float] = {}
     squares = []  # each node's x·x, per key
-    for r, ks in zip(out, keys, strict=True):
+    for r, node_entries in zip(out, entries, strict=True):
         xx: dict[str, float] = {}
-        for k in ks:
-            x = update(r, k)
+        for entry in node_entries:
+            k, idx = entry[0], entry[4]
+            x = update(entry)
             xx[k] = float(np.vdot(x, x))
-            idx = terms(r.node, k, x)
             if idx is None:
                 if (k, x.shape) in sums:
                     sums[(k, x.shape)] += np.multiply(x, r.weight, out=x)
@@ -360,12 +352,12 @@ def _aggregate_cosines(out: Sequence[P.TrainReply], sent: Mapping[int, P.SentSha
         squares.append(xx)
     sum_squares = {slot: float(np.vdot(s, s)) for slot, s in sums.items()}  # S·S per dense key
     cosines = []
-    for r, ks, xx in zip(out, keys, squares, strict=True):
+    for r, node_entries, xx in zip(out, entries, squares, strict=True):
         w = r.weight
         xd = dd = 0.0  # x·mean and mean·mean over the node's keys
-        for k in ks:
-            x = update(r, k)
-            idx = terms(r.node, k, x)
+        for entry in node_entries:
+            k, idx = entry[0], entry[4]
+            x = update(entry)
             # the others' weight; under a rounding's width of the total: no other holder
             if idx is None:
                 total = totals[(k, x.shape)]
@@ -382,11 +374,11 @@ def _aggregate_cosines(out: Sequence[P.TrainReply], sent: Mapping[int, P.SentSha
                     dd += d_d / (t * t)
             elif idx.size:
                 total_col = col_totals[(k, x.shape[0])][idx]
-                t = total_col - w
-                held = t > _OTHERS * total_col
+                t_col = total_col - w
+                held = t_col > _OTHERS * total_col
                 if held.any():
                     xc = x[:, :idx.size] if held.all() else x[:, held.nonzero()[0]]
-                    th = t[held]
+                    th = t_col[held]
                     d = col_sums[(k, x.shape[0])][idx[held]].T - w * xc  # (rows, held)
                     xd += float(np.sum(np.einsum("ij,ij->j", xc, d) / th))
                     dd += float(np.sum(np.einsum("ij,ij->j", d, d) / (th * th)))
@@ -394,6 +386,30 @@ def _aggregate_cosines(out: Sequence[P.TrainReply], sent: Mapping[int, P.SentSha
         cosines.append(float(np.clip(xd / norm, -1.0, 1.0))
                        if norm > 0 and math.isfinite(norm) else 0.0)
     return cosines
+
+
+#: One floating key of a node's reply: (key, the reply's array, the array sent, its shared
+#: float64 copy or None, the term index of each column of a factor key or None).
+_Entry = tuple[str, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]
+
+
+def _entries(r: P.TrainReply, shard: P.SentShard,
+             wide: Mapping[int, np.ndarray]) -> list[_Entry]:
+    """The floating keys of what ``shard`` sent, in its order, as :data:`_Entry` rows of
+    ``r``'s reply (a factor key: ``.u`` / ``.v`` of a layer with term indices, 2-D)."""
+    rows: list[_Entry] = []
+    for k, before in shard.values.items():
+        if not np.issubdtype(np.asarray(before).dtype, np.floating):
+            continue
+        got = r.values[k]
+        idx = shard.indices.get(k.rsplit(".", 1)[0])
+        terms = (np.asarray(idx, dtype=np.intp).reshape(-1)
+                 if k.endswith((".u", ".v")) and idx is not None and got.ndim == 2 else None)
+        before64 = wide.get(id(before))
+        rows.append((k, got, before,
+                     before64 if before64 is not None and before64.shape == got.shape else None,
+                     terms))
+    return rows
 
 
 def _buffer(scratch: dict[tuple[int, ...], np.ndarray], like: np.ndarray,
