@@ -65,10 +65,12 @@ class SubmodelCache:
 
     Building a sub-model copies the whole model (``copy.deepcopy``: most of the time it takes
     to receive a shard of a small model); a kept sub-model whose sharded layers have the same
-    ranks only takes the received values (``load_state_dict``), which gives the same
-    sub-model, value for value. :func:`fedshard.client.handlers.handle_train` gives its
-    sub-model back once its reply is built, when it trained with the eager step (the fast
-    options may change a sub-model's convolutions) and its factors carry no hooks. What a
+    ranks only takes the received values, which gives the same sub-model, value for value:
+    copied straight from the received bytes into its tensors, or through ``load_state_dict``
+    where a module loads in its own way or has state-dict hooks.
+    :func:`fedshard.client.handlers.handle_train` gives its sub-model back once its reply
+    is built, when it trained with the eager step (the fast options may change a
+    sub-model's convolutions) and its factors carry no hooks. What a
     sub-model holds beyond its ``state_dict`` (non-persistent buffers, attributes its forward
     pass changes) is carried over to the next shard: use it with models whose forward pass
     changes nothing but their parameters and buffers (fedshard's models are such).
@@ -126,13 +128,20 @@ def submodel_from_record(model: nn.Module, record: ArrayRecord,
     ``cache`` (of ``model``), a kept sub-model of the same shape is loaded instead of a new
     copy (:class:`SubmodelCache`).
     """
-    factors, state = P.decode_shard(record)
-    sub, shape = None, _shape(factors)
+    sub = None
     if cache is not None:
         if cache.model is not model:
             raise ValueError("submodel_from_record: the cache holds sub-models of another "
                              "model; give the model it was made with. Nothing was built.")
+        factors, views = P.decode_shard(record, views=True)
+        shape = _shape(factors)
         sub = cache.take(shape)
+        if sub is not None and _copy_into(sub, views):
+            cache.lend(sub, shape)
+            return sub, sorted(factors)
+    # a new sub-model, or a kept one that load_state_dict loads (and raises what it raises)
+    factors, state = P.decode_shard(record)
+    shape = _shape(factors)
     if sub is None:
         dtype = next(iter(model.parameters())).dtype
         sub = build_submodel(model, {
@@ -150,6 +159,48 @@ def submodel_from_record(model: nn.Module, record: ArrayRecord,
             "(model, model-width, dataset); this round's reply will be an error."
         )
     return sub, sorted(factors)
+
+
+#: torch's per-module tables of the hooks that change what ``state_dict`` and
+#: ``load_state_dict`` do (read, never written; pinned by tests/test_torch_internals.py).
+STATE_DICT_HOOKS = ("_state_dict_pre_hooks", "_state_dict_hooks",
+                    "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+# modules whose loading is a plain copy of a complete state dict: nn.Module's own, and the
+# batch norms' (it adds a missing ``num_batches_tracked`` of an old state dict, then that)
+_PLAIN_LOADS = (nn.Module._load_from_state_dict, nn.BatchNorm2d._load_from_state_dict)
+
+
+def _copy_into(sub: nn.Module, state: Mapping[str, np.ndarray]) -> bool:
+    """Copy ``state`` into ``sub``'s parameters and buffers, as
+    ``sub.load_state_dict(state, strict=True)`` would, with one copy from the received
+    bytes (``state``: read-only views) and without its per-module machinery; ``False``, with
+    nothing changed, where ``load_state_dict`` would do more than copy (a module with its own
+    loading or with state-dict hooks) or refuse (other keys or shapes): the caller then
+    leaves it to ``load_state_dict``."""
+    for m in sub.modules():
+        if type(m)._load_from_state_dict not in _PLAIN_LOADS or \
+                any(getattr(m, h, None) for h in STATE_DICT_HOOKS):
+            return False
+    targets = sub.state_dict(keep_vars=True)
+    if targets.keys() != state.keys() or any(tuple(targets[k].shape) != x.shape
+                                             for k, x in state.items()):
+        return False
+    with torch.no_grad():
+        for k, x in state.items():
+            t = targets[k]
+            dst = t.detach().numpy() if t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES \
+                else None
+            if dst is not None and dst.dtype == x.dtype:
+                np.copyto(dst, x)  # the same bytes as torch's copy_
+            else:  # another device or dtype: torch converts
+                t.copy_(torch.from_numpy(np.array(x)))
+    return True
+
+
+#: torch dtypes whose CPU tensors ``Tensor.numpy()`` views.
+_NUMPY_DTYPES = frozenset({torch.float16, torch.float32, torch.float64, torch.int8,
+                           torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
+                           torch.complex64, torch.complex128})
 
 
 @dataclass

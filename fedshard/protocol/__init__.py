@@ -43,7 +43,7 @@ Messages
     ``"metrics"``: ``num-examples``, ``eval-loss``, ``eval-accuracy``.
 """
 
-from fedshard.protocol.arrays import array_record, decode_array, encode_array
+from fedshard.protocol.arrays import array_record, array_view, decode_array, encode_array
 from fedshard.protocol.bounds import UPDATE_POLICIES, read_count, scalar_metrics
 from fedshard.protocol.capabilities import (
     Capabilities,
@@ -116,6 +116,7 @@ __all__ = [
     "TrainReply",
     "TrainSettings",
     "array_record",
+    "array_view",
     "capabilities_reply",
     "check_eval_reply",
     "check_train_reply",

@@ -111,6 +111,22 @@ def decode_array(array: Array) -> np.ndarray:
     return out
 
 
+def array_view(array: Array) -> np.ndarray:
+    """``array``'s values without a copy where its header is a known one: a read-only view
+    of the Array's own bytes (valid while the Array lives); else :func:`decode_array`'s new
+    array. For a reader that copies the values elsewhere at once (into a model's tensors)."""
+    data = array.data
+    offset = _header_end(data) if array.stype == _NUMPY and isinstance(data, bytes) else None
+    if offset is not None and offset <= _MAX_HEADER_BYTES:
+        known = _read.get(data[:offset])
+        if known is not None:
+            dtype, shape = known
+            count = int(np.prod(shape, dtype=np.int64))
+            if len(data) - offset == count * dtype.itemsize:
+                return np.frombuffer(data, dtype, count, offset).reshape(shape)
+    return decode_array(array)
+
+
 def _header_end(data: bytes) -> int | None:
     """Where the data start after an ``.npy`` header (versions 1–3), or ``None``."""
     if len(data) < 10 or data[:6] != b"\x93NUMPY":

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from fedshard.protocol.arrays import array_record, decode_array, encode_array
+from fedshard.protocol.arrays import array_record, array_view, decode_array, encode_array
 from fedshard.protocol.bounds import (
     EVAL_RANGES,
     bound_dense,
@@ -95,13 +95,16 @@ def encode_shard(
 
 
 def decode_shard(
-    record: ArrayRecord,
+    record: ArrayRecord, *, views: bool = False,
 ) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, np.ndarray]]:
     """A ``train`` message's arrays as ``(factors, state)``: ``state`` every entry but the
     indices (a state dict of the sub-model, factors included), each decoded once;
-    ``factors[layer]`` holds ``state``'s ``u``, ``v``, ``omega`` arrays of that layer."""
+    ``factors[layer]`` holds ``state``'s ``u``, ``v``, ``omega`` arrays of that layer.
+    ``views``: read-only views of the record's bytes where possible (:func:`array_view`), for
+    a reader that copies them at once."""
     layers = sorted(layer_of(k) for k in record if k.endswith(".indices"))
-    state = {k: decode_array(a) for k, a in record.items() if not k.endswith(".indices")}
+    read = array_view if views else decode_array
+    state = {k: read(a) for k, a in record.items() if not k.endswith(".indices")}
     factors = {layer: {p: state[factor_key(layer, p)] for p in ("u", "v", "omega")}
                for layer in layers}
     return factors, state

@@ -131,3 +131,83 @@ def test_misuse_is_refused_with_what_to_do() -> None:
     assert len(cache) == 0
     assert np.isfinite(float(handle_train(msg, model, node_data(0, 8), submodels=cache)
                              .content.metric_records["metrics"]["train-loss"]))
+
+
+def _loaded_by_load_state_dict(model: nn.Module, message: Message) -> nn.Module:
+    """The sub-model ``message`` describes, built afresh and loaded by ``load_state_dict``."""
+    return shard_module.submodel_from_record(model, message.content.array_records["arrays"])[0]
+
+
+def test_a_kept_sub_model_is_loaded_as_load_state_dict_loads_a_new_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kept sub-model takes the next node's values by a copy from the received bytes: every
+    parameter and buffer equals, bit for bit, what a new sub-model loaded by
+    ``load_state_dict`` holds, and ``load_state_dict`` is not called for it."""
+    messages = round_messages([0.5, 0.5, 0.5])
+    model = net()
+    cache = SubmodelCache(model)
+    record = messages[0].content.array_records["arrays"]
+    first, _ = shard_module.submodel_from_record(model, record, cache)
+    with torch.no_grad():  # as training leaves it: every value moved
+        for t in first.state_dict(keep_vars=True).values():
+            t.add_(1.0)
+    cache.give(first)
+    loads: list[int] = []
+    original = nn.Module.load_state_dict
+
+    def counted(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        loads.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(nn.Module, "load_state_dict", counted)
+    kept, _ = shard_module.submodel_from_record(
+        model, messages[1].content.array_records["arrays"], cache)
+    assert kept is first and loads == []
+    monkeypatch.setattr(nn.Module, "load_state_dict", original)
+    fresh = _loaded_by_load_state_dict(model, messages[1])
+    assert kept.state_dict().keys() == fresh.state_dict().keys()
+    for (name, a), b in zip(kept.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+def test_a_kept_sub_model_with_state_dict_hooks_is_loaded_by_load_state_dict() -> None:
+    """A module whose loading a hook changes is left to ``load_state_dict``: the hook runs,
+    and the values are still the received ones."""
+    messages = round_messages([0.5, 0.5])
+    model = net()
+    cache = SubmodelCache(model)
+    first, _ = shard_module.submodel_from_record(
+        model, messages[0].content.array_records["arrays"], cache)
+    seen: list[str] = []
+    first[1].register_load_state_dict_pre_hook(lambda module, state, prefix, *rest:
+                                               seen.append(prefix))
+    cache.give(first)
+    kept, _ = shard_module.submodel_from_record(
+        model, messages[1].content.array_records["arrays"], cache)
+    assert kept is first and seen == ["1."]
+    fresh = _loaded_by_load_state_dict(model, messages[1])
+    for (name, a), b in zip(kept.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_batch_norm_buffers_are_copied_into_a_kept_sub_model() -> None:
+    """Batch-norm running statistics and counters (int64) reach a kept sub-model as
+    ``load_state_dict`` would put them there."""
+    from fedshard.client.shard import _copy_into
+
+    def bn_net() -> nn.Module:
+        torch.manual_seed(1)
+        return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
+
+    target, source = bn_net(), bn_net()
+    with torch.no_grad():
+        source[1].running_mean.uniform_()
+        source[1].num_batches_tracked.fill_(7)
+    state = {k: v.numpy().copy() for k, v in source.state_dict().items()}
+    for view in state.values():
+        view.setflags(write=False)  # as the received bytes are
+    assert _copy_into(target, state)
+    for (name, a), b in zip(target.state_dict().items(), source.state_dict().values(),
+                            strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert not _copy_into(target, {k: v for k, v in state.items() if k != "1.running_var"})

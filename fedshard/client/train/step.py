@@ -88,18 +88,22 @@ class EagerStep:
         return loss_sum.detach(), correct, count
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[Any, ...]:
-        """Mean cross-entropy (to differentiate), and the sums of :func:`cross_entropy_sums`
-        (with ``every_target_counts``: the count an int, every target of the batch)."""
+        """Mean cross-entropy (to differentiate), and the summed cross-entropy (the mean
+        times the count: the same number with or without ``every_target_counts``), correct
+        predictions and counted targets of :func:`cross_entropy_sums` (with
+        ``every_target_counts``: the count an int, every target of the batch)."""
         if self.every_target_counts:
             logits = self.model(inputs)
-            loss_sum = F.cross_entropy(_flat(logits, targets),
-                                       targets if targets.ndim == 1 else targets.reshape(-1),
-                                       reduction="sum")
+            # cross-entropy's own mean: the sum over the count, bit for bit, and its gradient
+            loss = F.cross_entropy(_flat(logits, targets),
+                                   targets if targets.ndim == 1 else targets.reshape(-1))
             targets_seen = targets.numel()
             correct = (logits.argmax(dim=-1) == targets).sum()
-            return loss_sum / targets_seen, loss_sum, correct, targets_seen
+            return loss, loss.detach() * targets_seen, correct, targets_seen
         loss_sum, correct, count = cross_entropy_sums(self.model(inputs), targets)
-        return loss_sum / count.clamp_min(1), loss_sum, correct, count
+        loss = loss_sum / count.clamp_min(1)
+        # the reported sum as the mean times the count, the same number both ways
+        return loss, loss.detach() * count, correct, count
 
 
 def cross_entropy_sums(
