@@ -217,6 +217,7 @@ def _engine_against() -> list[str]:
     assert pfl is not None, r.get("pfl_reason")
     facts += [f"pfl {pfl['version']}", f"| pfl-research's FedAvg | {pfl['pfl_vs_bare']:.3f} | "
               f"– | {pfl['s_per_round']['pfl']:.3f} s / {pfl['s_per_round']['bare']:.3f} s | – |"]
+    sides = ("against", "work-tree")
     for side, label in (("against", "the previous release"),
                         ("work-tree", "this release")):
         facts.append(f"| {label} | {vs[side]['none']:.3f} | {vs[side]['collective']:.3f} | "
@@ -227,25 +228,44 @@ def _engine_against() -> list[str]:
         cells = [_seconds(profile[side][m][part]) for m in ("none", "collective")
                  for side in ("against", "work-tree")]
         facts.append(f"| `{part}` | " + " | ".join(cells) + " |")
-    runs = [run["engine_vs_bare"] for run in r["runs"]["work-tree"]]
+    runs = {side: [run["engine_vs_bare"] for run in r["runs"][side]] for side in sides}
     this, last = profile["work-tree"]["none"], profile["against"]["none"]
-    facts += [f"from {min(x['none'] for x in runs):.3f}× to {max(x['none'] for x in runs):.3f}×",
-              f"from {min(x['collective'] for x in runs):.3f}× to "
-              f"{max(x['collective'] for x in runs):.3f}× with Collective",
+    now, before = runs["work-tree"], runs["against"]
+    facts += [f"from {min(x['none'] for x in now):.3f}× to {max(x['none'] for x in now):.3f}×",
+              f"from {min(x['collective'] for x in now):.3f}× to "
+              f"{max(x['collective'] for x in now):.3f}× with Collective",
               f"is {this['client/train']:.3f} s of this release's {this['round']:.3f} s "
-              "FedAvg round",
-              f"kept them all for the round ({last['server/aggregate/trust-record']:.3f} s)",
-              f"array per shape ({this['server/aggregate/trust-record']:.3f} s;"]
+              f"FedAvg round, against {last['client/train']:.3f} s of the previous release's "
+              f"{last['round']:.3f} s"]
+    # "every run of the previous release took longer against its bare loop than every run of
+    # this one", for both methods
+    assert all(min(x[m] for x in before) > max(x[m] for x in now)
+               for m in ("none", "collective"))
+    for part, label in (("client/train/optimizer-step", "The optimizer step"),
+                        ("client/receive", "Receiving"),
+                        ("server/aggregate/trust-record", "the trust record"),
+                        ("server/aggregate/robust", "the update spread")):
+        facts.append(f"{label}** ({last[part]:.3f} s → {this[part]:.3f} s)"
+                     if label[0].isupper() else
+                     f"{label} ({last[part]:.3f} s → {this[part]:.3f} s)")
     checks = sum(this[k] for k in ("server/aggregate/reply-checks", "server/aggregate/robust",
                                    "server/aggregate/trust-record",
                                    "server/end-round/checkpoint"))
-    facts.append(f"together are {checks:.3f} s of the {this['round']:.3f} s round")
+    bare = s["work-tree"]["bare"]["none"]
+    facts += [f"together are {checks:.3f} s of the {this['round']:.3f} s round",
+              f"That is {100 * checks / bare:.0f} % of a bare round ({bare:.3f} s)",
+              f"come near {vs['work-tree']['none'] - checks / bare:.2f}×"]
+    collective = profile["work-tree"]["collective"]
+    facts += [f"the draws ({collective['server/configure']:.3f} s)",
+              f"step hooks take {collective['client/train/optimizer-step/rules']:.3f} s"]
     loop = _record("train-loop")
-    q = loop["train_vs_bare_quartiles"]
+    q, fq = loop["train_vs_bare_quartiles"], loop["train_vs_bare_fused_sgd_quartiles"]
     facts += [_command(loop), loop["date"], "results/performance/train-loop.json",
               f"{loop['pairs']} pairs run alternately: {loop['train_vs_bare']:.3f}× (quartiles "
               f"{q[0]:.3f} to {q[2]:.3f}; an epoch took {loop['s_per_epoch']['fedshard']:.4f} s "
-              f"against {loop['s_per_epoch']['bare']:.4f} s)"]
+              f"against {loop['s_per_epoch']['bare']:.4f} s)",
+              f"{loop['train_vs_bare_fused_sgd']:.3f}× (quartiles {fq[0]:.3f} to {fq[2]:.3f}; "
+              f"{loop['s_per_epoch']['bare_fused_sgd']:.4f} s an epoch)"]
     return facts
 
 
