@@ -94,19 +94,13 @@ def decode_array(array: Array) -> np.ndarray:
     TypeError, ValueError
         What ``array.numpy()`` raises for an Array that is not ``np.save``'s bytes of an array.
     """
-    data = array.data
-    offset = _header_end(data) if array.stype == _NUMPY and isinstance(data, bytes) else None
-    if offset is None or offset > _MAX_HEADER_BYTES:  # (a long header is not looked up)
-        return array.numpy()
-    known = _read.get(data[:offset])
-    if known is not None:
-        dtype, shape = known
-        count = int(np.prod(shape, dtype=np.int64))
-        if len(data) - offset == count * dtype.itemsize:
-            return np.frombuffer(data, dtype, count, offset).reshape(shape).copy()
+    view, offset = _known_view(array)
+    if view is not None:
+        return view.copy()
     out = array.numpy()
-    if len(_read) < _MAX_HEADERS and out.flags.c_contiguous and not out.dtype.hasobject \
-            and len(data) - offset == out.nbytes:
+    data = array.data
+    if offset is not None and len(_read) < _MAX_HEADERS and out.flags.c_contiguous \
+            and not out.dtype.hasobject and len(data) - offset == out.nbytes:
         _read[data[:offset]] = (out.dtype, out.shape)
     return out
 
@@ -115,16 +109,25 @@ def array_view(array: Array) -> np.ndarray:
     """``array``'s values without a copy where its header is a known one: a read-only view
     of the Array's own bytes (valid while the Array lives); else :func:`decode_array`'s new
     array. For a reader that copies the values elsewhere at once (into a model's tensors)."""
+    view, _ = _known_view(array)
+    return view if view is not None else decode_array(array)
+
+
+def _known_view(array: Array) -> tuple[np.ndarray | None, int | None]:
+    """A read-only view of ``array``'s bytes when its ``.npy`` header is one read before
+    (else ``None``), and where its data start (``None``: not ``np.save``'s bytes, or a header
+    too long to look up)."""
     data = array.data
     offset = _header_end(data) if array.stype == _NUMPY and isinstance(data, bytes) else None
-    if offset is not None and offset <= _MAX_HEADER_BYTES:
-        known = _read.get(data[:offset])
-        if known is not None:
-            dtype, shape = known
-            count = int(np.prod(shape, dtype=np.int64))
-            if len(data) - offset == count * dtype.itemsize:
-                return np.frombuffer(data, dtype, count, offset).reshape(shape)
-    return decode_array(array)
+    if offset is None or offset > _MAX_HEADER_BYTES:  # (a long header is not looked up)
+        return None, None
+    known = _read.get(data[:offset])
+    if known is not None:
+        dtype, shape = known
+        count = int(np.prod(shape, dtype=np.int64))
+        if len(data) - offset == count * dtype.itemsize:
+            return np.frombuffer(data, dtype, count, offset).reshape(shape), offset
+    return None, offset
 
 
 def _header_end(data: bytes) -> int | None:

@@ -526,3 +526,26 @@ def test_a_noise_or_negated_node_is_not_aligned_with_an_aggregate_of_itself() ->
         cosines = _aggregate_cosines(out, sent)  # type: ignore[arg-type]
         assert cosines[3] < below, cosines
         assert min(cosines[:3]) > 0.2, cosines
+
+
+def test_a_node_that_is_nearly_all_of_the_sum_gets_its_cosine_from_the_others() -> None:
+    """One node whose update is a thousand times the others' is almost the whole sum S: its
+    others' sum ``S − w x`` is tiny beside ``S·S`` and ``w² x·x``, and taking ``d·d`` from
+    those products would cancel most of its digits. Its cosine with the others is still the
+    brute force's to 1e-12 (``d`` is formed there), as are the other nodes'."""
+    from types import SimpleNamespace
+
+    from fedshard.server.trust_record import _aggregate_cosines
+
+    rng = np.random.default_rng([56, 4])
+    before = np.zeros(300, dtype=np.float32)
+    updates = [rng.normal(size=300) * 1e3, rng.normal(size=300), rng.normal(size=300)]
+    sent = {n: SimpleNamespace(indices={}, values={"w": before}) for n in range(3)}
+    out = [SimpleNamespace(node=n, weight=1.0, values={"w": u.astype(np.float32)})
+           for n, u in enumerate(updates)]
+    got = _aggregate_cosines(out, sent)  # type: ignore[arg-type]
+    xs = [u.astype(np.float32).astype(np.float64) for u in updates]
+    for i, x in enumerate(xs):
+        others = sum(y for j, y in enumerate(xs) if j != i)
+        want = float(x @ others / (np.linalg.norm(x) * np.linalg.norm(others)))
+        assert got[i] == pytest.approx(want, rel=1e-12, abs=1e-12), (i, got[i], want)

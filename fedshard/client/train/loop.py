@@ -175,30 +175,27 @@ class _Sums:
 
     def loss(self) -> torch.Tensor:
         """The summed cross-entropy, a float64 device scalar."""
-        losses = self._pending[0]
-        if losses:
-            self._loss += torch.stack(losses).sum(dtype=torch.float64)
-            losses.clear()
-        return self._loss
+        return _fold(self._loss, self._pending[0])
 
     def correct(self) -> torch.Tensor:
         """The number of correct predictions, an int64 device scalar."""
-        corrects = self._pending[1]
-        if corrects:
-            self._correct += torch.stack(corrects).sum()
-            corrects.clear()
-        return self._correct
+        return _fold(self._correct, self._pending[1])
 
     def _counted(self) -> torch.Tensor:
-        counts = self._pending[2]
-        if counts:
-            self._targets += torch.stack(counts).sum()
-            counts.clear()
-        return self._targets
+        return _fold(self._targets, self._pending[2])
 
     def targets(self) -> int:
         """The number of counted targets (reads the device when a step counted there)."""
         return int(self._counted().item()) + self._host_targets
+
+
+def _fold(total: torch.Tensor, pending: list[torch.Tensor]) -> torch.Tensor:
+    """``total`` (changed in place) plus the sum of ``pending`` (then emptied), in
+    ``total``'s dtype."""
+    if pending:
+        total += torch.stack(pending).sum(dtype=total.dtype)
+        pending.clear()
+    return total
 
 
 #: Steps between two checks that the loss is finite (each check waits for the device).

@@ -106,8 +106,11 @@ def sgd_kernel(params: Iterable[torch.Tensor]) -> dict[str, bool]:
     passes over each one); the fused kernel took a third of its time for the engine
     benchmark's MLP (``benchmarks/bench_train_loop.py`` measures a client's epoch both ways).
     Its results differ from the default's in the last bit of some entries (it rounds each
-    update once where the default rounds after each operation); every fedshard trainer on a
-    CPU uses it, so all of them compute the same numbers. On a GPU torch's default is kept.
+    update once where the default rounds after each operation). fedshard's loop, its fast
+    path and :meth:`~fedshard.client.Shard.optimizer` take their SGD from
+    :func:`build_optimizer`, so all of them compute the same numbers; the lab's batched
+    engine keeps torch's default (it puts idle clients' momentum back after a step) and
+    agrees with them in float64 to its tested tolerance. On a GPU torch's default is kept.
     :func:`build_optimizer` starts each momentum buffer at zero, so that a parameter whose
     first gradient comes after the first step is updated as torch's default would.
     """
