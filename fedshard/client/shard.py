@@ -38,6 +38,7 @@ from fedshard.client.train.config import TrainConfig
 from fedshard.client.train.loop import on_device
 from fedshard.client.train.optim import build_optimizer
 from fedshard.client.train.rules import ClientRules, RulesReport
+from fedshard.protocol.bounds import all_finite
 from fedshard.spectral import LayerFactors, build_submodel
 from fedshard.spectral.per_sample import register_if_opacus_loaded
 
@@ -359,7 +360,7 @@ def shard_reply(msg: Message, state: Mapping[str, np.ndarray], num_examples: Any
                             "no reply was built.")
         values[key] = float(value)
     bad = [k for k, v in state.items()
-           if np.issubdtype(v.dtype, np.floating) and not np.isfinite(v).all()]
+           if np.issubdtype(v.dtype, np.floating) and not all_finite(v)]
     if bad:
         raise FloatingPointError(
             f"{P.DIVERGED} at lr={lr:g}: {', '.join(sorted(bad)[:4])} hold NaN or inf; "

@@ -16,6 +16,7 @@ results, and the errors on malformed bytes, are Flower's.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -124,7 +125,7 @@ def _known_view(array: Array) -> tuple[np.ndarray | None, int | None]:
     known = _read.get(data[:offset])
     if known is not None:
         dtype, shape = known
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)
         if len(data) - offset == count * dtype.itemsize:
             return np.frombuffer(data, dtype, count, offset).reshape(shape), offset
     return None, offset

@@ -16,10 +16,11 @@ import numpy as np
 
 from fedshard.protocol.keys import EVAL_ACCURACY, EVAL_LOSS
 from fedshard.settings import MAX_EXACT_COUNT, UPDATE_POLICIES  # the operator's bounds: ReplyPolicy
+from fedshard.spectral.aggregate import DENSE_RMS_FLOOR, squared_difference
 
 __all__ = [
-    "MAX_EXACT_COUNT", "MAX_METRIC_NAME", "MAX_REPLY_METRICS", "UPDATE_POLICIES", "bound_dense",
-    "bound_terms", "bounded_metrics", "printable", "read_count", "scalar_metrics",
+    "MAX_EXACT_COUNT", "MAX_METRIC_NAME", "MAX_REPLY_METRICS", "UPDATE_POLICIES", "all_finite",
+    "bound_dense", "bound_terms", "bounded_metrics", "printable", "read_count", "scalar_metrics",
 ]
 
 #: Most metric values one reply may bring (the weight key aside); the rest are left out,
@@ -27,10 +28,6 @@ __all__ = [
 MAX_REPLY_METRICS = 32
 #: Longest metric name kept (characters); a longer one is left out, logged and counted.
 MAX_METRIC_NAME = 64
-
-# RMS per entry below which a dense array counts as "near zero" for the update bound (a
-# zero-initialised bias or norm shift must still be allowed to move).
-DENSE_RMS_FLOOR = 0.1
 
 
 def printable(text: str, limit: int | None = None) -> str:
@@ -100,6 +97,22 @@ EVAL_RANGES: dict[str, tuple[float, float]] = {EVAL_ACCURACY: (0.0, 1.0),
                                                EVAL_LOSS: (0.0, math.inf)}
 
 
+def all_finite(x: np.ndarray) -> bool:
+    """Whether a floating array holds no NaN or ±inf: for float32 and float64, ``x·x`` is
+    finite (one BLAS pass, no mask), else (that sum overflowed, or another dtype)
+    ``isfinite`` entry by entry."""
+    if x.dtype in _BLAS_FLOATS:
+        flat = x.reshape(-1)
+        with np.errstate(over="ignore", invalid="ignore"):
+            total = float(np.dot(flat, flat))
+        if math.isfinite(total):
+            return True
+    return bool(np.isfinite(x).all())
+
+
+_BLAS_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
+
 def bounded_metrics(values: Mapping[str, float], ranges: Mapping[str, tuple[float, float]],
                     ) -> tuple[dict[str, float], list[str]]:
     """``values`` without those of ``ranges``'s names that lie outside their range, and why
@@ -163,14 +176,24 @@ def bound_terms(sent: np.ndarray, got: np.ndarray,
     return (s64 + (got.astype(np.float64) - s64) * scale).astype(got.dtype), hit, observed
 
 
-def bound_dense(sent: np.ndarray, got: np.ndarray,
-                ratio: float) -> tuple[np.ndarray, int, float]:
+def bound_dense(sent: np.ndarray, got: np.ndarray, ratio: float, *,
+                sent_sq: float | None = None,
+                change_sq: float | None = None) -> tuple[np.ndarray, int, float]:
     """``got`` with its change from ``sent`` scaled down to ``ρ·max(‖sent‖, 0.1·√size)``,
     1 if it was changed (0 if not) and the observed ratio ``‖Δ‖/max(‖sent‖, 0.1·√size)``
-    (checked in the arrays' precision, clipped in float64, as :func:`bound_terms`)."""
-    flat_s, flat_d = sent.ravel(), (got - sent).ravel()
-    ref = max(math.sqrt(float(np.dot(flat_s, flat_s))), DENSE_RMS_FLOOR * math.sqrt(flat_s.size))
-    scale, observed = _scale_one(math.sqrt(float(np.dot(flat_d, flat_d))), ref, ratio)
+    (checked in the arrays' precision, clipped in float64, as :func:`bound_terms`).
+
+    ``sent_sq``: ``‖sent‖²`` in ``sent``'s precision if known (what every node was sent is
+    one array: its norm is taken once a round); ``change_sq``: ``‖got − sent‖²`` if known
+    (:func:`~fedshard.spectral.aggregate.squared_difference`, which computes it
+    otherwise)."""
+    flat_s = sent.ravel()
+    if sent_sq is None:
+        sent_sq = float(np.dot(flat_s, flat_s))
+    if change_sq is None:
+        change_sq = squared_difference(got, sent)
+    ref = max(math.sqrt(sent_sq), DENSE_RMS_FLOOR * math.sqrt(flat_s.size))
+    scale, observed = _scale_one(math.sqrt(change_sq), ref, ratio)
     if not math.isfinite(observed):  # squares beyond float32 (scale 0): the ratio in float64
         d64 = got.astype(np.float64).ravel() - flat_s.astype(np.float64)
         observed = math.sqrt(float(np.dot(d64, d64))) / ref

@@ -12,6 +12,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from fedshard.protocol.arrays import array_record, array_view, decode_array, encode_array
 from fedshard.protocol.bounds import (
     EVAL_RANGES,
+    all_finite,
     bound_dense,
     bound_terms,
     bounded_metrics,
@@ -30,7 +31,7 @@ from fedshard.protocol.keys import (
 )
 from fedshard.protocol.receipts import Receipt, read_receipt
 from fedshard.settings import ReplyPolicy
-from fedshard.spectral.aggregate import TermUpdate
+from fedshard.spectral.aggregate import TermUpdate, squared_difference
 from fedshard.spectral.decompose import LayerSpectrum
 
 __all__ = [
@@ -137,7 +138,11 @@ def train_reply(msg: Message, state: dict[str, np.ndarray], num_examples: int,
 class TrainReply:
     """A checked ``train`` reply: weight, decoded (and bounded) arrays, its finite scalar
     metrics, bytes on the wire, how many columns/arrays were clipped, the largest update
-    ratio seen, why metrics were left out and how many were (``ignored_count``)."""
+    ratio seen, why metrics were left out and how many were (``ignored_count``).
+
+    The arrays are read-only views of the reply's own bytes where they were not clipped (a
+    stage that changes one makes a new array, as the robust stages and the trust reference
+    do)."""
 
     node: int
     weight: float
@@ -150,6 +155,10 @@ class TrainReply:
     ignored_metrics: tuple[str, ...] = ()
     ignored_count: int = 0
     receipt: Receipt | str | None = None  # what the node says it trained with (or why not)
+    #: dense key -> (the checked array, its squared change from what was sent), taken by the
+    #: update bound (:func:`~fedshard.spectral.aggregate.squared_difference`); valid while
+    #: ``values[key]`` is that array (the spread rule reads it instead of taking it again)
+    changes: Mapping[str, tuple[np.ndarray, float]] = field(default_factory=dict)
 
     def terms(self) -> dict[str, TermUpdate]:
         """The trained terms, by layer."""
@@ -188,14 +197,16 @@ def check_eval_reply(msg: Message, limits: ReplyPolicy | None = None,
 def check_train_reply(msg: Message, sent: SentShard | None, seen: set[int],
                       limits: ReplyPolicy | None = None,
                       node: int | None = None, server_round: int | None = None,
-                      ) -> TrainReply | str:
+                      sent_norms: dict[int, float] | None = None) -> TrainReply | str:
     """The checked reply, or the reason (``"category: details"``) it must be dropped.
 
     ``node`` is the node the answered message was sent to (default: the reply's sender);
     ``limits`` bound ``num-examples`` and the change from what was sent
     (:class:`~fedshard.settings.ReplyPolicy`; default: its defaults); ``server_round``, when
     given, is the round the reply must answer (its ``"config"`` echo, where it has one:
-    ``stale-reply`` otherwise).
+    ``stale-reply`` otherwise). ``sent_norms``: a round's memo of the squared norms of the
+    dense arrays sent (by ``id``; every node was sent the same array), filled as the replies
+    are checked.
     """
     limits = limits if limits is not None else ReplyPolicy()
     node = msg.metadata.src_node_id if node is None else node
@@ -230,27 +241,41 @@ def check_train_reply(msg: Message, sent: SentShard | None, seen: set[int],
     values: dict[str, np.ndarray] = {}
     for key, (shape, dtype) in sent.expected.items():
         try:
-            x = decode_array(record[key])
+            x = array_view(record[key])  # read-only: the reply's own bytes
         except Exception as err:  # a corrupt payload must not crash the server
             return f"bad-array: {key} cannot be decoded ({err})"
         if tuple(x.shape) != shape:
             return f"bad-shape: {key} has shape {tuple(x.shape)}, expected {shape}"
         if x.dtype != dtype:
             return f"bad-dtype: {key} has dtype {x.dtype}, expected {dtype}"
-        if np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
+        if np.issubdtype(x.dtype, np.floating) and not all_finite(x):
             return f"non-finite: {key} holds NaN or inf"
         values[key] = x
     for layer, idx in sent.indices.items():
         if not np.array_equal(values[factor_key(layer, "indices")], idx):
             return f"bad-indices: {layer}.indices differ from the terms this node was sent"
     clipped, ratio = 0, 0.0
+    changes: dict[str, tuple[np.ndarray, float]] = {}
     if limits.max_update_ratio > 0:
         factors = {factor_key(layer, p) for layer in sent.indices for p in ("u", "v")}
+        norms = {} if sent_norms is None else sent_norms
         for key, before in sent.values.items():
             if not np.issubdtype(before.dtype, np.floating):
                 continue
-            bound = bound_terms if key in factors else bound_dense
-            values[key], hits, seen_ratio = bound(before, values[key], limits.max_update_ratio)
+            got = values[key]
+            if key in factors:
+                values[key], hits, seen_ratio = bound_terms(before, got,
+                                                            limits.max_update_ratio)
+            else:
+                if id(before) not in norms:
+                    flat = before.ravel()
+                    norms[id(before)] = float(np.dot(flat, flat))
+                change_sq = squared_difference(got, before)
+                values[key], hits, seen_ratio = bound_dense(
+                    before, got, limits.max_update_ratio, sent_sq=norms[id(before)],
+                    change_sq=change_sq)
+                if not hits:
+                    changes[key] = (got, change_sq)
             clipped, ratio = clipped + hits, max(ratio, seen_ratio)
         if clipped and limits.update_policy == "drop":
             return (f"update-norm: {clipped} factor column(s)/array(s) changed by more than "
@@ -260,4 +285,4 @@ def check_train_reply(msg: Message, sent: SentShard | None, seen: set[int],
     # bytes on the wire, counted as for the sent records (serialized Array data)
     nbytes = sum(len(a.data) for a in record.values())
     return TrainReply(node, weight, values, kept, nbytes, tuple(sent.indices), clipped, ratio,
-                      tuple(ignored), ignored_count, read_receipt(echo))
+                      tuple(ignored), ignored_count, read_receipt(echo), changes)

@@ -44,7 +44,6 @@ from fedshard.spectral.aggregate import (
     align_factors,
     dense_equivalents,
     relative_change,
-    shared_float64,
     shrink_change,
     spread_scales,
     squared_norm,
@@ -149,6 +148,16 @@ def _groups(reply: P.TrainReply, spectra: Mapping[str, LayerSpectrum]
     return groups
 
 
+def _checked_change(reply: P.TrainReply, values: Mapping[str, np.ndarray],
+                    keys: tuple[str, ...]) -> float | None:
+    """A one-key group's squared change as the update bound took it, when ``values`` still
+    holds the array it was taken of (``None``: take it again)."""
+    if len(keys) != 1:
+        return None
+    known = reply.changes.get(keys[0])
+    return known[1] if known is not None and known[0] is values[keys[0]] else None
+
+
 def spread_replies(server_round: int, accepted: Sequence[P.TrainReply],
                    sent: Mapping[int, P.SentShard], spectra: Mapping[str, LayerSpectrum],
                    policy: ReplyPolicy, metrics: dict[str, float],
@@ -206,8 +215,6 @@ def spread_replies(server_round: int, accepted: Sequence[P.TrainReply],
     excess: dict[int, float] = {}  # a node's largest change over the median
     over: dict[int, int] = {}  # how many of a node's layers and entries were beyond κ
     groups = _groups(accepted[0], spectra)
-    wide = shared_float64(sent[r.node].values[k] for r in accepted for keys in groups.values()
-                          for k in keys)
     # per group: what each node was sent, each node's change and the round's median change
     seen: dict[str, tuple[list[list[np.ndarray]], list[float], float]] = {}
     for name, keys in groups.items():
@@ -218,8 +225,9 @@ def spread_replies(server_round: int, accepted: Sequence[P.TrainReply],
             if tuple(map(id, arrays)) not in norms:
                 norms[tuple(map(id, arrays))] = squared_norm(arrays)
         changes = [relative_change(arrays, [v[k] for k in keys], dense=name not in spectra,
-                                   sent_sq=norms[tuple(map(id, arrays))], wide=wide)
-                   for arrays, v in zip(before, values, strict=True)]
+                                   sent_sq=norms[tuple(map(id, arrays))],
+                                   change_sq=_checked_change(r, v, keys))
+                   for arrays, v, r in zip(before, values, accepted, strict=True)]
         median = float(np.median(changes))
         seen[name] = (before, changes, median)
         if median > 0:

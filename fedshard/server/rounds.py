@@ -96,6 +96,7 @@ class RoundState:
                    if m.metadata.message_id}
         accepted: list[P.TrainReply] = []
         dropped, seen, stale = Counter[str](), set[int](), set[int]()
+        sent_norms: dict[int, float] = {}  # what every node was sent, its norm taken once
         drops = DropLog(self.server_round, consequence=(
             "it does not touch the global model", "they do not touch the global model"))
         for msg in replies:
@@ -107,7 +108,7 @@ class RoundState:
                 reply = "duplicate: a second reply from this node in the same round"
             else:
                 reply = P.check_train_reply(msg, self.sent.get(node), seen, self.replies, node,
-                                            self.server_round)
+                                            self.server_round, sent_norms)
                 seen.add(node)
             if isinstance(reply, str):
                 dropped[reply.split(":", 1)[0]] += 1

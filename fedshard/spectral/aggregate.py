@@ -14,7 +14,8 @@ not on per-term shards). Numpy; torch only when the rebuild is asked to run on a
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,7 @@ from fedshard.spectral.decompose import LayerSpectrum
 __all__ = [
     "AGGREGATIONS", "DENSE_AGGREGATIONS", "Alignment", "TermUpdate", "aggregate_state",
     "align_factors", "dense_equivalents", "dense_mean", "rebuild_weight", "relative_change",
-    "robust_reduce", "shared_float64", "shrink_change", "spread_scales", "squared_norm",
+    "robust_reduce", "shrink_change", "spread_scales", "squared_difference", "squared_norm",
     "term_means",
 ]
 
@@ -107,45 +108,43 @@ def align_factors(sent_u: np.ndarray, sent_v: np.ndarray, u: np.ndarray, v: np.n
 
 def relative_change(sent: Sequence[np.ndarray], got: Sequence[np.ndarray],
                     dense: bool = False, sent_sq: float | None = None,
-                    wide: Mapping[int, np.ndarray] | None = None) -> float:
+                    change_sq: float | None = None) -> float:
     """``‖got − sent‖ / ‖sent‖`` over several arrays taken together (a layer's ``u`` and
-    ``v``), in float64; ``dense``: the reference norm is floored at ``0.1·√size`` as the
-    dense update bound's is (:data:`DENSE_RMS_FLOOR`). ``sent_sq``: ``‖sent‖²`` if known
-    (:func:`squared_norm`; the same ``sent`` for every node of a round needs it once).
-    ``wide``: float64 copies of arrays of ``sent`` by ``id`` (:func:`shared_float64`), used
-    where given (the same numbers, in less time)."""
-    change = 0.0
-    for s, g in zip(sent, got, strict=True):
-        s64 = None if wide is None else wide.get(id(s))
-        if s64 is not None and s64.shape == g.shape:
-            d = g.astype(np.float64).ravel()
-            d -= s64.ravel()
-        else:
-            d = (g.astype(np.float64) - s).ravel()
-        change += float(np.dot(d, d))
+    ``v``); ``dense``: the reference norm is floored at ``0.1·√size`` as the dense update
+    bound's is (:data:`DENSE_RMS_FLOOR`). ``sent_sq``: ``‖sent‖²`` if known
+    (:func:`squared_norm`; the same ``sent`` for every node of a round needs it once);
+    ``change_sq``: ``‖got − sent‖²`` if known (:func:`squared_difference` of each pair,
+    summed: the reply checks take it for each dense entry).
+
+    The change is taken in the arrays' own precision, at least float32
+    (:func:`squared_difference`: within about 1e-6 of float64's for a float32 model, half the
+    bytes of a float64 pass, on every reply of every round), and in float64 where its squares
+    overflow that precision; the ratio is a float64 number."""
+    change = change_sq if change_sq is not None else sum(
+        _finite_squared_difference(g, s) for s, g in zip(sent, got, strict=True))
     ref = squared_norm(sent) if sent_sq is None else sent_sq
     if dense:
         ref = max(ref, DENSE_RMS_FLOOR**2 * sum(s.size for s in sent))
     return float(np.sqrt(change / ref)) if ref > 0 else (0.0 if change == 0 else np.inf)
 
 
-def shared_float64(arrays: Iterable[np.ndarray]) -> dict[int, np.ndarray]:
-    """A float64 copy of each floating array that occurs more than once in ``arrays`` (by
-    identity), keyed by its ``id``.
+def squared_difference(got: np.ndarray, sent: np.ndarray) -> float:
+    """``‖got − sent‖²`` in the arrays' own precision, at least float32: each difference
+    rounded once, the squares summed pairwise (numpy's ``add.reduce``: an error that grows
+    with the logarithm of the size); ``inf`` where the squares overflow that precision."""
+    d = np.subtract(got, sent, dtype=np.result_type(got.dtype, sent.dtype, np.float32))
+    flat = d.reshape(-1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return float(np.add.reduce(np.square(flat, out=flat)))
 
-    What a round sent its nodes holds one array per dense entry for every node: the checks
-    that take each node's change from it in float64 convert it once instead of once per
-    node, and subtracting a float64 array from a plain float64 copy of the reply takes half
-    the time of a subtraction that casts both sides (the same numbers: both are exact
-    float64 differences of the same values). Arrays seen once (a node's own factor columns)
-    are not copied."""
-    uses: dict[int, tuple[int, np.ndarray]] = {}
-    for value in arrays:
-        if isinstance(value, np.ndarray) and np.issubdtype(value.dtype, np.floating):
-            count, _ = uses.get(id(value), (0, value))
-            uses[id(value)] = (count + 1, value)
-    return {key: value.astype(np.float64) for key, (count, value) in uses.items()
-            if count > 1}
+
+def _finite_squared_difference(got: np.ndarray, sent: np.ndarray) -> float:
+    """:func:`squared_difference`, in float64 where it overflows."""
+    total = squared_difference(got, sent)
+    if math.isfinite(total):
+        return total
+    wide = (got.astype(np.float64) - sent).reshape(-1)  # squares beyond float32: float64
+    return float(np.dot(wide, wide))
 
 
 def squared_norm(arrays: Sequence[np.ndarray]) -> float:

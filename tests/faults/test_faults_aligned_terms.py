@@ -134,16 +134,33 @@ def test_the_dense_floor_of_the_relative_change() -> None:
 
 
 def test_the_relative_change_is_the_norms_ratio_with_or_without_a_given_sent_norm() -> None:
+    """Against float64 norms: float64 arrays to 1e-13; with a float32 array among them (taken
+    in float32, its squares summed pairwise) to 1e-6."""
     rng = np.random.default_rng([31, 7])
     sent = [rng.normal(size=(30, 4)).astype(np.float32), rng.normal(size=(9, 4))]
     got = [(s + 0.3 * rng.normal(size=s.shape)).astype(s.dtype) for s in sent]
-    want = math.sqrt(sum(np.linalg.norm(g.astype(np.float64) - s) ** 2
-                         for s, g in zip(sent, got, strict=True))
-                     / sum(np.linalg.norm(s.astype(np.float64)) ** 2 for s in sent))
+
+    def want(sent: list[np.ndarray], got: list[np.ndarray]) -> float:
+        return math.sqrt(sum(np.linalg.norm(g.astype(np.float64) - s) ** 2
+                             for s, g in zip(sent, got, strict=True))
+                         / sum(np.linalg.norm(s.astype(np.float64)) ** 2 for s in sent))
+
     assert squared_norm(sent) == pytest.approx(
         sum(float(np.sum(s.astype(np.float64) ** 2)) for s in sent), rel=1e-14)
-    assert relative_change(sent, got) == pytest.approx(want, rel=1e-13)
+    assert relative_change(sent[1:], got[1:]) == pytest.approx(want(sent[1:], got[1:]),
+                                                               rel=1e-13)
+    assert relative_change(sent, got) == pytest.approx(want(sent, got), rel=1e-6)
     assert relative_change(sent, got, sent_sq=squared_norm(sent)) == relative_change(sent, got)
+
+
+def test_a_float32_change_whose_squares_overflow_is_taken_in_float64() -> None:
+    """A float32 change of 1e30 (its square is beyond float32) is still a finite ratio, the
+    float64 one."""
+    sent = np.ones((3, 4), dtype=np.float32)
+    got = sent.copy()
+    got[1, 2] = 1e30
+    want = float(np.float32(1e30)) - 1.0
+    assert relative_change([sent], [got]) == pytest.approx(want / math.sqrt(12), rel=1e-12)
 
 
 def _mean_and_rebuild(sent: dict[int, Message], replies: dict[int, Message],

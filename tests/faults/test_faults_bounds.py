@@ -9,7 +9,7 @@ from fault_setup import grid, initial, one_round, scale_arrays, set_metric, stra
 
 from fedshard import ReplyPolicy
 from fedshard.protocol import read_count
-from fedshard.protocol.bounds import bound_dense, bound_terms
+from fedshard.protocol.bounds import all_finite, bound_dense, bound_terms
 
 
 def _honest_max() -> float:
@@ -129,3 +129,15 @@ def test_one_dense_entry_is_scaled_as_numpy_scales_an_array_of_them() -> None:
                                                      math.isnan(float(scales[0])))
                 assert seen == want_ratio or (math.isnan(seen) and math.isnan(want_ratio)), \
                     (norm, ref, ratio)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_all_finite_tells_nan_and_inf_from_large_finite_values(dtype: type) -> None:
+    """NaN and ±inf anywhere are found; values whose squares overflow the dtype (1e30 in
+    float32, 6e4 in float16) are finite, as numpy's isfinite says entry by entry."""
+    big = float(np.finfo(dtype).max) / 2
+    for values, want in (([1.0, 2.0, 3.0], True), ([1.0, big, -big], True),
+                         ([1.0, np.nan, 3.0], False), ([np.inf, 1.0, 2.0], False),
+                         ([1.0, 2.0, -np.inf], False), ([big, np.nan, big], False)):
+        x = np.array(values, dtype=dtype).reshape(3, 1)
+        assert all_finite(x) is want == bool(np.isfinite(x).all()), (values, dtype)
