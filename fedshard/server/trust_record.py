@@ -333,34 +333,35 @@ def _aggregate_cosines(out: Sequence[P.TrainReply], sent: Mapping[int, P.SentSha
     squares = []  # each node's x·x, per key
     for r, node_entries in zip(out, entries, strict=True):
         xx: dict[str, float] = {}
+        weight = float(r.weight)  # (a numpy weight would widen a float32 sum)
         for entry in node_entries:
             k, idx = entry[0], entry[3]
             x = update(entry)
             xx[k] = float(np.vdot(x, x))
             if idx is None:
                 if (k, x.shape) in sums:
-                    sums[(k, x.shape)] += np.multiply(x, r.weight, out=x)
-                    totals[(k, x.shape)] += r.weight
+                    sums[(k, x.shape)] += np.multiply(x, weight, out=x)
+                    totals[(k, x.shape)] += weight
                 else:
-                    sums[(k, x.shape)] = r.weight * x
-                    totals[(k, x.shape)] = r.weight
+                    sums[(k, x.shape)] = weight * x
+                    totals[(k, x.shape)] = weight
             elif idx.size:
                 columns, totals_of = col_sums[(k, x.shape[0])], col_totals[(k, x.shape[0])]
                 if idx.size == 1 or bool(np.all(idx[1:] > idx[:-1])):
                     # a node's terms, each once (the plan's sorted indices): one addition per
                     # slot, as np.add.at makes it, without its slow unbuffered loop
-                    columns[idx] += (r.weight * x[:, :idx.size]).T
-                    totals_of[idx] += r.weight
+                    columns[idx] += (weight * x[:, :idx.size]).T
+                    totals_of[idx] += weight
                 else:
-                    np.add.at(columns, idx, (r.weight * x[:, :idx.size]).T)
-                    np.add.at(totals_of, idx, r.weight)
+                    np.add.at(columns, idx, (weight * x[:, :idx.size]).T)
+                    np.add.at(totals_of, idx, weight)
         squares.append(xx)
     sum_squares = {slot: float(np.vdot(s, s)) for slot, s in sums.items()}  # S·S per dense key
     overflow = not all(math.isfinite(v) for xx in squares for v in xx.values()) \
         or not all(math.isfinite(v) for v in sum_squares.values())
     cosines = []
     for r, node_entries, xx in zip(out, entries, squares, strict=True):
-        w = r.weight
+        w = float(r.weight)
         xd = dd = 0.0  # x·mean and mean·mean over the node's keys
         for entry in node_entries:
             k, idx = entry[0], entry[3]
