@@ -374,7 +374,7 @@ def _aggregate_cosines(out: Sequence[P.TrainReply], sent: Mapping[int, P.SentSha
                     s = sums[(k, x.shape)]
                     xs, ss, wxx = float(np.vdot(x, s)), sum_squares[(k, x.shape)], w * w * xx[k]
                     x_d, d_d = xs - w * xx[k], ss - 2.0 * w * xs + wxx
-                    if not d_d >= _GRAM_CANCELS[s.dtype.itemsize] * (ss + wxx):  # (NaN too)
+                    if not d_d >= _GRAM_CANCELS[min(s.dtype.itemsize, 8)] * (ss + wxx):  # (NaN too)
                         # form d itself, in the sum's precision
                         d = np.multiply(x, -w, out=_buffer(scratch, x, 1, s.dtype))
                         d += s  # the others' weighted sum, S − w x
