@@ -195,8 +195,7 @@ def bound_dense(sent: np.ndarray, got: np.ndarray, ratio: float, *,
     ref = max(math.sqrt(sent_sq), DENSE_RMS_FLOOR * math.sqrt(flat_s.size))
     scale, observed = _scale_one(math.sqrt(change_sq), ref, ratio)
     if not math.isfinite(observed):  # squares beyond float32 (scale 0): the ratio in float64
-        d64 = got.astype(np.float64).ravel() - flat_s.astype(np.float64)
-        observed = math.sqrt(float(np.dot(d64, d64))) / ref
+        observed = math.sqrt(squared_difference(got, sent, wide_on_overflow=True)) / ref
     if scale >= 1.0:
         return got, 0, observed
     s64 = sent.astype(np.float64)

@@ -121,27 +121,24 @@ def relative_change(sent: Sequence[np.ndarray], got: Sequence[np.ndarray],
     bytes of a float64 pass, on every reply of every round), and in float64 where its squares
     overflow that precision; the ratio is a float64 number."""
     change = change_sq if change_sq is not None else sum(
-        _finite_squared_difference(g, s) for s, g in zip(sent, got, strict=True))
+        squared_difference(g, s, wide_on_overflow=True) for s, g in zip(sent, got, strict=True))
     ref = squared_norm(sent) if sent_sq is None else sent_sq
     if dense:
         ref = max(ref, DENSE_RMS_FLOOR**2 * sum(s.size for s in sent))
     return float(np.sqrt(change / ref)) if ref > 0 else (0.0 if change == 0 else np.inf)
 
 
-def squared_difference(got: np.ndarray, sent: np.ndarray) -> float:
+def squared_difference(got: np.ndarray, sent: np.ndarray, *,
+                       wide_on_overflow: bool = False) -> float:
     """``‖got − sent‖²`` in the arrays' own precision, at least float32: each difference
     rounded once, the squares summed pairwise (numpy's ``add.reduce``: an error that grows
-    with the logarithm of the size); ``inf`` where the squares overflow that precision."""
+    with the logarithm of the size); where the squares overflow that precision ``inf``, or
+    with ``wide_on_overflow`` the float64 sum."""
     d = np.subtract(got, sent, dtype=np.result_type(got.dtype, sent.dtype, np.float32))
     flat = d.reshape(-1)
     with np.errstate(over="ignore", invalid="ignore"):
-        return float(np.add.reduce(np.square(flat, out=flat)))
-
-
-def _finite_squared_difference(got: np.ndarray, sent: np.ndarray) -> float:
-    """:func:`squared_difference`, in float64 where it overflows."""
-    total = squared_difference(got, sent)
-    if math.isfinite(total):
+        total = float(np.add.reduce(np.square(flat, out=flat)))
+    if math.isfinite(total) or not wide_on_overflow:
         return total
     wide = (got.astype(np.float64) - sent).reshape(-1)  # squares beyond float32: float64
     return float(np.dot(wide, wide))
