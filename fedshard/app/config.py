@@ -264,6 +264,11 @@ class RunConfig:
         )
         need(self.model in MODELS, f"model={self.model!r}: expected one of {MODELS}")
         need(self.model_width >= 1, f"model-width={self.model_width}: expected ≥ 1")
+        if self.model == "chargpt":
+            need(self.model_width % CHARGPT_HEADS == 0,
+                 f"model-width={self.model_width}: the chargpt model's embedding width must be "
+                 f"a multiple of its {CHARGPT_HEADS} attention heads; expected e.g. "
+                 "model-width=48 (minGPT's gpt-nano, the paper's 3-block GPT); no model built")
         if self.model_width >= 1 and self.model in WIDE_MODELS and self.dataset in DATASETS:
             p.extend(_model_size_problems(self))
         need(self.dataset in DATASETS, f"dataset={self.dataset!r}: expected one of {DATASETS}")
@@ -417,8 +422,10 @@ _CONCERNS: dict[str, type[Settings]] = {"sharding": Sharding, "training": LocalT
                                         "fast": FastOptions}
 
 
-#: The models whose size ``model-width`` sets (cct and chargpt have fixed sizes).
-WIDE_MODELS = ("resnet18", "mlp")
+#: The models whose size ``model-width`` sets (cct has a fixed size; for chargpt it is the
+#: embedding width ``n_embd``, a multiple of its :data:`CHARGPT_HEADS` heads).
+WIDE_MODELS = ("resnet18", "mlp", "chargpt")
+CHARGPT_HEADS = 3
 
 
 @functools.lru_cache(maxsize=64)
@@ -430,15 +437,20 @@ def _parameter_count(model: str, width: int, dataset: str) -> int:
     import torch
 
     from fedshard.data import dataset_info
-    from fedshard.models import mlp, resnet18
+    from fedshard.models import char_transformer, mlp, resnet18
 
     info = dataset_info(dataset)
-    if info.task != "image":
+    if (info.task == "next-char") != (model == "chargpt"):
         return 0
     with torch.device("meta"):
-        net = (resnet18(num_classes=info.num_classes, in_channels=info.in_channels, width=width)
-               if model == "resnet18" else
-               mlp(info.in_channels * info.image_size**2, info.num_classes, width=width))
+        if model == "chargpt":
+            net: torch.nn.Module = char_transformer(info.num_classes, n_embd=width,
+                                                    n_head=CHARGPT_HEADS)
+        elif model == "resnet18":
+            net = resnet18(num_classes=info.num_classes, in_channels=info.in_channels,
+                           width=width)
+        else:
+            net = mlp(info.in_channels * info.image_size**2, info.num_classes, width=width)
     return sum(p.numel() for p in net.parameters())
 
 

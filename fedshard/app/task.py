@@ -20,7 +20,7 @@ from flwr.common.logger import log
 from torch import nn
 from torch.utils.data import Dataset
 
-from fedshard.app.config import RunConfig
+from fedshard.app.config import CHARGPT_HEADS, RunConfig
 from fedshard.client.keep_ratios import (  # re-exported: the library's rule
     SIMULATION_NODE_CONFIG,
     is_simulated_node,
@@ -109,7 +109,8 @@ def build_model(cfg: RunConfig) -> nn.Module:
 
             if info.task != "next-char":
                 raise ValueError(f"model='chargpt' needs a next-char data set, not {cfg.dataset!r}")
-            return char_transformer(info.num_classes)
+            return char_transformer(info.num_classes, n_embd=cfg.model_width,
+                                    n_head=CHARGPT_HEADS)
     raise ValueError(f"model={cfg.model!r}: no builder")  # RunConfig validation prevents this
 
 

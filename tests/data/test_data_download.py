@@ -506,7 +506,8 @@ def test_every_missing_data_hint_is_a_command_flower_and_fedshard_accept(
         overrides = parse_config_args([argv[4]])
         assert overrides in ({"download": True}, {"data-dir": "/path/to/folder"})
         RunConfig.from_mapping({**overrides, "dataset": name,
-                                "model": "chargpt" if name == "shakespeare" else "mlp"})
+                                "model": "chargpt" if name == "shakespeare" else "mlp",
+                                "model-width": 48 if name == "shakespeare" else 896})
     if name == "fashion-mnist":
         assert "apt-get install dataset-fashion-mnist;" in message
 
