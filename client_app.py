@@ -10,14 +10,15 @@ from fedshard import handle_evaluate, handle_query
 from fedshard.app.config import RunConfig
 from fedshard.app.task import (
     client_dataset,
-    declared_keep_ratio,
+    low_memory_of,
+    node_capacity,
     node_partition,
     resolve_device,
     template_model,
     train_node,
     warn_if_looks_simulated,
 )
-from fedshard.client import node_key_of
+from fedshard.client import node_key_of, train_kind
 
 app = ClientApp()
 
@@ -33,7 +34,8 @@ def _node(context: Context) -> tuple[RunConfig, int, int]:
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     cfg, _, _ = _node(context)
-    return handle_query(msg, declared_keep_ratio(cfg, dict(context.node_config)),
+    # its keep ratio, or the one its memory-mb allows (measured here, on its own batches)
+    return handle_query(msg, node_capacity(cfg, dict(context.node_config)),
                         node_key_of(context))
 
 
@@ -44,7 +46,9 @@ def train(msg: Message, context: Context) -> Message:
     warn_if_looks_simulated(cfg, dict(context.node_config), msg.content.get("config"))
     # the shard of the process's shared model (only read), or width slicing's narrow model
     return train_node(msg, cfg, client_dataset(cfg, pid, num),
-                      device=resolve_device(cfg.client_device), fast=cfg.fast)
+                      device=resolve_device(cfg.client_device), fast=cfg.fast,
+                      low_memory=low_memory_of(dict(context.node_config))
+                      and train_kind(msg) == "shard")
 
 
 @app.evaluate()

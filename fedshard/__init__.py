@@ -92,7 +92,7 @@ from fedshard.settings import (
     Sharding,
     Slicing,
 )
-from fedshard.spectral import sharded_layer_names
+from fedshard.spectral import low_memory, sharded_layer_names
 from fedshard.width import WidthFamily
 
 __version__ = "0.1.0"
@@ -123,6 +123,7 @@ __all__ = [
     "handle_query",
     "handle_train",
     "keep_ratio_of",
+    "low_memory",
     "receive",
     "sharded_layer_names",
     "sharding_mod",

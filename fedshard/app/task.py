@@ -8,9 +8,10 @@ ServerApp shares with it: the model builder). The server's orchestration is in
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 from collections import OrderedDict
-from logging import DEBUG, WARNING
+from logging import DEBUG, INFO, WARNING
 from typing import Any
 
 import numpy as np
@@ -18,21 +19,26 @@ import torch
 from flwr.app import Message
 from flwr.common.logger import log
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
+from fedshard import protocol as P
 from fedshard.app.config import CHARGPT_HEADS, RunConfig
 from fedshard.client.keep_ratios import (  # re-exported: the library's rule
     SIMULATION_NODE_CONFIG,
     is_simulated_node,
     node_keep_ratio,
 )
+from fedshard.client.memory import MemoryFit, keep_ratio_for_memory
 from fedshard.client.node import handle_node_train
+from fedshard.client.train import TrainConfig
 from fedshard.data import ImageDataset, dataset_info, load_held_out, load_partition
+from fedshard.sampling import as_keep_ratio
 from fedshard.server.trusted import TrustedReference
 from fedshard.width import WidthFamily
 
 __all__ = [
     "CLIENT_DATA_CACHE_BYTES",
+    "LOW_MEMORY",
     "RUNTIME_GRIDS",
     "RUNTIME_KEY",
     "SIMULATION_NODE_CONFIG",
@@ -42,6 +48,8 @@ __all__ = [
     "example_input",
     "grid_runtime",
     "is_simulated_node",
+    "low_memory_of",
+    "node_capacity",
     "node_partition",
     "resolve_device",
     "template_model",
@@ -305,13 +313,67 @@ def node_partition(cfg: RunConfig, node_config: dict[str, Any]) -> tuple[int, in
 
 
 def declared_keep_ratio(cfg: RunConfig, node_config: dict[str, Any]) -> float:
-    """A node's keep ratio: ``keep-ratio`` from its node config (deployment), else, only for
-    a simulated node (:func:`is_simulated_node`), derived from ``partition-id`` and the run's
-    ``keep-ratios`` mixture. A deployed node without ``keep-ratio`` raises ``ValueError``: the
-    mixture describes the simulated federation, not a device's capacity. The rule is the
-    library's (:func:`fedshard.client.keep_ratios.node_keep_ratio`), the one any project's
+    """A node's keep ratio: the one its ``memory-mb`` allows (:func:`node_capacity`), else
+    ``keep-ratio`` from its node config (deployment), else, only for a simulated node
+    (:func:`is_simulated_node`), derived from ``partition-id`` and the run's ``keep-ratios``
+    mixture. A deployed node without either raises ``ValueError``: the mixture describes the
+    simulated federation, not a device's capacity. The rule is the library's
+    (:func:`fedshard.client.keep_ratios.node_keep_ratio`), the one any project's
     ``ShardingClientApp(keep_ratios=...)`` applies."""
-    return node_keep_ratio(node_config, cfg.mixture)
+    capacity = node_capacity(cfg, node_config)
+    return capacity.keep_ratio if isinstance(capacity, MemoryFit) else capacity
+
+
+def node_capacity(cfg: RunConfig, node_config: dict[str, Any]) -> float | MemoryFit:
+    """What a node declares in the capability query: for a node with ``memory-mb`` in its node
+    config, the largest keep ratio whose training fits in it, measured on the node's own model
+    and batches (:func:`fedshard.client.memory.keep_ratio_for_memory`; its ``keep-ratio``, if
+    any, caps it), logged, and kept for the process; else its keep ratio
+    (:func:`declared_keep_ratio`'s rule)."""
+    if P.MEMORY_MB not in node_config:
+        return node_keep_ratio(node_config, cfg.mixture)
+    memory = node_config[P.MEMORY_MB]
+    cap = (1.0 if P.KEEP_RATIO not in node_config else as_keep_ratio(
+        node_config[P.KEEP_RATIO], f"node config {P.KEEP_RATIO}",
+        "this node cannot train until it is fixed"))
+    key = (cfg.model, cfg.model_width, cfg.dataset, cfg.data_dir, cfg.seed,
+           cfg.training.batch_size, cfg.client_device, repr(memory), cap)
+    fit = _MEMORY_FITS.get(key)
+    if fit is None:
+        pid, num = node_partition(cfg, node_config)
+        data = client_dataset(cfg, pid, num)
+        loader = DataLoader(data, batch_size=cfg.training.batch_size, shuffle=False)
+        batches = list(itertools.islice(iter(loader), 2))
+        fit = keep_ratio_for_memory(
+            template_model(cfg), batches, memory, cap=cap,
+            cfg=TrainConfig(recipe=cfg.training, device=resolve_device(cfg.client_device)))
+        _MEMORY_FITS[key] = fit
+        log(INFO, "fedshard node: %s", fit.line())
+    return fit
+
+
+#: What :func:`node_capacity` measured, per run settings and budget (a process serves one node).
+_MEMORY_FITS: dict[tuple[Any, ...], MemoryFit] = {}
+
+
+def low_memory_of(node_config: dict[str, Any]) -> bool:
+    """Whether this node trains in low-memory mode: it declares ``memory-mb`` (its keep ratio
+    was measured in that mode), or ``low-memory = true`` in its node config.
+
+    Raises
+    ------
+    ValueError
+        For a ``low-memory`` that is not a boolean.
+    """
+    value = node_config.get(LOW_MEMORY, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"node config {LOW_MEMORY}={value!r}: expected true or false; this "
+                         "node does not train until it is fixed")
+    return value or P.MEMORY_MB in node_config
+
+
+#: Node-config key: train in low-memory mode (:attr:`fedshard.client.train.TrainConfig.low_memory`).
+LOW_MEMORY = "low-memory"
 
 
 #: Train-config key by which the ServerApp tells its nodes where it runs: ``"simulation"``

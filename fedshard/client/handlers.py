@@ -44,6 +44,7 @@ from fedshard.client.keep_ratios import (
     is_simulated_node,
     node_keep_ratio,
 )
+from fedshard.client.memory import MemoryFit
 from fedshard.client.shard import (  # re-exported
     Shard,
     SubmodelCache,
@@ -141,12 +142,20 @@ def node_key_of(context: Context) -> str | None:
     return None
 
 
-def handle_query(msg: Message, keep_ratio: float, node_key: str | int | None = None) -> Message:
-    """Answer a capability query with this node's keep ratio ``0 < r ≤ 1``.
+def handle_query(msg: Message, keep_ratio: float | MemoryFit,
+                 node_key: str | int | None = None) -> Message:
+    """Answer a capability query with this node's keep ratio ``0 < r ≤ 1``, or with the
+    ratio its memory allows (a :class:`~fedshard.client.memory.MemoryFit` of
+    :func:`~fedshard.client.memory.keep_ratio_for_memory`: the budget and the measured
+    training peak go with it, and the server logs them).
 
     ``node_key`` is an optional stable identity (e.g. the partition id) that makes the
     server's sampling reproducible across launches; Flower's node ids are random.
     """
+    if isinstance(keep_ratio, MemoryFit):
+        return P.capabilities_reply(msg, keep_ratio.keep_ratio, node_key,
+                                    memory_mb=keep_ratio.memory_mb,
+                                    training_peak_mb=keep_ratio.peak_mb)
     return P.capabilities_reply(msg, keep_ratio, node_key)
 
 

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import zlib
 from dataclasses import dataclass
 
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common import MessageType
 
-from fedshard.protocol.keys import CAPABILITIES, KEEP_RATIO, NODE_KEY, QUERY
+from fedshard.protocol.keys import (
+    CAPABILITIES,
+    KEEP_RATIO,
+    MEMORY_MB,
+    NODE_KEY,
+    QUERY,
+    TRAINING_PEAK_MB,
+)
 from fedshard.sampling import as_keep_ratio
 
 __all__ = ["MAX_NODE_KEY", "Capabilities", "capabilities_reply", "is_capability_query",
@@ -23,10 +31,22 @@ MAX_NODE_KEY = 1024
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a node declared: its keep ratio and a stable key (survives node-id changes)."""
+    """What a node declared: its keep ratio and a stable key (survives node-id changes);
+    for a node that chose its ratio from its memory, that budget and the training peak it
+    measured at the ratio (MiB)."""
 
     keep_ratio: float
     key: str
+    memory_mb: float | None = None
+    training_peak_mb: float | None = None
+
+    def memory_line(self) -> str:
+        """How the node chose its ratio from its memory ("" for a node that did not)."""
+        if self.memory_mb is None:
+            return ""
+        peak = ("" if self.training_peak_mb is None
+                else f", training peak {self.training_peak_mb:.1f} MB measured")
+        return f"keep ratio {self.keep_ratio:g} chosen from memory-mb={self.memory_mb:g}{peak}"
 
     @property
     def stream(self) -> int:
@@ -49,13 +69,20 @@ def is_capability_query(msg: Message) -> bool:
     return msg.metadata.message_type == MessageType.QUERY and QUERY in msg.content
 
 
-def capabilities_reply(msg: Message, keep_ratio: float, node_key: str | int | None) -> Message:
-    """A node's answer to ``msg``; ``keep_ratio`` is checked (``ValueError`` if not in (0, 1])."""
+def capabilities_reply(msg: Message, keep_ratio: float, node_key: str | int | None, *,
+                       memory_mb: float | None = None,
+                       training_peak_mb: float | None = None) -> Message:
+    """A node's answer to ``msg``; ``keep_ratio`` is checked (``ValueError`` if not in (0, 1]).
+    A node that chose the ratio from its memory also sends its ``memory_mb`` and the training
+    peak it measured (:func:`fedshard.client.memory.keep_ratio_for_memory`)."""
     r = as_keep_ratio(keep_ratio, "keep-ratio", "this node cannot take part until it declares "
                       "one (e.g. --node-config \"keep-ratio=0.2\")")
     caps = ConfigRecord({KEEP_RATIO: r})
     if node_key is not None:
         caps[NODE_KEY] = str(node_key)
+    for key, value in ((MEMORY_MB, memory_mb), (TRAINING_PEAK_MB, training_peak_mb)):
+        if value is not None:
+            caps[key] = float(value)
     return Message(RecordDict({CAPABILITIES: caps}), reply_to=msg)
 
 
@@ -85,4 +112,21 @@ def read_capabilities(reply: Message, default_key: str = "") -> tuple[Capabiliti
                       f"(a name, or the hex of a public key), found {key[:20]!r}…")
     if len(default_key) > MAX_NODE_KEY:
         default_key = "sha256:" + hashlib.sha256(default_key.encode()).hexdigest()
-    return Capabilities(ratio, key or default_key or str(reply.metadata.src_node_id)), ""
+    memory: dict[str, float | None] = {}
+    note = ""
+    for name, wire in (("memory_mb", MEMORY_MB), ("training_peak_mb", TRAINING_PEAK_MB)):
+        value = caps.get(wire)
+        if value is None:
+            memory[name] = None
+        elif isinstance(value, (int, float)) and _positive_number(value):
+            memory[name] = float(value)
+        else:  # advice only: the ratio stands, the reading is dropped and said
+            memory[name] = None
+            note = f"its {wire}={value!r:.40} is not a number > 0 and is ignored"
+    return Capabilities(ratio, key or default_key or str(reply.metadata.src_node_id),
+                        **memory), note
+
+
+def _positive_number(value: object) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value > 0)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 __all__ = [
     "ARRAYS", "CAPABILITIES", "CONFIG", "DIVERGED", "EVAL_ACCURACY", "EVAL_LOSS", "KEEP_RATIO",
-    "LR", "METRICS", "NODE_KEY", "NUM_EXAMPLES", "QUERY", "REFERENCE", "SERVER_ROUND",
-    "TRAIN_ACCURACY", "TRAIN_LOSS", "factor_key", "is_factor_key", "layer_of",
+    "LR", "MEMORY_MB", "METRICS", "NODE_KEY", "NUM_EXAMPLES", "QUERY", "REFERENCE", "SERVER_ROUND",
+    "TRAINING_PEAK_MB", "TRAIN_ACCURACY", "TRAIN_LOSS", "factor_key", "is_factor_key", "layer_of",
 ]
 
 # Record names inside a RecordDict
@@ -18,6 +18,8 @@ REFERENCE = "fedavg-reference"  # the dense model a node also trains when fedavg
 
 # Capability / metric keys
 KEEP_RATIO = "keep-ratio"
+MEMORY_MB = "memory-mb"  # a node's memory budget (MiB), node config and capability reply
+TRAINING_PEAK_MB = "training-peak-mb"  # what the node measured its training to hold (MiB)
 NODE_KEY = "node-key"
 NUM_EXAMPLES = "num-examples"
 SERVER_ROUND = "server-round"  # the train config's round, echoed in the train reply

@@ -332,6 +332,8 @@ class NodeDirectory:
             public_key = public_keys.get(node, "")
             caps, reason = P.read_capabilities(reply, default_key=public_key)
             if caps is not None:
+                if reason:  # a memory reading that is dropped: the ratio stands
+                    log(WARNING, "Node %d: %s.", node, one_line(reason, 600))
                 caps, reason = admit(self.policy, caps, public_key)
             if caps is None:  # the reason may quote the node's own text: one escaped line
                 failures[node] = reason
@@ -340,6 +342,8 @@ class NodeDirectory:
                 continue
             if reason:
                 log(WARNING, "Node %d: %s.", node, one_line(reason, 600))
+            if caps.memory_mb is not None:
+                log(INFO, "Node %d: %s.", node, caps.memory_line())
             twin = next((n for n, c in self.capabilities.items()
                          if c.key == caps.key and n != node), None)
             self.capabilities[node] = caps

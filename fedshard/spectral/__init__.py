@@ -10,7 +10,9 @@ Before the first round, :func:`sharding_budget` says what each keep ratio will r
 and compute against the dense model (:func:`budget_summary`, :func:`budget_warnings`), and
 ``sharded_layer_names(model, policy="by-size", keep_ratio=r)`` picks the layers that hold
 the weights. For DP-SGD with Opacus, :func:`register_grad_samplers` gives it the factorized
-layers' per-example gradients (:func:`per_sample_gradients`).
+layers' per-example gradients (:func:`per_sample_gradients`). On a device short of memory,
+:func:`low_memory` (``TrainConfig(low_memory=True)`` in fedshard's loop) keeps each block's
+rank-n bottlenecks for the backward pass and recomputes its full-width tensors there.
 """
 
 from fedshard.spectral.budget import (
@@ -28,6 +30,7 @@ from fedshard.spectral.cost import LayerCost, array_bytes, layer_cost
 from fedshard.spectral.decompose import check_indices, compose, decompose, num_terms, take_terms
 from fedshard.spectral.layers import SpectralLayer, SpectralLinear
 from fedshard.spectral.per_sample import per_sample_gradients, register_grad_samplers
+from fedshard.spectral.recompute import blocks_of, low_memory
 from fedshard.spectral.selection import (
     LAYER_POLICIES,
     check_shardable,
@@ -53,6 +56,7 @@ __all__ = [
     "SpectralLinear",
     "UnshardedLayer",
     "array_bytes",
+    "blocks_of",
     "budget_summary",
     "budget_warnings",
     "build_submodel",
@@ -63,6 +67,7 @@ __all__ = [
     "extract_factors",
     "forward_flops",
     "layer_cost",
+    "low_memory",
     "multipliers_can_compound",
     "num_terms",
     "per_sample_gradients",

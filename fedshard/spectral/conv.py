@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedshard.spectral.layers import SpectralLayer
+from fedshard.spectral.recompute import TAPE, conv_product
 
 __all__ = ["SpectralConv2d"]
 
@@ -149,9 +150,21 @@ class SpectralConv2d(SpectralLayer):
             rank += pad
         # (n, c_in, k_h, k_w): row-major reshape matches W.reshape(c_out, -1) in decompose().
         kernel = v.mT.reshape(rank, self.in_channels, *self.kernel_size)
-        hidden = self._spatial_conv(x, kernel, None)
+        hidden = self._bottleneck(x, kernel)  # (B, n, H', W')
         # hidden: (B, n, H', W'); 1x1 conv with U diag(ω): (c_out, n, 1, 1).
         return F.conv2d(hidden, u[:, :, None, None], self.bias)
+
+    def _bottleneck(self, x: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
+        """The k×k convolution to the n channels: kept by low-memory training inside one of
+        its blocks (:func:`fedshard.spectral.recompute.conv_product`), else plain."""
+        if isinstance(self.padding, tuple) and self.padding_mode == "zeros":
+            kept = conv_product(x, kernel, self.stride, self.padding, self.dilation)
+        else:  # the padding written out, as _spatial_conv does for other modes
+            padded = x if torch.compiler.is_compiling() or TAPE.get() is None else F.pad(
+                x, self._pad, mode="constant" if self.padding_mode == "zeros"
+                else self.padding_mode)
+            kept = conv_product(padded, kernel, self.stride, (0, 0), self.dilation)
+        return self._spatial_conv(x, kernel, None) if kept is None else kept
 
     def _spatial_conv(self, x: torch.Tensor, kernel: torch.Tensor,
                       bias: torch.Tensor | None) -> torch.Tensor:

