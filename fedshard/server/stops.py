@@ -162,6 +162,11 @@ def likely_fix(reason: str) -> str:
                 "Leave num-partitions out (its default 0 gives one partition per simulated "
                 "node, whatever their number), or set it equal to the federation's "
                 "num-supernodes (flwr run . --federation-config \"num-supernodes=N\").")
+    if "memory-mb=" in reason:
+        return ("the nodes' memory-mb budgets are too small for the model at the run's "
+                "batch-size (each node's error names what its smallest keep ratio needs): "
+                "raise memory-mb on the nodes that can spare it, or lower batch-size or the "
+                "model's size in the run config.")
     if "keep ratio" in reason or "keep-ratio" in reason:
         return ("every node must declare a keep ratio: ShardingClientApp(keep_ratios=...), or "
                 "keep-ratio in the node or run config.")

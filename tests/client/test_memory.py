@@ -115,3 +115,13 @@ def test_the_capability_reply_carries_the_budget_and_the_server_reads_it(
     caps, note = read_capabilities(reply)
     assert caps is not None and caps.keep_ratio == 0.2 and caps.memory_mb is None
     assert "memory-mb=-1.0 is not a number > 0 and is ignored" in note
+
+
+def test_the_servers_hint_for_a_budget_too_small_points_at_memory_mb() -> None:
+    from fedshard.server.stops import likely_fix
+
+    reason = ("error reply: ValueError('memory-mb=300: not even the smallest candidate fits: "
+              "training keep ratio 0.05 reached 820 MB (700 MB before training + 120 MB for "
+              "two steps at batch 32)')")
+    hint = likely_fix(reason)
+    assert "raise memory-mb" in hint and "ShardingClientApp" not in hint

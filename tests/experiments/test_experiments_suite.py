@@ -306,3 +306,26 @@ def test_shakespeare_reduced_is_the_papers_column_with_capped_steps() -> None:
         assert (cfg.dataset, cfg.model, cfg.training.batch_size, cfg.training.lr) == (
             "shakespeare", "chargpt", 10, 0.1)
         assert cfg.training.max_steps == 20 and cfg.num_partitions == 672
+
+
+def test_the_shakespeare_pilots_small_model_has_the_r01_sub_models_flops() -> None:
+    # The small GPT is the width (a multiple of its 3 heads) whose forward FLOPs are nearest
+    # those of the whole GPT's spectral sub-model at r = 0.1, counted here from the models.
+    import torch
+
+    from fedshard.models import char_transformer
+    from fedshard.spectral import sharded_layer_names
+    from fedshard.spectral.budget import forward_flops, sharding_budget
+
+    suite = load_suite(ROOT / "experiments" / "shakespeare-pilot.toml")
+    widths = {r.label: r.config.model_width for r in suite.runs}
+    assert widths == {"Whole model, every node": 48, "Small model": 21}
+    assert {r.seed for r in suite.runs} == {0, 1}
+    assert {r.config.sharding.method for r in suite.runs} == {"none"}
+    whole = char_transformer(81, n_embd=48)
+    x = torch.zeros(1, 80, dtype=torch.long)
+    target = sharding_budget(whole, sharded_layer_names(whole), [0.1],
+                             example_input=x).at(0.1).forward_flops
+    nearest = min(range(3, 48, 3),
+                  key=lambda w: abs(forward_flops(char_transformer(81, n_embd=w), x) - target))
+    assert nearest == 21
