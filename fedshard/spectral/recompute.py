@@ -40,6 +40,7 @@ from torch.utils.checkpoint import checkpoint
 
 __all__ = ["Block", "blocks_of", "conv_product", "linear_product", "low_memory"]
 
+
 class _Tape:
     """The bottleneck outputs of one block's forward pass (detached, ``n`` wide), handed back
     in the same order when the block is recomputed."""
@@ -53,12 +54,12 @@ class _Tape:
 
     def product(self, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``compute()`` in the forward pass (kept), the kept output in the recomputation."""
-        if self.replaying:
-            out = self.outputs[self.next]
+        if self.replaying:  # a fresh tensor of the kept storage: no history of its own
+            out = self.outputs[self.next].detach()
             self.next += 1
             return out
         out = compute()
-        self.outputs.append(out)
+        self.outputs.append(out.detach())  # the same storage, without the forward's graph
         return out
 
 
