@@ -63,12 +63,6 @@ from fedshard.client.train import EagerStep, TrainConfig
 from fedshard.client.train.fast import FastOptions, TrainStep, configure_convolutions
 from fedshard.models import resnet18
 from fedshard.settings import LocalTraining
-from fedshard.spectral import (
-    decompose,
-    num_terms,
-    shard_model,
-    sharded_layer_names,
-)
 
 #: one input's shape: CIFAR-sized images
 INPUT = (3, 32, 32)
@@ -141,17 +135,7 @@ def time_steps(
 def build(width: int, ratio: float | None) -> nn.Module:
     """Dense ResNet-18 (``ratio=None``) or its sub-model with the top ``ceil(rN)`` terms."""
     dense = resnet18(num_classes=10, in_channels=3, width=width, seed=0)
-    if ratio is None:
-        return dense
-    indices, omegas = {}, {}
-    for name in sharded_layer_names(dense):
-        _, _, lam = decompose(dense.get_submodule(name).weight)
-        n = num_terms(len(lam), ratio)
-        indices[name] = list(range(n))
-        # ω = 1/π-like multipliers > τ for some terms so that ClipLR does real work.
-        omegas[name] = torch.linspace(1.0, 20.0, n)
-    sub, _ = shard_model(dense, indices, omegas)
-    return sub
+    return dense if ratio is None else client_cost.sub_model(dense, ratio)
 
 
 def loader(batch: int, steps: int) -> DataLoader[tuple[torch.Tensor, ...]]:

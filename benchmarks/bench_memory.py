@@ -53,12 +53,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import client_cost
 from machine import emit, provenance
 
 from fedshard.client.train import EagerStep, TrainConfig, train
 from fedshard.models import char_transformer, resnet18
 from fedshard.settings import LocalTraining
-from fedshard.spectral import decompose, num_terms, shard_model, sharded_layer_names
+from fedshard.spectral import sharded_layer_names
 from fedshard.spectral.budget import forward_flops, sharding_budget
 from fedshard.spectral.recompute import blocks_of
 
@@ -104,17 +105,6 @@ TASKS = {
 def _gpt(width: int) -> nn.Module:
     torch.manual_seed(0)
     return char_transformer(81, n_embd=width)
-
-
-def sub_model(dense: nn.Module, ratio: float) -> nn.Module:
-    """``dense`` with the top ``ceil(rN)`` terms of every sharded layer, ω from 1 to 20."""
-    indices, omegas = {}, {}
-    for name in sharded_layer_names(dense):
-        _, _, lam = decompose(dense.get_submodule(name).weight)
-        n = num_terms(len(lam), ratio)
-        indices[name] = list(range(n))
-        omegas[name] = torch.linspace(1.0, 20.0, n)
-    return shard_model(dense, indices, omegas)[0]
 
 
 def matched_width(task: Task, dense: nn.Module, ratio: float) -> int:
@@ -222,7 +212,7 @@ def measure(task_key: str, ratios: list[float], args: argparse.Namespace) -> dic
         "dense": (dense, "plain"), "dense_checkpointed": (dense, "dense_checkpointed")}
     widths = {}
     for r in ratios:
-        sub = sub_model(dense, r)
+        sub = client_cost.sub_model(dense, r)
         configs[f"factorized_r{r:g}"] = (sub, "plain")
         configs[f"low_memory_r{r:g}"] = (sub, "low_memory")
         if r < 1:
@@ -234,7 +224,7 @@ def measure(task_key: str, ratios: list[float], args: argparse.Namespace) -> dic
     timed = {k: configs[k] for k in configs if k.startswith(("dense", "factorized_r0.1",
                                                              "low_memory_r0.1"))}
     out: dict[str, Any] = {"model": task.name, "matched_widths": widths,
-                           "blocks": [b.name for b in blocks_of(sub_model(dense, 0.1))],
+                           "blocks": [b.name for b in blocks_of(client_cost.sub_model(dense, 0.1))],
                            "bytes": {"peak": peak, "rss": rss},
                            "step_ms": step_times(timed, task, args.steps, args.repeats)}
     for k in configs:

@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fedshard.client.train import TrainConfig, train
 from fedshard.settings import LocalTraining
+from fedshard.spectral import decompose, num_terms, shard_model, sharded_layer_names
 
 
 def default_config(device: str = "cpu", channels_last: bool = False) -> TrainConfig:
@@ -55,6 +56,18 @@ def loader(shape: tuple[int, ...], batch: int, steps: int
     x = torch.randn(batch * steps, *shape, generator=g)
     y = torch.randint(0, 10, (batch * steps,), generator=g)
     return DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=False)
+
+
+def sub_model(dense: nn.Module, ratio: float) -> nn.Module:
+    """``dense`` with the top ``ceil(rN)`` terms of every sharded layer and ω from 1 to 20
+    (1/π-like multipliers above τ for some terms, so that ClipLR does real work)."""
+    indices, omegas = {}, {}
+    for name in sharded_layer_names(dense):
+        _, _, lam = decompose(dense.get_submodule(name).weight)
+        n = num_terms(len(lam), ratio)
+        indices[name] = list(range(n))
+        omegas[name] = torch.linspace(1.0, 20.0, n)
+    return shard_model(dense, indices, omegas)[0]
 
 
 def train_flops(model: nn.Module, shape: tuple[int, ...], batch: int = 32) -> float:
