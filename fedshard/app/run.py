@@ -172,10 +172,15 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
     # is still the one the rounds started from.
     final = result.arrays if len(result.arrays) > 0 else initial
     receipts = [c.totals for c in strategy.callbacks if isinstance(c, TrainingReceipts)]
+    by_memory = [{"node-key": c.key, "keep-ratio": c.keep_ratio, "memory-mb": c.memory_mb,
+                  "training-peak-mb": c.training_peak_mb}
+                 for c in strategy.capabilities.values() if c.memory_mb is not None]
     summary = recorder.finish(final.to_torch_state_dict(),
                               {"status": "finished",
                                "sharding": _savings(cfg, model, strategy, recorder.rows),
-                               **({"receipts": receipts[0]} if receipts else {})})
+                               **({"receipts": receipts[0]} if receipts else {}),
+                               # nodes that chose their keep ratio from their memory-mb
+                               **({"nodes-by-memory": by_memory} if by_memory else {})})
     return summary
 
 

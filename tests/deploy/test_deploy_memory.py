@@ -124,6 +124,8 @@ def test_a_capped_supernode_trains_sharded_what_it_cannot_train_dense(
         chosen = float(match.group(1))
         assert 0 < chosen < 1
         assert f"keep ratio {chosen:g} chosen from memory-mb={budget}" in sharded.stdout
+    (by_memory,) = summary["nodes-by-memory"]
+    assert (by_memory["keep-ratio"], by_memory["memory-mb"]) == (chosen, budget), by_memory
     rows = [json.loads(r) for r in (results / "memory" / "metrics.jsonl").read_text()
             .splitlines()]
     assert [r["round"] for r in rows] == [0, 1, 2]
