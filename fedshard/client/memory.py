@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fedshard.client.train.config import TrainConfig
 from fedshard.client.train.loop import train
-from fedshard.spectral import num_terms, shard_model, sharded_layer_names
+from fedshard.spectral import sharded_layer_names, submodel_at
 
 __all__ = ["FIT_SHARE", "KEEP_RATIO_GRID", "MemoryFit", "keep_ratio_for_memory", "resident_bytes",
            "training_growth"]
@@ -65,10 +65,9 @@ class MemoryFit:
         allocated then).
     peaks : dict
         keep ratio -> bytes the process grew by at its peak over two training steps (beyond
-        ``resident_mb``), for every candidate measured; the chosen ratio fits when
-        ``resident + growth ≤ memory-mb``.
-    low_memory : bool
-        Whether the steps ran in low-memory mode (and so the node trains in it).
+        ``resident_mb``), for every candidate measured; a ratio fits when
+        ``resident + growth ≤`` :data:`FIT_SHARE` ``× memory-mb`` (the node then trains in
+        low-memory mode, as it measured).
     batch_size : int
         The batch size of the measured steps.
     """
@@ -77,7 +76,6 @@ class MemoryFit:
     memory_mb: float
     resident_mb: float
     peaks: dict[float, int] = field(default_factory=dict)
-    low_memory: bool = True
     batch_size: int = 0
 
     @property
@@ -92,7 +90,7 @@ class MemoryFit:
         return (f"memory-mb={self.memory_mb:g}: keep ratio {self.keep_ratio:g} (training "
                 f"peaks at {self.peak_mb:.0f} MB: {self.resident_mb:.0f} MB before training, "
                 f"grown by two steps at batch {self.batch_size}"
-                f"{' in low-memory mode' if self.low_memory else ''}: {measured})")
+                f" in low-memory mode: {measured})")
 
 
 def resident_bytes() -> int:
@@ -148,16 +146,13 @@ def _trim() -> None:
 
 
 def _submodel(model: nn.Module, layers: Sequence[str], ratio: float) -> nn.Module:
-    """``model`` with the top ``ceil(rN)`` terms of each of ``layers`` (ω = 1): the shapes a
-    node at keep ratio r receives (``ratio = 0``: one term each)."""
-    indices, omegas = {}, {}
-    for name in layers:
-        weight = model.get_submodule(name).weight
-        assert isinstance(weight, torch.Tensor)
-        n = num_terms(min(weight.shape[0], weight[0].numel()), ratio) if ratio > 0 else 1
-        indices[name] = list(range(n))
-        omegas[name] = torch.ones(n, dtype=weight.dtype)
-    return shard_model(model, indices, omegas)[0]
+    """The sub-model a node at keep ratio r receives, in shape (its factors zeros: shapes, not
+    values, set what training holds; no SVD is taken); ``ratio = 0``: one term per layer."""
+    return submodel_at(model, layers, ratio if ratio > 0 else _ONE_TERM)
+
+
+#: A keep ratio that keeps one term of any layer (``⌈r N⌉ = 1`` for every N below 10⁹).
+_ONE_TERM = 1e-9
 
 
 def keep_ratio_for_memory(model: nn.Module,
@@ -245,5 +240,4 @@ def keep_ratio_for_memory(model: nn.Module,
         chosen = r
     del grown[0.0]
     return MemoryFit(keep_ratio=chosen, memory_mb=float(memory_mb),
-                     resident_mb=resident / MIB, peaks=grown, low_memory=True,
-                     batch_size=len(batches[0][1]))
+                     resident_mb=resident / MIB, peaks=grown, batch_size=len(batches[0][1]))

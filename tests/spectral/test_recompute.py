@@ -199,3 +199,11 @@ def test_low_memory_refuses_opacus_per_sample_hooks() -> None:
     wrapped = opacus.GradSampleModule(sub)
     with pytest.raises(ValueError, match="Opacus's per-sample hooks"), low_memory(wrapped):
         pass
+
+
+def test_a_dense_model_in_low_memory_mode_is_named_as_dense(
+        caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        EagerStep(mlp(64, 10, width=32), TrainConfig(low_memory=True, log_every_epoch=False))
+    assert "MLP has no sharded layer (a dense model" in caplog.text
+    assert "found no block" not in caplog.text

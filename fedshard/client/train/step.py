@@ -19,6 +19,7 @@ from torch import nn
 from fedshard.client.train.config import TrainConfig
 from fedshard.client.train.optim import build_optimizer
 from fedshard.client.train.rules import ClientRules
+from fedshard.spectral.layers import SpectralLayer
 from fedshard.spectral.recompute import Block, blocks_of, low_memory
 
 __all__ = ["EagerStep", "cross_entropy_sums"]
@@ -121,7 +122,11 @@ def _low_memory_blocks(model: nn.Module) -> list[Block]:
     """The blocks low-memory mode recomputes in ``model``; a WARNING when it finds none (the
     step then holds what the plain step holds)."""
     blocks = blocks_of(model)
-    if not blocks:
+    if not blocks and not any(isinstance(m, SpectralLayer) for m in model.modules()):
+        log(WARNING, "low-memory training: %s has no sharded layer (a dense model, as FedAvg "
+            "or width slicing sends): it trains with the plain step's memory.",
+            type(model).__name__)
+    elif not blocks:
         log(WARNING, "low-memory training found no block to recompute in %s (no sharded layer "
             "inside an nn.Sequential or nn.ModuleList with other layers): it trains with the "
             "plain step's memory. Group the layers between two sharded layers in an "
