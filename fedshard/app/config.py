@@ -59,7 +59,7 @@ __all__ = [
 METHODS = SHARDING_METHODS  # the run-config names are the library's (fedshard.sampling)
 DESIGNS = SAMPLING_DESIGNS
 MODELS = ("resnet18", "cct", "chargpt", "mlp", "lenet")
-WIDTH_MODELS = ("mlp", "resnet18")  # the models width slicing can narrow
+WIDTH_MODELS = ("mlp", "resnet18", "chargpt")  # the models width slicing can narrow
 DATASETS = ("fashion-mnist", "cifar10", "cifar100", "tinyimagenet", "shakespeare")
 
 
@@ -294,8 +294,8 @@ class RunConfig:
             need(self.model in WIDTH_MODELS,
                  f"method={self.sharding.method!r} with model={self.model!r}: width slicing "
                  f"is defined here for {', '.join(WIDTH_MODELS)} (their width sets every "
-                 "hidden layer); the CCT's and char-GPT's attention heads and LeNet's fixed "
-                 "layers have no width family in fedshard")
+                 "hidden layer); the CCT's tokenizer and LeNet's fixed layers have no width "
+                 "family in fedshard")
             need(self.init_keep_ratio == 1,
                  f"init-keep-ratio={self.init_keep_ratio} with method="
                  f"{self.sharding.method!r}: the low-rank start truncates the SVD terms of "

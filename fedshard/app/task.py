@@ -124,8 +124,9 @@ def build_model(cfg: RunConfig) -> nn.Module:
 
 def width_family(cfg: RunConfig) -> WidthFamily:
     """The run's model at any width (width slicing): the MLP's hidden units, ResNet-18's
-    first-stage channels (even: its GroupNorm has 2 groups); the global width is
-    ``model-width``.
+    first-stage channels (even: its GroupNorm has 2 groups), the char GPT's embedding width
+    (a multiple of its 3 heads: each head narrows alike, and the MLP's 4x width with it); the
+    global width is ``model-width``.
 
     Raises
     ------
@@ -139,6 +140,9 @@ def width_family(cfg: RunConfig) -> WidthFamily:
     if cfg.model == "resnet18":
         return WidthFamily(functools.partial(_resnet_at, info.num_classes, info.in_channels),
                            cfg.model_width, multiple=2)
+    if cfg.model == "chargpt":
+        return WidthFamily(functools.partial(_chargpt_at, info.num_classes), cfg.model_width,
+                           multiple=CHARGPT_HEADS)
     raise ValueError(f"model={cfg.model!r}: width slicing has no family for it")
 
 
@@ -152,6 +156,12 @@ def _resnet_at(num_classes: int, in_channels: int, width: int) -> nn.Module:
     from fedshard.models import resnet18
 
     return resnet18(num_classes, in_channels, width)
+
+
+def _chargpt_at(vocab_size: int, width: int) -> nn.Module:
+    from fedshard.models import char_transformer
+
+    return char_transformer(vocab_size, n_embd=width, n_head=CHARGPT_HEADS)
 
 
 def train_node(msg: Message, cfg: RunConfig, data: Dataset[Any], *, device: str,

@@ -92,3 +92,38 @@ def test_run_config_names_what_width_slicing_cannot_take(changes: dict[str, Any]
                                                         tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=match):
         RunConfig.from_mapping(_settings(tmp_path, tmp_path, "z", **changes))
+
+
+def test_the_char_gpt_narrows_by_heads_and_the_flops_match_is_the_pilots_small_model(
+        tmp_path: Path) -> None:
+    """The GPT's width family narrows the embedding width in multiples of its 3 heads (the
+    MLP's 4x width follows); at r = 0.1 the FLOPs-matched width is the pilot's small model
+    (21 of 48), counted independently from the two models' forward passes."""
+    from fedshard.spectral.budget import forward_flops
+    from fedshard.width import match_width
+
+    root = tmp_path / "data"
+    text = "To be, or not to be, that is the question: whether 'tis nobler in the mind. " * 3
+    for split in ("train", "test"):
+        (root / "shakespeare" / split).mkdir(parents=True)
+        fakedata.write_leaf_json(root / "shakespeare" / split / "all.json",
+                                 {"HAMLET": text, "OPHELIA": text[::-1], "POLONIUS": text})
+    cfg = RunConfig.from_mapping(_settings(root, tmp_path, "gpt", dataset="shakespeare",
+                                           model="chargpt", **{"model-width": 48,
+                                                               "num-partitions": 3,
+                                                               "min-available-nodes": 3}))
+    family = width_family(cfg)
+    assert list(family.widths) == list(range(3, 49, 3))
+    narrow = family(21)
+    shapes = {k: tuple(v.shape) for k, v in narrow.state_dict().items()}
+    assert shapes["blocks.0.fc.weight"] == (84, 21) and shapes["blocks.0.attn.q.weight"] == (21, 21)
+    assert shapes["lm_head.weight"][1] == 21 and shapes["wte.weight"][1] == 21
+    model = build_model(cfg)
+    tokens = torch.zeros(1, 80, dtype=torch.long)
+    from fedshard.spectral import sharded_layer_names
+
+    matched = match_width(family, 0.1, "flops", model=model, example_input=tokens,
+                          sharded_layers=sharded_layer_names(model))
+    assert matched.width == 21
+    assert abs(forward_flops(narrow, tokens) / forward_flops(model, tokens)
+               - matched.flops / matched.dense_flops) < 1e-12

@@ -329,3 +329,29 @@ def test_the_shakespeare_pilots_small_model_has_the_r01_sub_models_flops() -> No
     nearest = min(range(3, 48, 3),
                   key=lambda w: abs(forward_flops(char_transformer(81, n_embd=w), x) - target))
     assert nearest == 21
+
+
+def test_the_shakespeare_mixed_capacity_suite_is_the_pilots_setup_with_every_row() -> None:
+    """Every row of the Shakespeare suite trains on the pilot's setup (so the pilot's regime
+    holds for it), its small model is the pilot's, and column "a" has every row of the
+    Fashion-MNIST suite's column "a"."""
+    shared = ("dataset", "model", "min-available-nodes", "local-epochs", "max-steps",
+              "batch-size", "lr", "momentum", "frobenius-decay", "lr-schedule",
+              "num-server-rounds", "num-partitions", "test-max-examples", "max-update-spread",
+              "max-weight-ratio", "align-factors")
+    suite = load_suite(ROOT / "experiments" / "mixed-capacity-shakespeare.toml")
+    pilot = load_suite(ROOT / "experiments" / "shakespeare-pilot.toml").runs[0].config.as_dict()
+    for run in suite.runs:
+        cfg = run.config.as_dict()
+        assert {k: cfg[k] for k in shared} == {k: pilot[k] for k in shared}, run.label
+        if cfg["method"] == "none" and run.label == "Small model":
+            assert cfg["model-width"] == 21
+        else:
+            assert cfg["model-width"] == 48
+    assert {r.seed for r in suite.runs} == {0, 1, 2}
+    fmnist = load_suite(ROOT / "experiments" / "mixed-capacity.toml")
+    col_a = "20 % r = 1 / 80 % r = 0.1"
+    assert ({r.label for r in suite.runs if r.column in (col_a, None)}
+            == {r.label for r in fmnist.runs if r.column in (col_a, None)})
+    strong = next(r for r in suite.runs if r.label == "Strong devices only, 10 a round")
+    assert int(134 * strong.config.fraction_train) == 10
