@@ -52,7 +52,8 @@ Conditional Poisson sampling (Sec. 3.2.3)   ``fedshard.sampling.ConditionalPoiss
 Method and design per group and layer       ``fedshard.sampling.draw_layer``,
                                             ``fedshard.sampling.plan_round``
 Factorized layer U·diag(ω)·Vᵀ               ``fedshard.spectral.SpectralLinear``,
-                                            ``fedshard.spectral.SpectralConv2d``
+                                            ``fedshard.spectral.SpectralConv2d``,
+                                            ``fedshard.spectral.SpectralConvTranspose2d``
 Frobenius decay γ‖UΩVᵀ‖²_F (Sec. 3.3)       ``fedshard.client.train.frobenius_penalty``,
                                             ``fedshard.client.train.ClientRules``
 ClipLR min(1, τ/ωᵢ) (Sec. 3.3)              ``fedshard.client.train.ClientRules.after_step``

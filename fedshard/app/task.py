@@ -7,10 +7,12 @@ ServerApp shares with it: the model builder). The server's orchestration is in
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
 from collections import OrderedDict
+from collections.abc import Iterator
 from logging import DEBUG, INFO, WARNING
 from typing import Any
 
@@ -31,7 +33,13 @@ from fedshard.client.keep_ratios import (  # re-exported: the library's rule
 from fedshard.client.memory import MemoryFit, keep_ratio_for_memory
 from fedshard.client.node import handle_node_train
 from fedshard.client.train import TrainConfig
-from fedshard.data import ImageDataset, dataset_info, load_held_out, load_partition
+from fedshard.data import (
+    DataFormatError,
+    ImageDataset,
+    dataset_info,
+    load_held_out,
+    load_partition,
+)
 from fedshard.sampling import as_keep_ratio
 from fedshard.server.trusted import TrustedReference
 from fedshard.width import WidthFamily
@@ -186,8 +194,9 @@ def trusted_reference(cfg: RunConfig, device: str = "cpu") -> TrustedReference |
         data = load_held_out(cfg.dataset, cfg.trusted_data, data_dir=cfg.data_dir or None,
                              seed=cfg.seed, download=cfg.download)
     elif cfg.trusted_data_dir:
-        data = load_partition(cfg.dataset, 0, 1, data_dir=cfg.trusted_data_dir,
-                              seed=cfg.seed)
+        with _data_setting("trusted-data-dir", cfg.trusted_data_dir):
+            data = load_partition(cfg.dataset, 0, 1, data_dir=cfg.trusted_data_dir,
+                                  seed=cfg.seed)
     else:
         return None
     if len(data) == 0:  # type: ignore[arg-type]
@@ -266,10 +275,11 @@ def client_dataset(cfg: RunConfig, partition_id: int, num_partitions: int) -> Da
             "this process, pid %d)", partition_id, num_partitions,
             len(dataset), os.getpid())  # type: ignore[arg-type]
         return dataset
-    dataset = load_partition(
-        cfg.dataset, partition_id, num_partitions, data_dir=cfg.data_dir or None,
-        alpha=alpha, seed=cfg.seed, download=cfg.download, held_out=cfg.trusted_data,
-    )
+    with _data_setting("data-dir", cfg.data_dir or "(the cache)"):
+        dataset = load_partition(
+            cfg.dataset, partition_id, num_partitions, data_dir=cfg.data_dir or None,
+            alpha=alpha, seed=cfg.seed, download=cfg.download, held_out=cfg.trusted_data,
+        )
     if isinstance(dataset, ImageDataset):
         dataset.example_tensors()  # standardize now, once: the data set keeps the tensors
     if budget > 0 and _nbytes(dataset) <= budget:
@@ -282,6 +292,15 @@ def client_dataset(cfg: RunConfig, partition_id: int, num_partitions: int) -> Da
 
 
 _DATASETS: OrderedDict[tuple[Any, ...], Dataset[Any]] = OrderedDict()
+
+
+@contextlib.contextmanager
+def _data_setting(setting: str, value: str) -> Iterator[None]:
+    """A damaged data file read for ``setting`` names that setting before the file."""
+    try:
+        yield
+    except DataFormatError as err:
+        raise DataFormatError(f"{setting}={value!r}: {err}") from err
 
 
 def _nbytes(dataset: Dataset[Any]) -> int:

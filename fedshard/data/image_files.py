@@ -61,13 +61,26 @@ _IMAGE_SUFFIXES = {".jpeg", ".jpg", ".png"}
 _REPLACE = "The file is damaged or was not copied completely: delete it and fetch it again."
 
 
-def read_idx(path: Path) -> np.ndarray:
-    """Read an idx file (LeCun's MNIST format), plain or gzip-compressed.
+#: The largest payload :func:`read_idx` reads (bytes): Fashion-MNIST's training images are
+#: 47 MB; a header announcing more is refused before anything is inflated.
+MAX_IDX_BYTES = 1 << 31
+
+
+def read_idx(path: Path, *, item_shape: tuple[int, ...] | None = None,
+             max_bytes: int = MAX_IDX_BYTES) -> np.ndarray:
+    """Read an idx file (LeCun's MNIST format), plain or gzip-compressed, streaming: the
+    header is read and checked first, then exactly the bytes it announces (a gzip bomb is
+    never inflated past them).
 
     Parameters
     ----------
     path : Path
         File whose name ends in ``.gz`` for gzip, anything else for plain.
+    item_shape : tuple of int, optional
+        The dimensions after the first the file must have (``(28, 28)`` for images, ``()``
+        for labels), checked against the header before the payload is read.
+    max_bytes : int
+        The largest payload read; a header announcing more is refused.
 
     Returns
     -------
@@ -78,42 +91,57 @@ def read_idx(path: Path) -> np.ndarray:
     ------
     DataFormatError
         If a ``.gz`` file cannot be decompressed (truncated, damaged), the header is
-        malformed, the element type is not unsigned byte or the payload size does not match
-        the header.
+        malformed or announces other dimensions than ``item_shape`` or more than
+        ``max_bytes``, the element type is not unsigned byte, or the payload is shorter or
+        longer than the header says.
     """
-    if path.suffix == ".gz":
-        try:
-            with gzip.open(path, "rb") as handle:
-                data: bytes = handle.read()
-        except (EOFError, OSError, zlib.error) as err:
-            raise DataFormatError(
-                f"{path} ({path.stat().st_size} bytes): cannot decompress it "
-                f"({type(err).__name__}: {err}); expected a complete gzip-compressed idx "
-                f"file. {_REPLACE}"
-            ) from err
-    else:
-        data = path.read_bytes()
+    try:
+        with (gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb")) as handle:
+            return _read_idx_stream(path, handle, item_shape, max_bytes)
+    except (EOFError, OSError, zlib.error) as err:
+        gz = path.suffix == ".gz"
+        raise DataFormatError(
+            f"{path} ({path.stat().st_size} bytes): cannot {'decompress' if gz else 'read'} "
+            f"it ({type(err).__name__}: {err}); expected a complete "
+            f"{'gzip-compressed ' if gz else ''}idx file. {_REPLACE}"
+        ) from err
+
+
+def _read_idx_stream(path: Path, handle: Any, item_shape: tuple[int, ...] | None,
+                     max_bytes: int) -> np.ndarray:
     # Header: two zero bytes, a type code (0x08 = unsigned byte), the number of dimensions,
     # then one big-endian uint32 per dimension.
-    if len(data) < 4 or data[0] != 0 or data[1] != 0:
+    magic: bytes = handle.read(4)
+    if len(magic) < 4 or magic[0] != 0 or magic[1] != 0:
         raise DataFormatError(f"{path}: not an idx file (bad magic number); it was not loaded.")
-    if data[2] != _IDX_UINT8:
+    if magic[2] != _IDX_UINT8:
         raise DataFormatError(
-            f"{path}: idx element type 0x{data[2]:02x}, expected 0x08 (unsigned byte)."
+            f"{path}: idx element type 0x{magic[2]:02x}, expected 0x08 (unsigned byte)."
         )
-    ndim = data[3]
-    header = 4 + 4 * ndim
-    if len(data) < header:
+    ndim = magic[3]
+    raw: bytes = handle.read(4 * ndim)
+    if len(raw) < 4 * ndim:
+        raise DataFormatError(f"{path}: idx header truncated ({4 + len(raw)} bytes, expected "
+                              f"{4 + 4 * ndim}). {_REPLACE}")
+    dims = struct.unpack(">" + "I" * ndim, raw)
+    if item_shape is not None and tuple(dims[1:]) != tuple(item_shape):
+        want = "(N, " + ", ".join(map(str, item_shape)) + ")" if item_shape else "(N,)"
         raise DataFormatError(
-            f"{path}: idx header truncated ({len(data)} bytes, expected {header}). {_REPLACE}")
-    dims = struct.unpack(">" + "I" * ndim, data[4:header])
+            f"{path}: the idx header announces dimensions {dims}, expected {want}; it was not "
+            "loaded. Check that the folder holds this data set, not another idx data set.")
     expected = int(np.prod(dims, dtype=np.int64))
-    if len(data) - header != expected:
+    if expected > max_bytes:
         raise DataFormatError(
-            f"{path}: idx header announces {dims} = {expected} bytes of data, found "
-            f"{len(data) - header}. {_REPLACE}"
-        )
-    return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(dims)
+            f"{path}: the idx header announces {dims} = {expected:,} bytes of data, more than "
+            f"the {max_bytes:,} read at most; it was not loaded. {_REPLACE}")
+    data: bytes = handle.read(expected)
+    if len(data) != expected:
+        raise DataFormatError(f"{path}: idx header announces {dims} = {expected} bytes of "
+                              f"data, found {len(data)}. {_REPLACE}")
+    if handle.read(1):
+        raise DataFormatError(f"{path}: idx header announces {dims} = {expected} bytes of "
+                              f"data, found more; it was not loaded. {_REPLACE}")
+    return np.frombuffer(data, dtype=np.uint8).reshape(dims)
 
 
 def _idx_file(folder: Path, stem: str) -> Path | None:
@@ -289,13 +317,11 @@ def read_split(name: str, folder: Path, split: str) -> ImageArrays:
         files = _fmnist_files(folder, split)
         if files is None:
             raise DataNotFoundError(f"{folder}: Fashion-MNIST {split} idx files disappeared.")
-        images = read_idx(files[0])
-        labels = read_idx(files[1]).astype(np.int64)
-        if images.ndim != 3 or images.shape[1:] != (28, 28):
-            raise DataFormatError(
-                f"{files[0]}: expected (N, 28, 28) Fashion-MNIST images, got {images.shape}. "
-                "Check that data-dir holds Fashion-MNIST, not another idx data set."
-            )
+        images = read_idx(files[0], item_shape=(28, 28))
+        labels = read_idx(files[1], item_shape=()).astype(np.int64)
+        if images.shape[0] == 0:
+            raise DataFormatError(f"{files[0]}: holds 0 images; expected the Fashion-MNIST "
+                                  f"{split} set. {_REPLACE}")
         if labels.shape != (images.shape[0],):
             raise DataFormatError(
                 f"{files[1]}: expected ({images.shape[0]},) labels to match {files[0]}, got "

@@ -44,6 +44,11 @@ from fedshard.spectral.surgery import (
     extract_factors,
     shard_model,
 )
+from fedshard.spectral.transposed import (
+    SpectralConvTranspose1d,
+    SpectralConvTranspose2d,
+    SpectralConvTranspose3d,
+)
 
 __all__ = [
     "LAYER_POLICIES",
@@ -52,6 +57,9 @@ __all__ = [
     "RatioBudget",
     "ShardingBudget",
     "SpectralConv2d",
+    "SpectralConvTranspose1d",
+    "SpectralConvTranspose2d",
+    "SpectralConvTranspose3d",
     "SpectralLayer",
     "SpectralLinear",
     "UnshardedLayer",

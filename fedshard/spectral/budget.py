@@ -245,15 +245,15 @@ def submodel_at(model: nn.Module, layers: Iterable[str], keep_ratio: float) -> n
 def _unsharded(model: nn.Module | Mapping[str, Any],
                shapes: Mapping[str, tuple[tuple[int, ...], Any]], sharded: set[str],
                dense: int) -> tuple[UnshardedLayer, ...]:
-    """Every Linear/Conv2d left dense, largest first (ties: by name). From shapes only,
-    every 2-D and 4-D ``<name>.weight`` is a candidate (its kind is unknown)."""
+    """Every shardable layer left dense, largest first (ties: by name). From shapes only,
+    every 2-D to 5-D ``<name>.weight`` is a candidate (its kind is unknown)."""
     if isinstance(model, nn.Module):
         # a supported layer can be added to the sharded ones; other Linear/Conv2d cannot
         names = [n for n in shardable_layers(model) if n not in sharded]
         kinds = {n: type(model.get_submodule(n)).__name__ for n in names}
     else:
         names = [k[: -len(".weight")] for k, (shape, _) in shapes.items()
-                 if k.endswith(".weight") and len(shape) in (2, 4)]
+                 if k.endswith(".weight") and len(shape) in (2, 3, 4, 5)]
         names = [n for n in names if n not in sharded]
         kinds = {n: f"{len(shapes[f'{n}.weight'][0])}-D weight" for n in names}
     out = []

@@ -175,7 +175,8 @@ class SpectralConv2d(SpectralLayer):
         return F.conv2d(padded, kernel, bias, self.stride, 0, self.dilation)
 
     dense_type = nn.Conv2d
-    _other_types_hint = "transposed and 1-D/3-D convolutions are not supported."
+    _other_types_hint = ("use SpectralConvTranspose2d.from_dense() for nn.ConvTranspose2d; "
+                         "1-D/3-D convolutions are not supported.")
 
     @classmethod
     def _geometry(cls, layer: nn.Module) -> dict[str, Any]:

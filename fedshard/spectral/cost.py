@@ -160,7 +160,8 @@ def layer_cost(name: str, weight_shape: tuple[int, ...], dtype: Any,
     shape = tuple(int(s) for s in weight_shape)
     if len(shape) < 2:
         raise ValueError(f"layer {name!r}: expected a weight of 2 or more dimensions, got "
-                         f"shape {shape}; only Linear/Conv2d weights can be sharded.")
+                         f"shape {shape}; only the weights of affine layers (Linear, convolutions, "
+                         "transposed convolutions) can be sharded.")
     rows, cols = shape[0], math.prod(shape[1:])
     total = min(rows, cols)
     n = num_terms(total, keep_ratio)

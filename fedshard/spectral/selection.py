@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from fedshard.spectral.cost import layer_cost, numpy_dtype
+from fedshard.spectral.kinds import SHARDABLE_NAMES, SPECTRAL_CLASSES
 from fedshard.spectral.layers import SpectralLayer
 
 __all__ = [
@@ -75,7 +76,8 @@ def sharded_layer_names(
         The dense model (not modified).
     include : iterable of str, optional
         Exactly these modules instead of the policy's choice; each must be a plain
-        ``nn.Linear`` or an ``nn.Conv2d`` with ``groups == 1``.
+        ``nn.Linear``, or an ``nn.Conv2d`` or ``nn.ConvTranspose1d/2d/3d`` with
+        ``groups == 1``.
     exclude : iterable of str, optional
         Modules removed from the policy's choice (or from ``include``).
     example_input : Tensor or tuple, optional
@@ -104,7 +106,8 @@ def sharded_layer_names(
         ``policy="by-size"``, outside ``(0, 1]``, or given with ``policy="paper"``.
     TypeError
         If ``include`` names modules that cannot be sharded (all listed at once): anything but
-        an exact ``nn.Linear`` / ``nn.Conv2d`` (``ConvTranspose2d``, ``Conv1d``, subclasses such
+        an exact ``nn.Linear`` / ``nn.Conv2d`` / ``nn.ConvTranspose1d/2d/3d`` (``Conv1d``,
+        ``Conv3d``, subclasses such
         as ``nn.MultiheadAttention.out_proj`` whose parent reads ``.weight`` directly), convs
         with ``groups > 1``, uninitialized lazy layers, layers whose weight is shared with
         another module, or the root module itself.
@@ -196,8 +199,8 @@ def sharded_layer_names(
 
 def shardable_layers(model: nn.Module) -> list[str]:
     """Every module of ``model`` that can be sharded, in registration order: exact
-    ``nn.Linear`` / ``nn.Conv2d`` with ``groups == 1``, initialized, weight not shared, not
-    the root (see :func:`sharded_layer_names`)."""
+    ``nn.Linear`` / ``nn.Conv2d`` / ``nn.ConvTranspose1d/2d/3d`` with ``groups == 1``,
+    initialized, weight not shared, not the root (see :func:`sharded_layer_names`)."""
     tied = _tied_weights(model)
     return [n for n, m in model.named_modules() if _unsupported_reason(n, m, tied) is None]
 
@@ -229,7 +232,7 @@ def check_shardable(model: nn.Module, names: Iterable[str]) -> None:
     if problems:
         raise TypeError(
             f"cannot shard {len(problems)} requested module(s): " + "; ".join(problems) + ". "
-            "Only plain nn.Linear and nn.Conv2d with groups=1 are supported; remove these names "
+            f"Only plain {SHARDABLE_NAMES} with groups=1 are supported; remove these names "
             "from the request (nothing was changed)."
         )
 
@@ -302,7 +305,7 @@ def _warn_unreached(modules: dict[str, nn.Module], order: list[str], unreached: 
     Their place in the order, and so the first and last layer, came from the pass: a model
     whose ``forward()`` is not its training path gets the wrong ends, silently otherwise.
     """
-    missed = [n for n in unreached if type(modules[n]) in (nn.Linear, nn.Conv2d)]
+    missed = [n for n in unreached if type(modules[n]) in SPECTRAL_CLASSES]
     if not missed:
         return
     reached = order[: len(order) - len(unreached)]  # the called layers come first
@@ -334,16 +337,17 @@ def _tied_weights(model: nn.Module) -> dict[int, list[str]]:
 def _unsupported_reason(name: str, module: nn.Module, tied: dict[int, list[str]]) -> str | None:
     """Why ``module`` cannot be replaced by a spectral layer, or ``None`` if it can."""
     label = f"{name!r} ({type(module).__name__})"
-    if type(module) not in (nn.Linear, nn.Conv2d):
+    if type(module) not in SPECTRAL_CLASSES:
         return (
-            f"{label} is not exactly nn.Linear or nn.Conv2d (transposed/1-D/3-D convs, other "
-            "layer types and subclasses such as nn.MultiheadAttention.out_proj, whose parent "
-            "reads .weight directly, cannot be replaced)"
+            f"{label} is not exactly one of {SHARDABLE_NAMES} (1-D/3-D convs, other layer "
+            "types and subclasses such as nn.MultiheadAttention.out_proj, whose parent reads "
+            ".weight directly, cannot be replaced)"
         )
     if name == "":
         return f"{label} is the root module and cannot be replaced in place"
-    if isinstance(module, nn.Conv2d) and module.groups != 1:
-        return f"{label} has groups={module.groups}, only groups=1 is supported"
+    groups = getattr(module, "groups", 1)
+    if groups != 1:
+        return f"{label} has groups={groups}, only groups=1 is supported"
     weight = module.weight
     if isinstance(weight, nn.parameter.UninitializedParameter):
         return f"{label} is an uninitialized lazy layer; run one forward pass first"

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedshard.spectral.conv import SpectralConv2d
 from fedshard.spectral.decompose import check_indices, decompose, take_terms
-from fedshard.spectral.layers import SpectralLayer, SpectralLinear
+from fedshard.spectral.kinds import SPECTRAL_CLASSES
+from fedshard.spectral.layers import SpectralLayer
 from fedshard.spectral.selection import check_shardable
 
 __all__ = ["LayerFactors", "build_submodel", "extract_factors", "shard_model"]
@@ -72,8 +72,9 @@ def build_submodel(model: nn.Module, factors: Mapping[str, LayerFactors]) -> nn.
     Returns
     -------
     nn.Module
-        Deep copy of ``model`` in which each named ``nn.Linear`` / ``nn.Conv2d`` is a
-        :class:`SpectralLinear` / :class:`SpectralConv2d` with trainable ``u``, ``v``, buffer
+        Deep copy of ``model`` in which each named ``nn.Linear`` / ``nn.Conv2d`` /
+        ``nn.ConvTranspose{1,2,3}d`` is a :class:`SpectralLinear` / :class:`SpectralConv2d` /
+        ``SpectralConvTranspose{1,2,3}d`` with trainable ``u``, ``v``, frozen
         ``omega`` and a copy of the original bias, in the original weight's dtype and device.
         Everything else is copied unchanged.
 
@@ -106,12 +107,7 @@ def build_submodel(model: nn.Module, factors: Mapping[str, LayerFactors]) -> nn.
     sub = copy.deepcopy(model, memo)
     for name, fac in factors.items():
         layer = originals[name]  # geometry and bias; from_factors copies the bias
-        new: SpectralLayer
-        if isinstance(layer, nn.Conv2d):
-            new = SpectralConv2d.from_factors(layer, fac.u, fac.v, fac.omega)
-        else:
-            assert isinstance(layer, nn.Linear)
-            new = SpectralLinear.from_factors(layer, fac.u, fac.v, fac.omega)
+        new = SPECTRAL_CLASSES[type(layer)].from_factors(layer, fac.u, fac.v, fac.omega)
         _replace(sub, name, new)
     return sub
 

@@ -26,6 +26,7 @@ from fedshard.data import (
     load_test_set,
     registry,
 )
+from fedshard.data.image_files import read_idx
 
 TEXT = ("Now is the winter of our discontent made glorious summer by this sun of York; and all "
         "the clouds that lour'd upon our house.")
@@ -124,7 +125,8 @@ def test_images_of_the_wrong_size_fail_at_load_time(tmp_path: Path) -> None:
     path = tmp_path / "train-images-idx3-ubyte.gz"
     write_idx(path, np.zeros((30, 32, 32), dtype=np.uint8))  # e.g. another idx data set
     with pytest.raises(DataFormatError, match=(
-        rf"{path}: expected \(N, 28, 28\) Fashion-MNIST images, got \(30, 32, 32\)"
+        rf"{path}: the idx header announces dimensions \(30, 32, 32\), expected \(N, 28, "
+        r"28\); it was not loaded\. Check that the folder holds this data set"
     )):
         load_partition("fashion-mnist", 0, 2, data_dir=tmp_path)
 
@@ -263,3 +265,52 @@ def test_leaf_samples_of_the_wrong_types_are_named(
     )):
         load_test_set("shakespeare", data_dir=tmp_path)
 
+
+
+def test_a_gzip_bomb_is_refused_from_its_header_before_it_inflates(tmp_path: Path) -> None:
+    """A gzip whose header announces 10 images but which inflates to 512 MiB of zeros is
+    read only as far as the header says, then refused: the process never holds the rest."""
+    import gzip
+    import resource
+
+    path = tmp_path / "train-images-idx3-ubyte.gz"
+    header = b"\x00\x00\x08\x03" + (10).to_bytes(4, "big") + (28).to_bytes(4, "big") * 2
+    chunk = bytes(1 << 24)
+    with gzip.open(path, "wb", compresslevel=1) as f:
+        f.write(header)
+        for _ in range(32):  # 512 MiB after the header
+            f.write(chunk)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(DataFormatError, match=rf"{path}: idx header announces \(10, 28, 28\) = "
+                       r"7840 bytes of data, found more; it was not loaded"):
+        read_idx(path, item_shape=(28, 28))
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000  # KiB
+    huge = tmp_path / "huge-idx3-ubyte"
+    huge.write_bytes(b"\x00\x00\x08\x03" + (4_000_000).to_bytes(4, "big")
+                     + (28).to_bytes(4, "big") * 2)
+    with pytest.raises(DataFormatError, match=r"= 3,136,000,000 bytes of data, more than the "
+                       r"2,147,483,648 read at most"):
+        read_idx(huge, item_shape=(28, 28))
+
+
+def test_idx_files_of_no_images_are_named_with_the_setting(tmp_path: Path) -> None:
+    write_fashion_mnist(tmp_path, 30, 10, np.random.default_rng(0))
+    path = tmp_path / "train-images-idx3-ubyte.gz"
+    write_idx(path, np.zeros((0, 28, 28), dtype=np.uint8))
+    write_idx(tmp_path / "train-labels-idx1-ubyte.gz", np.zeros(0, dtype=np.uint8))
+    with pytest.raises(DataFormatError, match=rf"{path}: holds 0 images; expected the "
+                       r"Fashion-MNIST train set"):
+        load_partition("fashion-mnist", 0, 2, data_dir=tmp_path)
+
+
+def test_a_damaged_trusted_set_names_the_setting_and_the_file(tmp_path: Path) -> None:
+    from fedshard.app.config import RunConfig
+    from fedshard.app.task import trusted_reference
+
+    write_fashion_mnist(tmp_path, 30, 10, np.random.default_rng(0))
+    path = tmp_path / "train-images-idx3-ubyte.gz"
+    write_idx(path, np.zeros((0, 28, 28), dtype=np.uint8))
+    cfg = RunConfig.from_mapping({"dataset": "fashion-mnist", "trusted-data-dir": str(tmp_path)})
+    with pytest.raises(DataFormatError, match=rf"trusted-data-dir='{tmp_path}': {path}: holds 0 "
+                       "images"):
+        trusted_reference(cfg)

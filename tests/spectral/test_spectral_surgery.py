@@ -66,6 +66,7 @@ class Zoo(nn.Module):
         self.dw = nn.Conv2d(8, 8, 3, padding=1, groups=8)
         self.conv = nn.Conv2d(8, 8, 3, padding=1)
         self.up = nn.ConvTranspose2d(8, 8, 2, stride=2)
+        self.seq = nn.Conv1d(8, 8, 1)  # 1-D convolutions are not shardable
         self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
         self.norm = nn.LayerNorm(8)
         self.tied_a = nn.Linear(8, 8)
@@ -76,7 +77,7 @@ class Zoo(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up(self.conv(self.dw(self.stem(x))))  # (B, 8, 2H, 2W)
-        tokens = h.flatten(2).transpose(1, 2)  # (B, 4HW, 8)
+        tokens = self.seq(h.flatten(2)).transpose(1, 2)  # (B, 4HW, 8)
         tokens = self.norm(tokens + self.attn(tokens, tokens, tokens)[0])
         return self.head(self.mid(self.tied_b(self.tied_a(tokens))).mean(1))
 
@@ -102,8 +103,9 @@ def test_example_input_pass_restores_train_flags_and_leaves_model_unchanged() ->
     model.norm.eval()
     state = {k: v.clone() for k, v in model.state_dict().items()}
     names = sharded_layer_names(model, example_input=torch.ones(1, 3, 2, 2))
-    # dw (groups), up (transposed), attn.out_proj (MHA) and the tied pair are skipped by default.
-    assert names == ["conv", "mid"]
+    # dw (groups), seq (1-D conv), attn.out_proj (MHA) and the tied pair are skipped by
+    # default; up (a transposed conv) is sharded
+    assert names == ["conv", "up", "mid"]
     assert model.training and not model.norm.training and model.attn.training
     for k, v in model.state_dict().items():
         assert torch.equal(v, state[k])
@@ -124,13 +126,13 @@ def test_include_and_exclude_override_the_default() -> None:
 
 def test_unsupported_requests_are_all_named_in_one_type_error() -> None:
     model = Zoo()
-    bad = ["dw", "up", "attn.out_proj", "norm", "tied_a"]
+    bad = ["dw", "seq", "attn.out_proj", "norm", "tied_a"]
     with pytest.raises(TypeError, match="cannot shard 5 requested module") as info:
         sharded_layer_names(model, include=["conv", *bad])
     message = str(info.value)
     for name in bad:
         assert f"'{name}'" in message
-    assert "groups=8" in message and "ConvTranspose2d" in message
+    assert "groups=8" in message and "(Conv1d) is not exactly one of" in message
     assert "shares its weight with ['tied_b.weight']" in message
     with pytest.raises(TypeError, match=r"'dw' \(Conv2d\) has groups=8"):
         factors = LayerFactors(torch.ones(8, 1), torch.ones(9, 1), torch.ones(1))
