@@ -40,7 +40,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_FORMAT = 1
+#: The format this version writes, and those it reads: 1 (fedshard 0.1.0 and before: no
+#: version recorded), 2 (the writer's fedshard version in ``"fedshard-version"``).
+_FORMAT = 2
+_FORMATS_READ = (1, 2)
 #: Run-config keys a resumed run may change: where it is stored (a moved results folder) and
 #: where and how fast it runs, not what it computes.
 RESUME_MAY_CHANGE = ("resume", "overwrite", "results-dir", "run-name", "round-timeout",
@@ -77,9 +80,11 @@ def _payload_problems(payload: Any) -> list[str]:
     """Everything wrong with a loaded payload (empty: a valid format-1 checkpoint)."""
     if not isinstance(payload, dict):
         return [f"expected a dict with keys {list(_KEYS)}, found a {type(payload).__name__}"]
-    if payload.get("format") != _FORMAT:
-        return [f"unknown checkpoint format {payload.get('format')!r}, expected {_FORMAT} "
-                "(written by another fedshard version?)"]
+    if payload.get("format") not in _FORMATS_READ:
+        return [f"unknown checkpoint format {payload.get('format')!r} (written by fedshard "
+                f"{payload.get('fedshard-version', 'of an unknown version')!s}); fedshard "
+                f"{_version()} reads formats {', '.join(map(str, _FORMATS_READ))}: resume it "
+                "with the fedshard version that wrote it"]
     problems = [f"missing key {k!r}" for k in _KEYS if k not in payload]
     if problems:
         return problems
@@ -148,6 +153,8 @@ def _read(path: Path) -> Checkpoint:
             f"{path} is not a valid fedshard checkpoint: {'; '.join(problems)}. The run cannot "
             f"resume from it. {what_to_do}")
     return Checkpoint(
+        format=int(payload["format"]),
+        version=str(payload.get("fedshard-version", "0.1.0 or earlier")),
         server_round=int(payload["server-round"]),
         arrays={k: v.numpy() for k, v in payload["arrays"].items()},
         config=dict(payload["config"]),
@@ -183,6 +190,8 @@ class Checkpoint:
     trust: dict[int, list[float]] = field(default_factory=dict)
     # node -> the round exclude-distrusted left it out in (TrustStage.excluded); optional
     excluded: dict[int, int] = field(default_factory=dict)
+    format: int = _FORMAT  # the checkpoint format it was read in (saved: always _FORMAT)
+    version: str = field(default_factory=lambda: _version())  # the fedshard that wrote it
 
     def save(self, directory: Path) -> Path:
         """Write ``directory/checkpoint.pt`` atomically, keeping the one before it.
@@ -224,6 +233,7 @@ class Checkpoint:
         tmp = directory / (CHECKPOINT_NAME + ".tmp")
         payload = {
             "format": _FORMAT,
+            "fedshard-version": _version(),
             "server-round": self.server_round,
             "arrays": {k: torch.from_numpy(np.ascontiguousarray(v))
                        for k, v in self.arrays.items()},
@@ -346,13 +356,56 @@ class Checkpoint:
             "with the model it was written for, or start a new run (another run-name, or "
             "overwrite=true).")
 
-    def check_config(self, config: Mapping[str, Any], *, ignore: tuple[str, ...] = ()) -> None:
-        """Refuse to resume a run under a different configuration."""
-        diff = sorted(k for k in set(config) | set(self.config)
-                      if k not in ignore and config.get(k) != self.config.get(k))
-        if diff:
-            details = ", ".join(f"{k}: {self.config.get(k)!r} -> {config.get(k)!r}" for k in diff)
-            raise ValueError(
-                f"Cannot resume: the run config differs from the checkpoint's ({details}). "
-                "Resume with the same config, or start a new run (another run-name)."
-            )
+    def check_config(self, config: Mapping[str, Any], *, ignore: tuple[str, ...] = (),
+                     defaults: Mapping[str, Any] | None = None) -> None:
+        """Refuse to resume a run under a different configuration.
+
+        A checkpoint written by an earlier fedshard lacks the settings added since: with
+        ``defaults`` (this version's default run config) each takes its default, logged, and
+        a run config that sets one to another value is refused, naming both versions.
+        Settings the writer had and this version does not are logged and dropped.
+
+        Raises
+        ------
+        CheckpointError
+            If a shared setting differs, or a setting the writer did not have is not at its
+            default.
+        """
+        added = sorted(k for k in config if k not in self.config and k not in ignore)
+        dropped = sorted(k for k in self.config if k not in config and k not in ignore)
+        other = (f" (written by fedshard {self.version}, checkpoint format {self.format}; "
+                 f"this is fedshard {_version()})" if self.version != _version() else "")
+        diff = sorted(k for k in set(config) & set(self.config)
+                      if k not in ignore and config[k] != self.config[k])
+        if defaults is None:
+            diff += added
+            added = []
+        changed = [k for k in added if config[k] != defaults.get(k)] if defaults else []
+        if diff or changed:
+            details = ", ".join(
+                [f"{k}: {self.config[k]!r} -> {config[k]!r}" for k in diff if k in self.config]
+                + [f"{k}: {config[k]!r} (the checkpoint's fedshard had no {k}; its default "
+                   f"is {defaults.get(k) if defaults else None!r})" for k in changed]
+                + [f"{k}: None -> {config[k]!r}" for k in diff if k not in self.config])
+            raise CheckpointError(
+                f"Cannot resume: the run config differs from the checkpoint's{other} "
+                f"({details}). Resume with the checkpoint's config (settings it did not have "
+                "at their defaults), or start a new run (another run-name, or "
+                "overwrite=true).")
+        if added:
+            logger.info("The checkpoint%s has no %s: %s take%s this version's default%s "
+                        "(%s), as this run config does.", other or f" {self.path or ''}",
+                        ", ".join(added), "they" if len(added) > 1 else "it",
+                        "" if len(added) > 1 else "s", "s" if len(added) > 1 else "",
+                        ", ".join(f"{k}={config[k]!r}" for k in added))
+        if dropped:
+            logger.warning("The checkpoint%s holds settings this version does not have: %s; "
+                           "they are ignored.", other, ", ".join(
+                               f"{k}={self.config[k]!r}" for k in dropped))
+
+
+def _version() -> str:
+    """This fedshard's version (the package is imported by the time a checkpoint is)."""
+    import fedshard
+
+    return str(fedshard.__version__)

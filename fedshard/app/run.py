@@ -123,7 +123,8 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
             logger.warning("resume=true but %s holds no checkpoint: starting from round 1",
                            directory)
     if checkpoint is not None:
-        checkpoint.check_config(cfg.as_dict(), ignore=RESUME_MAY_CHANGE)
+        checkpoint.check_config(cfg.as_dict(), ignore=RESUME_MAY_CHANGE,
+                                defaults=RunConfig().as_dict())
         done = checkpoint.server_round
         if done >= cfg.num_server_rounds:
             logger.info("Run %s already finished (%d rounds); nothing to do.", directory, done)

@@ -144,7 +144,9 @@ _DROP = object()
 
 @pytest.mark.parametrize(("payload", "problem"), [
     ([1, 2, 3], r"expected a dict with keys \['format', .*found a list"),
-    (_payload(format=2), r"unknown checkpoint format 2, expected 1"),
+    (_payload(format=7, **{"fedshard-version": "9.0"}),
+     r"unknown checkpoint format 7 \(written by fedshard 9\.0\); fedshard 0\.1\.0 reads formats "
+     r"1, 2: resume it with the fedshard version that wrote it"),
     (_payload(arrays=_DROP, history=_DROP), r"missing key 'arrays'; missing key 'history'"),
     (_payload(**{"server-round": "2"}), r"'server-round' must be an integer >= 0, found '2'"),
     (_payload(arrays={"w": [1.0, 2.0]}), r"'arrays' must map names to tensors"),
@@ -174,3 +176,39 @@ def test_a_valid_checkpoint_round_trips(tmp_path: Path) -> None:
     assert loaded.history == {4: {"train-loss": 0.5}}
     np.testing.assert_array_equal(loaded.arrays["w"], np.full((2, 3), 0.5, dtype=np.float32))
     assert loaded.arrays["steps"].dtype == np.int64
+
+
+def test_a_previous_releases_checkpoint_resumes_with_the_settings_added_since_at_default(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A format-1 checkpoint (no version recorded) lacks the settings added since: at their
+    defaults they are logged and the run resumes; set otherwise, the refusal names both
+    versions and what to do."""
+    old_config = {"lr": 0.1, "seed": 3, "removed-setting": 1}
+    torch.save(_payload(config=old_config), tmp_path / "checkpoint.pt")
+    checkpoint = Checkpoint.load(tmp_path)
+    assert checkpoint is not None and checkpoint.format == 1
+    assert checkpoint.version == "0.1.0 or earlier"
+    defaults = {"lr": 0.05, "seed": 0, "memory-mb": 0, "low-memory": False}
+    now = {"lr": 0.1, "seed": 3, "memory-mb": 0, "low-memory": False}
+    with caplog.at_level(logging.INFO, logger="fedshard.app.checkpoint"):
+        checkpoint.check_config(now, defaults=defaults)
+    assert ("(written by fedshard 0.1.0 or earlier, checkpoint format 1; this is fedshard "
+            "0.1.0) has no low-memory, memory-mb: they take this version's defaults "
+            "(low-memory=False, memory-mb=0)") in caplog.text
+    assert "holds settings this version does not have: removed-setting=1" in caplog.text
+    with pytest.raises(CheckpointError, match=(
+            r"Cannot resume: the run config differs from the checkpoint's \(written by fedshard "
+            r"0\.1\.0 or earlier, checkpoint format 1; this is fedshard 0\.1\.0\) \(memory-mb: "
+            r"900 \(the checkpoint's fedshard had no memory-mb; its default is 0\)\)\. Resume "
+            r"with the checkpoint's config \(settings it did not have at their defaults\)")):
+        checkpoint.check_config({**now, "memory-mb": 900}, defaults=defaults)
+    with pytest.raises(CheckpointError, match=r"\(lr: 0\.1 -> 0\.2\)"):
+        checkpoint.check_config({**now, "lr": 0.2}, defaults=defaults)
+
+
+def test_a_saved_checkpoint_records_its_format_and_version(tmp_path: Path) -> None:
+    _ckpt(1).save(tmp_path)
+    payload = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert payload["format"] == 2 and payload["fedshard-version"] == "0.1.0"
+    loaded = Checkpoint.load(tmp_path)
+    assert loaded is not None and (loaded.format, loaded.version) == (2, "0.1.0")
