@@ -18,12 +18,37 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["RECEIPT_KEYS", "Receipt", "read_receipt"]
+__all__ = ["NO_NOISE_BELOW", "RECEIPT_KEYS", "Receipt", "dp_sgd_problem", "read_receipt"]
 
 #: The reply config's receipt keys.
 RECEIPT_KEYS = ("trained-optimizer", "trained-lr", "trained-steps", "trained-clip-lr",
                 "trained-frobenius-decay", "trained-dp-sgd", "trained-noise-multiplier",
                 "trained-max-grad-norm")
+
+#: A DP-SGD noise multiplier below this adds no noise a float32 sum of clipped gradients can
+#: hold (its standard deviation σC is under float32's resolution of one example's C).
+NO_NOISE_BELOW = 1e-6
+
+
+def dp_sgd_problem(noise_multiplier: float | None, max_grad_norm: float | None) -> str | None:
+    """Why DP-SGD with noise multiplier σ and clipping norm C is not private or trains
+    nothing, or ``None`` when it is neither (an unknown value is not judged).
+
+    σ < :data:`NO_NOISE_BELOW` adds no noise (the updates are released as trained); C = 0
+    clips every per-example gradient to zero (nothing trains); σC that is not a finite
+    float32 makes every update non-finite."""
+    sigma, clip = noise_multiplier, max_grad_norm
+    if sigma is not None and sigma < NO_NOISE_BELOW:
+        return (f"noise multiplier {sigma:g} adds no noise (below {NO_NOISE_BELOW:g}): the "
+                "updates are released as trained and the run is not private")
+    if clip is not None and clip <= 0:
+        return (f"clipping norm {clip:g} clips every per-example gradient to zero: nothing "
+                "trains")
+    if sigma is not None and clip is not None and not sigma * clip < 3.4e38:
+        return (f"noise multiplier {sigma:g} times clipping norm {clip:g} is not a finite "
+                "float32: every update is non-finite")
+    return None
+
 
 #: Longest optimizer name a receipt may carry.
 MAX_NAME = 64

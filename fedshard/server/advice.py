@@ -26,6 +26,7 @@ import numpy as np
 from flwr.app import ConfigRecord, Message
 
 from fedshard import protocol as P
+from fedshard.protocol.receipts import dp_sgd_problem
 from fedshard.spectral.budget import budget_summary, budget_warnings, sharding_budget
 
 if TYPE_CHECKING:
@@ -342,8 +343,17 @@ class TrainingReceipts(RoundCallback):
         self.totals["dp-sgd"] += sum(private.values())
         self.dp_settings.update(private)
         for (sigma, clip), count in private.items():
+            problem = dp_sgd_problem(sigma, clip)
+            if problem is not None:
+                self.totals["dp-sgd-not-private"] = (self.totals.get("dp-sgd-not-private", 0)
+                                                     + count)
             if ("dp", sigma, clip) not in self.told:
                 self.told.add(("dp", sigma, clip))
+                if problem is not None:
+                    logger.warning("Round %d: %d of %d nodes trained with DP-SGD (Opacus), but "
+                                   "their receipts say its %s.", server_round, count, nodes,
+                                   problem)
+                    continue
                 logger.info("Round %d: %d of %d nodes trained with DP-SGD (Opacus), noise "
                             "multiplier %s, clipping norm %s.", server_round, count, nodes,
                             "unknown" if sigma is None else f"{sigma:g}",

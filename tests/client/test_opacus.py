@@ -260,7 +260,19 @@ def test_the_rules_attached_to_the_wrapped_optimizer_still_say_dp_sgd() -> None:
     assert report.steps == 1 and report.dp_sgd and report.noise_multiplier is None
 
 
-def test_a_run_of_dp_sgd_nodes_is_logged_by_the_server(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("sigma,clip,problem", [
+    (0.8, 2.0, None),
+    (0.0, 2.0, "noise multiplier 0 adds no noise (below 1e-06): the updates are released as "
+               "trained and the run is not private"),
+    (1e-300, 2.0, "noise multiplier 1e-300 adds no noise (below 1e-06): the updates are "
+                  "released as trained and the run is not private"),
+    (0.8, 0.0, "clipping norm 0 clips every per-example gradient to zero: nothing trains"),
+])
+def test_a_run_of_dp_sgd_nodes_is_logged_by_the_server(
+        sigma: float, clip: float, problem: str | None,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """INFO for DP-SGD with noise and clipping; a WARNING on the node and on the server
+    (from the node's receipt) when the noise is nil or the clipping leaves nothing."""
     app = ShardingClientApp(default_keep_ratio=0.5)
 
     @app.train()
@@ -271,8 +283,8 @@ def test_a_run_of_dp_sgd_nodes_is_logged_by_the_server(caplog: pytest.LogCapture
                                              batch_size=4)
         optimizer = torch.optim.SGD(shard.model.parameters(), lr=shard.settings.lr)
         model, dp, loader = PrivacyEngine().make_private(
-            module=shard.model, optimizer=optimizer, data_loader=loader, noise_multiplier=0.8,
-            max_grad_norm=2.0, poisson_sampling=False)
+            module=shard.model, optimizer=optimizer, data_loader=loader, noise_multiplier=sigma,
+            max_grad_norm=clip, poisson_sampling=False)
         shard.rules.attach(dp)
         for xb, yb in loader:
             dp.zero_grad()
@@ -289,9 +301,15 @@ def test_a_run_of_dp_sgd_nodes_is_logged_by_the_server(caplog: pytest.LogCapture
     s.start(grid=InProcessGrid(app, [{}, {}]), initial_arrays=ArrayRecord(cnn().state_dict()),
             num_rounds=1, timeout=5)
     assert s.rounds_trained == 1
-    said = [r.getMessage() for r in caplog.records if "DP-SGD" in r.getMessage()]
-    assert said == ["Round 1: 2 of 2 nodes trained with DP-SGD (Opacus), noise multiplier 0.8, "
-                    "clipping norm 2."]
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if "DP-SGD" in r.getMessage()]
+    if problem is None:
+        assert said == [("INFO", "Round 1: 2 of 2 nodes trained with DP-SGD (Opacus), noise "
+                                 "multiplier 0.8, clipping norm 2.")]
+        return
+    node = [m for level, m in said if m.startswith("DP-SGD (Opacus) is attached")]
+    assert len(node) == 2 and all(f"but its {problem}." in m for m in node)
+    assert ("WARNING", f"Round 1: 2 of 2 nodes trained with DP-SGD (Opacus), but their receipts "
+                       f"say its {problem}.") in said
 
 
 def test_receipt_dp_entries_are_bounded() -> None:

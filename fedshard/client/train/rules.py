@@ -48,6 +48,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fedshard.client.train.hooks import before_step
 from fedshard.client.train.precondition import DAMPING, dense_layer_gradients
+from fedshard.protocol.receipts import dp_sgd_problem
 from fedshard.settings import LocalTraining, SettingsError, finite_real
 from fedshard.spectral.layers import SpectralLayer
 from fedshard.spectral.per_sample import register_grad_samplers
@@ -233,6 +234,7 @@ class ClientRules:
         self.dp_sgd = False
         self.noise_multiplier: float | None = None
         self.max_grad_norm: float | None = None
+        self._dp_told: set[str] = set()
         self._saved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         # what each layer's ω gives the rules, kept while that ω is unchanged (_OmegaTerms)
         self._terms: dict[int, _OmegaTerms] = {}
@@ -467,6 +469,13 @@ class ClientRules:
         self.dp_sgd = True
         self.noise_multiplier = _number(getattr(dp_optimizer, "noise_multiplier", None))
         self.max_grad_norm = _number(getattr(dp_optimizer, "max_grad_norm", None))
+        problem = dp_sgd_problem(self.noise_multiplier, self.max_grad_norm)
+        if problem is not None and problem not in self._dp_told:
+            self._dp_told.add(problem)
+            logger.warning("DP-SGD (Opacus) is attached, but its %s. Set a noise multiplier "
+                           "(make_private(noise_multiplier=...) or target_epsilon=...) and a "
+                           "clipping norm (max_grad_norm) near the per-example gradient norms.",
+                           problem)
 
     def _layers_of(self, optimizer: torch.optim.Optimizer) -> list[Factors]:
         """The layers whose factors ``optimizer`` steps, in the rules' order."""
