@@ -685,6 +685,12 @@ class Slicing(Settings):
     od_distill: bool = setting(False, BOOL)
 
 
+#: The largest target ε central DP takes.
+MAX_EPSILON = 1000.0
+#: The range of a central-DP noise multiplier σ and clipping norm S.
+DP_RANGE = (1e-6, 1e6)
+
+
 @dataclass(frozen=True)
 class Privacy(Settings):
     """Central differential privacy on the server (:mod:`fedshard.server.central_dp`), off by
@@ -720,17 +726,25 @@ class Privacy(Settings):
     """
 
     target_epsilon: float | None = setting(
-        None, rule(lambda v: finite_real(v) and v > 0, "expected ε > 0, or None for no target "
-                   "(0 in a run config)", optional=True), run="dp-target-epsilon", run_none=0.0)
+        None, rule(lambda v: finite_real(v) and 0 < v <= MAX_EPSILON,
+                   f"expected ε in (0, {MAX_EPSILON:g}] (a larger ε bounds nothing: a "
+                   "likelihood ratio above e^1000), or None for no target (0 in a run config)",
+                   optional=True), run="dp-target-epsilon", run_none=0.0)
     target_delta: float = setting(1e-5, rule(lambda v: finite_real(v) and 0 < v < 1,
                                              "expected δ in (0, 1), e.g. 1e-5"),
                                   run="dp-target-delta")
     clipping_norm: float | None = setting(
-        None, rule(lambda v: finite_real(v) and v > 0, "expected S > 0, or None (0 in a run "
-                   "config)", optional=True), run="dp-clipping-norm", run_none=0.0)
+        None, rule(lambda v: finite_real(v) and DP_RANGE[0] <= v <= DP_RANGE[1],
+                   f"expected S in [{DP_RANGE[0]:g}, {DP_RANGE[1]:g}] (an update clipped "
+                   "below moves no float32 weight of a model's size; above, the noise σS "
+                   "swamps every weight), or None (0 in a run config)", optional=True),
+        run="dp-clipping-norm", run_none=0.0)
     noise_multiplier: float | None = setting(
-        None, rule(lambda v: finite_real(v) and v > 0, "expected σ > 0, or None to calibrate "
-                   "it to target_epsilon (0 in a run config)", optional=True),
+        None, rule(lambda v: finite_real(v) and DP_RANGE[0] <= v <= DP_RANGE[1],
+                   f"expected σ in [{DP_RANGE[0]:g}, {DP_RANGE[1]:g}] (below, no noise a "
+                   "float32 sum holds; above, the accountant overflows and every update is "
+                   "noise), or None to calibrate it to target_epsilon (0 in a run config)",
+                   optional=True),
         run="dp-noise-multiplier", run_none=0.0)
     min_holders: int = setting(1, _POSITIVE_INT, run="dp-min-holders")
 

@@ -125,6 +125,8 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
     if checkpoint is not None:
         checkpoint.check_config(cfg.as_dict(), ignore=RESUME_MAY_CHANGE,
                                 defaults=RunConfig().as_dict())
+        if strategy.central_dp is not None:
+            _refuse_a_second_release(directory, checkpoint)
         done = checkpoint.server_round
         if done >= cfg.num_server_rounds:
             logger.info("Run %s already finished (%d rounds); nothing to do.", directory, done)
@@ -208,6 +210,29 @@ def log_data_split(cfg: RunConfig, grid: Grid) -> None:
     logger.info("Data: each simulated node trains on its partition of %s's training set, "
                 "split into %s %s; a deployed node trains on its own data-dir or partition.",
                 cfg.dataset, ways, how)
+
+
+def _refuse_a_second_release(directory: Path, checkpoint: Checkpoint) -> None:
+    """Under central DP, refuse to resume from a checkpoint older than the last noised round
+    ``metrics.jsonl`` records (the newest checkpoint was lost, and the resume fell back on the
+    one before): that round's model is out, and running it again would release a second
+    aggregate of the same round, which the accountant holds once."""
+    released = 0
+    try:
+        for line in (directory / "metrics.jsonl").read_text().splitlines():
+            row = json.loads(line) if line.strip() else {}
+            if isinstance(row, dict) and "dp-epsilon" in row and isinstance(row.get("round"), int):
+                released = max(released, row["round"])
+    except (OSError, ValueError):
+        return  # the recorder names a damaged metrics.jsonl itself
+    if released > checkpoint.server_round:
+        raise ValueError(
+            f"Cannot resume under central DP: {checkpoint.path or 'the checkpoint'} holds "
+            f"round {checkpoint.server_round}, but {directory / 'metrics.jsonl'} records the "
+            f"noised aggregate of round {released} (its checkpoint was lost). Running round "
+            f"{checkpoint.server_round + 1} again would release a second noised aggregate of "
+            "it, and the difference of two releases is a node's update with less noise than "
+            "the accountant counts. Start a new run (another run-name, or overwrite=true).")
 
 
 def _started_before(directory: Path, cfg: RunConfig) -> bool:

@@ -53,7 +53,7 @@ from flwr.common.logger import log
 
 from fedshard import protocol as P
 from fedshard.sampling import Stream, stream_rng
-from fedshard.settings import Privacy
+from fedshard.settings import DP_RANGE, Privacy
 from fedshard.spectral.aggregate import TermUpdate, rebuild_weight, term_means
 from fedshard.spectral.decompose import LayerSpectrum
 from fedshard.width.slicing import SliceIndex
@@ -336,6 +336,25 @@ class CentralPrivacy:
         self.seed = seed
         self.noise_multiplier: float | None = privacy.noise_multiplier
         self.history: list[tuple[float, float, int]] = []  # (σ, q, rounds), as Opacus keeps it
+        self._checked = False  # the cohort checks, at the run's first round
+
+    def _check_cohort(self, server_round: int, sampled: int, pool: int) -> None:
+        """Refuse, before the first noised round, a δ of 1/nodes or more and a
+        ``min_holders`` that no round of this cohort can reach."""
+        self._checked = True
+        p = self.privacy
+        if pool > 0 and p.target_delta >= 1 / pool:
+            raise ValueError(
+                f"dp-target-delta={p.target_delta:g} with {pool} nodes that can be sampled: "
+                f"expected δ < 1/{pool} = {1 / pool:.3g} (a δ of 1/nodes allows releasing one "
+                "node's data outright); set dp-target-delta below it (e.g. 1e-5). The run "
+                f"stops before round {server_round} trains.")
+        if p.min_holders > sampled:
+            raise ValueError(
+                f"dp-min-holders={p.min_holders} but round {server_round} samples {sampled} "
+                f"node(s): no term can have {p.min_holders} holders, so no round would update "
+                f"the model; expected at most {sampled} (fraction-train, min-train-nodes "
+                f"sample more). The run stops before round {server_round} trains.")
 
     def describe(self) -> str:
         """One line for the run's settings summary."""
@@ -352,11 +371,23 @@ class CentralPrivacy:
         """The mechanism of a round that samples ``sampled`` of ``pool`` nodes; the first one
         calibrates σ to the target at this sampling rate (logged)."""
         q = min(1.0, sampled / pool) if pool > 0 else 1.0
+        p = self.privacy
+        if not self._checked:
+            self._check_cohort(server_round, sampled, pool)
         if self.noise_multiplier is None:
-            p = self.privacy
             assert p.target_epsilon is not None and self.num_rounds is not None
-            self.noise_multiplier = noise_multiplier_for(p.target_epsilon, p.target_delta, q,
-                                                         self.num_rounds)
+            try:
+                self.noise_multiplier = noise_multiplier_for(p.target_epsilon, p.target_delta,
+                                                             q, self.num_rounds)
+            except ValueError as err:  # Opacus: "The privacy budget is too low."
+                floor = spent_epsilon([(DP_RANGE[1], q, self.num_rounds)], p.target_delta)
+                raise ValueError(
+                    f"dp-target-epsilon={p.target_epsilon:g} cannot be met at dp-target-delta="
+                    f"{p.target_delta:g} over {self.num_rounds} rounds at sampling rate "
+                    f"q={q:.4g}: Opacus's RDP accountant certifies no ε below about "
+                    f"{floor:.3g} there, whatever the noise ({err}). Raise dp-target-epsilon "
+                    f"or dp-target-delta; the run stops before round {server_round} trains."
+                ) from err
             log(INFO, "Round %d: central DP noise multiplier σ=%.4g (target ε=%g, δ=%g over %d "
                 "rounds at sampling rate q=%.4g = %d of %d nodes; Opacus RDP accountant).",
                 server_round, self.noise_multiplier, p.target_epsilon, p.target_delta,

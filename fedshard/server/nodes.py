@@ -212,7 +212,9 @@ class NodeDirectory:
             node_ids = self._without_idle(server_round, node_ids)
         if training and leave_out:
             node_ids = self._without_left_out(server_round, node_ids, leave_out, minimum)
-        self.pool_size = len(node_ids)  # the nodes a round samples from (central DP's rate)
+        # the nodes a round samples from (central DP's rate): a node without a keep ratio
+        # (its capability query failed) can never be sampled, so it is not in the pool
+        self.pool_size = sum(1 for n in node_ids if n in self.capabilities)
         eligible = sorted((n for n in node_ids if n in self.capabilities),
                           key=lambda n: (self.capabilities[n].key, n))
         size = min(len(eligible), max(int(len(node_ids) * fraction), minimum))

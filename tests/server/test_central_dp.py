@@ -396,7 +396,8 @@ def test_privacy_settings_report_every_problem() -> None:
         Privacy(target_epsilon=-1.0, target_delta=0.0, clipping_norm=float("nan"),
                 min_holders=0)
     text = str(err.value)
-    assert "4 problem(s)" in text and "expected ε > 0" in text and "expected δ in (0, 1)" in text
+    assert "4 problem(s)" in text and "expected ε in (0, 1000]" in text
+    assert "expected δ in (0, 1)" in text
     with pytest.raises(SettingsError, match=r"expected one of them: σ is either calibrated"):
         Privacy(target_epsilon=1.0, noise_multiplier=1.0, clipping_norm=1.0)
     with pytest.raises(SettingsError, match=r"clipping_norm=1.0: expected a target_epsilon or "
@@ -496,3 +497,78 @@ def test_the_mod_passes_other_messages_and_refuses_an_unencoded_reply() -> None:
         mod(train, ctx, lambda m, c: dense)
     with pytest.raises(ValueError, match=r"clipping_norm=0\): expected a finite number S > 0"):
         clip_update_mod(0)
+
+
+@pytest.mark.parametrize("settings,match", [
+    ({"target_epsilon": 1e300}, r"target_epsilon=1e\+300: expected ε in \(0, 1000\]"),
+    ({"noise_multiplier": 1e300}, r"noise_multiplier=1e\+300: expected σ in \[1e-06, 1e\+06\]"),
+    ({"noise_multiplier": 5e-324}, r"noise_multiplier=5e-324: expected σ in \[1e-06, 1e\+06\] "
+                                   r"\(below, no noise a float32 sum holds"),
+    ({"noise_multiplier": 1.0, "clipping_norm": 1e300},
+     r"clipping_norm=1e\+300: expected S in \[1e-06, 1e\+06\]"),
+    ({"noise_multiplier": 1.0, "clipping_norm": 1e-300},
+     r"clipping_norm=1e-300: expected S in \[1e-06, 1e\+06\] \(an update clipped below moves "
+     r"no float32 weight"),
+])
+def test_absurd_dp_settings_are_refused_where_they_enter(settings: dict[str, float],
+                                                         match: str) -> None:
+    settings = {"clipping_norm": 1.0, **settings}
+    with pytest.raises(SettingsError, match=match):
+        Privacy(**settings)
+
+
+def test_an_unmeetable_target_a_large_delta_and_unreachable_holders_stop_before_round_1(
+) -> None:
+    from fedshard.server.central_dp import CentralPrivacy
+
+    tiny = CentralPrivacy(Privacy(target_epsilon=1e-3, clipping_norm=1.0), 10, seed=0)
+    with pytest.raises(ValueError, match=r"dp-target-epsilon=0.001 cannot be met at "
+                       r"dp-target-delta=1e-05 over 10 rounds at sampling rate q=0.5: Opacus's "
+                       r"RDP accountant certifies no ε below about 0.1\d+ there, whatever the "
+                       r"noise \(The privacy budget is too low.\)\. Raise dp-target-epsilon"):
+        tiny.start_round(1, 5, 10)
+    large = CentralPrivacy(Privacy(noise_multiplier=1.0, clipping_norm=1.0, target_delta=0.5),
+                           10, seed=0)
+    with pytest.raises(ValueError, match=r"dp-target-delta=0.5 with 3 nodes that can be "
+                       r"sampled: expected δ < 1/3 = 0.333"):
+        large.start_round(1, 3, 3)
+    holders = CentralPrivacy(Privacy(noise_multiplier=1.0, clipping_norm=1.0,
+                                     min_holders=10**9), 10, seed=0)
+    with pytest.raises(ValueError, match=r"dp-min-holders=1000000000 but round 1 samples 3 "
+                       r"node\(s\): no term can have 1000000000 holders"):
+        holders.start_round(1, 3, 10)
+
+
+def test_a_node_that_cannot_be_sampled_is_not_in_the_accountants_pool() -> None:
+    """4 connected nodes, one of which fails the capability query (keep ratio 7): the other
+    3 train every round, so the sampling rate is 1 (not 3/4) and ε is Opacus's at q = 1."""
+    s = strategy(num_rounds=2, fraction_train=1.0, min_available_nodes=4,
+                 privacy=Privacy(noise_multiplier=1.3, clipping_norm=1.0, target_delta=1e-3))
+    s.start(grid=InProcessGrid(client, [{"keep-ratio": 0.5}] * 3 + [{"keep-ratio": 7.0}]),
+            initial_arrays=initial(), num_rounds=2, timeout=5)
+    reference = RDPAccountant()
+    for server_round in (1, 2):
+        reference.step(noise_multiplier=1.3, sample_rate=1.0)
+        row = s.history[server_round]
+        assert row["dp-sample-rate"] == 1.0
+        assert row["dp-epsilon"] == pytest.approx(reference.get_epsilon(1e-3), rel=1e-12)
+
+
+def test_a_resume_that_would_release_a_round_twice_is_refused(tmp_path: Path) -> None:
+    """Round 3's noised model is out when its checkpoint is lost: resuming from round 2's
+    (checkpoint.prev.pt) would release round 3 again, so the resume refuses, saying why."""
+    data = tmp_path / "data"
+    fakedata.write_fashion_mnist(data, 120, 20, np.random.default_rng(6))
+    settings = {
+        "dataset": "fashion-mnist", "data-dir": str(data), "num-partitions": 4,
+        "min-available-nodes": 4, "batch-size": 8, "num-server-rounds": 3, "seed": 3,
+        "model": "mlp", "model-width": 16, "method": "collective", "download": False,
+        "keep-ratios": "0.5", "results-dir": str(tmp_path), "run-name": "dp",
+        "test-max-examples": 20, "client-device": "cpu", "server-device": "cpu",
+        "dp-noise-multiplier": 1.0, "dp-clipping-norm": 1.0}
+    assert run_engine(RunConfig.from_mapping(settings), 4)["rounds-completed"] == 3
+    (tmp_path / "dp" / "checkpoint.pt").unlink()
+    with pytest.raises(ValueError, match=r"Cannot resume under central DP: .*checkpoint.prev.pt "
+                       r"holds round 2, but .*metrics.jsonl records the noised aggregate of "
+                       r"round 3 \(its checkpoint was lost\)"):
+        run_engine(RunConfig.from_mapping({**settings, "resume": True}), 4)
