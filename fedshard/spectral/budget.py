@@ -98,6 +98,9 @@ class ShardingBudget:
     ratios: tuple[RatioBudget, ...]
     #: every layer with a 2-D or larger weight, in state-dict (registration) order
     order: tuple[str, ...] = ()
+    #: the state-dict entries of neither a sharded nor a shardable layer, ``(key, bytes)``,
+    #: largest first (ties: by key): what no keep ratio shrinks
+    other: tuple[tuple[str, int], ...] = ()
 
     def at(self, keep_ratio: float) -> RatioBudget:
         """The :class:`RatioBudget` of ``keep_ratio``.
@@ -186,8 +189,11 @@ def sharding_budget(
         out.append(RatioBudget(float(r), received, sent, dense, flops, dense_flops, layers))
     order = tuple(k[: -len(".weight")] for k, (shape, _) in shapes.items()
                   if k.endswith(".weight") and len(shape) >= 2)
+    layers_of = set(sharded_layers) | {u.name for u in unsharded}
+    other = sorted(((k, array_bytes(*shapes[k])) for k in shapes
+                    if k.rpartition(".")[0] not in layers_of), key=lambda e: (-e[1], e[0]))
     return ShardingBudget(dense, dense_flops, tuple(sharded_layers), unsharded, tuple(out),
-                          order)
+                          order, tuple(other))
 
 
 def forward_flops(model: nn.Module, example_input: Any) -> int:
@@ -332,18 +338,24 @@ def _dense_warning(budget: ShardingBudget, over: Sequence[RatioBudget]) -> str:
             cost = (sum(c.received_bytes for c in ratio.layers)
                     / sum(c.dense_bytes for c in ratio.layers))
             factors = f"; the sharded layers' factors cost {_times(cost)} of their weights"
+        bound = _bound(ratio.keep_ratio)
+        above = [what for what, x in (("bytes", ratio.received_ratio), ("FLOPs", flops))
+                 if x is not None and x > bound]
         clauses.append(f"at r = {ratio.keep_ratio:g} a node receives "
                        f"{_times(ratio.received_ratio, 3)} of the dense model's bytes"
-                       f"{computes} (more than (1 + r)/2 = {_bound(ratio.keep_ratio):.3g}x"
-                       f"{factors})")
+                       f"{computes} (its {' and its '.join(above)} more than (1 + r)/2 = "
+                       f"{bound:.3g}x of the dense model's{factors})")
     text = "Sharding buys little: " + "; ".join(clauses) + ". "
     weights = sum(c.dense_bytes for c in over[0].layers) / budget.dense_bytes
     text += (f"The {len(over[0].layers)} sharded layer(s) hold {weights:.1%} of the bytes. "
              if over[0].layers else "No layer is sharded. ")
     largest = budget.unsharded[:3]
     if not largest:
-        return text + ("Every Linear/Conv2d is sharded already: the rest is in the other dense "
-                       "entries (embeddings, normalizations, biases).")
+        rest = ", ".join(f"{key!r} ({size / budget.dense_bytes:.1%})"
+                         for key, size in budget.other[:3])
+        return text + ("Every layer a spectral layer can replace is sharded already: the rest "
+                       "is in entries no keep ratio shrinks, the largest "
+                       f"{rest or 'none'}.")
     named = ", ".join(f"{u.name!r} ({u.kind}, weight {_shape(u.weight_shape)}, "
                       f"{u.params:,} parameters, {u.share:.1%} of the model's bytes)"
                       for u in largest)

@@ -243,3 +243,55 @@ def test_bad_input_is_refused_with_what_was_expected() -> None:
         layer_cost("norm", (8,), np.float32, 0.5)
     with pytest.raises(ValueError, match="has no numpy equivalent"):
         numpy_dtype(torch.bfloat16)
+
+
+class ConvVAE(nn.Module):
+    """A conv encoder to a 2-number code and a ConvTranspose2d decoder (the adoption report's
+    VAE without the sampling): the decoder's transposed convs hold most of the bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Conv2d(1, 32, 4, stride=2, padding=1), nn.ReLU(),
+                                     nn.Conv2d(32, 64, 4, stride=2, padding=1), nn.ReLU(),
+                                     nn.Flatten(), nn.Linear(64 * 7 * 7, 2))
+        self.decoder = nn.Sequential(nn.Linear(2, 64 * 7 * 7), nn.Unflatten(1, (64, 7, 7)),
+                                     nn.ConvTranspose2d(64, 32, 4, stride=2, padding=1),
+                                     nn.ReLU(), nn.ConvTranspose2d(32, 1, 4, stride=2,
+                                                                   padding=1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.encoder(x))
+
+
+def test_a_vaes_transposed_decoder_is_sharded_and_the_advice_counts_its_layers() -> None:
+    model, x = ConvVAE(), torch.zeros(1, 1, 28, 28)
+    layers = sharded_layer_names(model, example_input=x)
+    # every affine layer but the first (encoder.0) and the last (decoder.4)
+    assert layers == ["encoder.2", "encoder.5", "decoder.0", "decoder.2"]
+    budget = sharding_budget(model, layers, [0.25], example_input=x)
+    assert {u.name for u in budget.unsharded} == {"encoder.0", "decoder.4"}
+    # the bytes of the rest: each layer's weight and bias, counted by hand (+ 128-byte headers)
+    weights = {"encoder.0": (1 * 32 * 16, 32), "encoder.2": (32 * 64 * 16, 64),
+               "encoder.5": (3136 * 2, 2), "decoder.0": (2 * 3136, 3136),
+               "decoder.2": (64 * 32 * 16, 32), "decoder.4": (32 * 16, 1)}
+    assert budget.dense_bytes == sum(4 * (w + b) + 2 * 128 for w, b in weights.values())
+    assert budget.other == ()  # every entry belongs to an affine layer
+    only_small = sharding_budget(model, ["encoder.5"], [0.25], example_input=x)
+    (warning,) = budget_warnings(only_small)
+    # FLOPs and bytes each named where it passes the bound; the big transposed conv is named
+    assert re.search(r"at r = 0.25 a node receives 0\.\d+x of the dense model's bytes and "
+                     r"computes 0\.\d+x of its forward FLOPs \(its bytes and its FLOPs more "
+                     r"than \(1 \+ r\)/2 = 0\.625x of the dense model's", warning), warning
+    assert "'decoder.2' (ConvTranspose2d, weight 64×32×4×4" in warning
+    assert "'decoder.2'" in warning.split("sharded_layers=")[1]
+
+
+def test_a_model_whose_shardable_layers_are_all_sharded_names_the_entries_left() -> None:
+    model = nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 8), nn.LayerNorm(8),
+                          nn.Linear(8, 50))
+    budget = sharding_budget(model, ["1", "3"], [0.1])
+    assert [k for k, _ in budget.other] == ["0.weight", "2.bias", "2.weight"]
+    warning = budget_warnings(budget)[0]
+    assert ("Every layer a spectral layer can replace is sharded already: the rest is in "
+            "entries no keep ratio shrinks, the largest '0.weight' (") in warning
+    assert "normalizations" not in warning
