@@ -111,7 +111,9 @@ def no_round_trained(rounds: int) -> str:
     return (f"No round trained: none of the {rounds} round(s) got a usable training reply, so "
             "the model is the initial one. Check the server log above and the round metrics "
             "(replies-dropped, dropped-<reason>, replies-missing): nodes that declare no keep "
-            "ratio (ShardingClientApp(keep_ratios=...) or keep-ratio in the node/run config), "
+            "ratio (a deployed SuperNode: keep-ratio or memory-mb in its --node-config; "
+            "simulated nodes: ShardingClientApp(keep_ratios=...) or keep-ratio in the run "
+            "config), "
             "error replies from the ClientApp, a round timeout too short, or replies refused "
             "by the reply bounds (max-update-ratio, max-num-examples).")
 

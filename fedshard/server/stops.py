@@ -167,9 +167,15 @@ def likely_fix(reason: str) -> str:
                 "batch-size (each node's error names what its smallest keep ratio needs): "
                 "raise memory-mb on the nodes that can spare it, or lower batch-size or the "
                 "model's size in the run config.")
+    if "deployed node" in reason and ("keep ratio" in reason or "keep-ratio" in reason):
+        return ("a deployed SuperNode declares its own keep ratio: restart it with "
+                "--node-config \"keep-ratio=0.25 ...\" (or memory-mb=<MB> to let it choose "
+                "from its memory); a ClientApp's keep_ratios mix applies to simulated nodes "
+                "only.")
     if "keep ratio" in reason or "keep-ratio" in reason:
-        return ("every node must declare a keep ratio: ShardingClientApp(keep_ratios=...), or "
-                "keep-ratio in the node or run config.")
+        return ("every node must declare a keep ratio: simulated nodes take "
+                "ShardingClientApp(keep_ratios=...) or keep-ratio in the run config; a "
+                "deployed SuperNode keep-ratio (or memory-mb) in its --node-config.")
     return ""
 
 

@@ -56,8 +56,11 @@ def test_the_deployed_nodes_refusal_reaches_the_server_log(
     with caplog.at_level(logging.ERROR), pytest.raises(
             NoRoundTrainedError, match=r"(?s)in round 1 every one of the 1 connected nodes .*"
                                        r"This deployed node declares no keep-ratio.*"
-                                       r"Likely fix: every node must declare a keep ratio"):
+                                       r"Likely fix: a deployed SuperNode declares its own "
+                                       r"keep ratio: restart it with --node-config"):
         strategy().configure_train(1, initial(), ConfigRecord(), g)
+    # the deployed node's fix, never the simulation's mix
+    assert "ShardingClientApp(keep_ratios" not in caplog.text
     assert [m.metadata.message_type for m in g.sent] == ["query"]
 
 
