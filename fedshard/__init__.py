@@ -92,6 +92,7 @@ from fedshard.settings import (
     SettingsError,
     Sharding,
     Slicing,
+    robust_defaults,
 )
 from fedshard.spectral import low_memory, sharded_layer_names
 from fedshard.width import WidthFamily
@@ -126,6 +127,7 @@ __all__ = [
     "keep_ratio_of",
     "low_memory",
     "receive",
+    "robust_defaults",
     "sharded_layer_names",
     "sharding_mod",
     "train",

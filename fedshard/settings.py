@@ -67,6 +67,7 @@ __all__ = [
     "kebab",
     "missing_on_wire",
     "one_of",
+    "robust_defaults",
     "rule",
     "rule_of",
     "run_key",
@@ -478,13 +479,13 @@ class ReplyPolicy(Settings):
         Largest ``num-examples`` accepted (``None``: up to 2**53, the exact float64 range;
         0 in a run config).
     max_weight_ratio : float
-        ≥ 1 (default 2): a reply's ``num-examples`` above this multiple of the round's median
+        ≥ 1 (0 by default: FedAvg's weights, the paper's mean; :func:`robust_defaults`: 2): a
+        reply's ``num-examples`` above this multiple of the round's median
         (the lower median of the accepted replies) is clipped to it and counted
         (``clipped-num-examples``); a node beyond 100 × the median is not believed: named in
         a WARNING and weighted as the median (``held-num-examples``); the others are listed
         in one INFO line per round. Honest nodes of equal size never reach it; honest nodes
         holding more than twice the median's data are weighted as twice the median.
-        0: off (FedAvg's weights).
     aggregation : str
         Per term and dense entry: ``"mean"`` (the paper's weighted mean), ``"median"`` or
         ``"trimmed-mean"`` (:mod:`fedshard.spectral.aggregate`); or over each reply's whole
@@ -495,22 +496,23 @@ class ReplyPolicy(Settings):
         In ``[0, 0.5)``: the share of the holders dropped at each end by ``"trimmed-mean"``
         and ``"dense-trimmed-mean"``; for ``"krum"``, the share of replies assumed dishonest.
     align_factors : bool
-        Before averaging, re-express every returned term ``(u'_i, v'_i)`` with the sign (and,
-        where its two factors' growths differ more than 4-fold, the balance) of the term it
-        was sent, which leaves its product ``u'_i v'_iᵀ`` unchanged
+        Off by default (:func:`robust_defaults`: on). Before averaging, re-express every
+        returned term ``(u'_i, v'_i)`` with the sign (and, where its two factors' growths
+        differ more than 4-fold, the balance) of the term it was sent, which leaves its
+        product ``u'_i v'_iᵀ`` unchanged
         (:func:`fedshard.spectral.aggregate.align_factors`; each change logged and counted in
         ``re-signed-terms`` / ``rebalanced-terms``). A no-op for honest replies; it undoes a
         re-signing ``U, V → −U, −V`` (which changes no product), which the separate averages
         of ``U`` and ``V`` would otherwise turn into a shrunken model.
     max_update_spread : float
-        κ ≥ 1 (default 2): a node's change of a sharded layer (its ``u`` and ``v``
-        together) or of a dense entry, relative to what it was sent, above κ times the round's
-        median (over the nodes, at least 3) is shrunk to it, logged and counted
-        (``clipped-update-spread``): one step of centred clipping around the sent model
-        (:mod:`fedshard.server.robust`). A node whose update is out of line as a whole,
-        further than the data it reports explains, is aggregated as a typical node: each
-        change shrunk to the round's median change, its weight to the median weight
-        (``update-spread-held``). 0: off.
+        κ ≥ 1 (0 by default: off; :func:`robust_defaults`: 2): a node's change of a sharded
+        layer (its ``u`` and ``v`` together) or of a dense entry, relative to what it was
+        sent, above κ times the round's median (over the nodes, at least 3) is shrunk to it,
+        logged and counted (``clipped-update-spread``): one step of centred clipping around
+        the sent model (:mod:`fedshard.server.robust`). A node whose update is out of line
+        as a whole, further than the data it reports explains, is aggregated as a typical
+        node: each change shrunk to the round's median change, its weight to the median
+        weight (``update-spread-held``).
     distrust_below : float
         In ``[-1, 1]`` (default 0.02), with trusted data: a node whose updates' cosine with
         the server's trusted reference update has a median below this over its last rounds
@@ -547,15 +549,32 @@ class ReplyPolicy(Settings):
     aggregation: str = setting("mean", one_of(AGGREGATIONS))
     trim_fraction: float = setting(0.1, rule(lambda v: finite_real(v) and 0 <= v < 0.5,
                                              "expected in [0, 0.5)"))
-    max_weight_ratio: float = setting(2.0, _BOUND)
-    align_factors: bool = setting(True, BOOL)
-    max_update_spread: float = setting(2.0, _BOUND)
+    max_weight_ratio: float = setting(0.0, _BOUND)
+    align_factors: bool = setting(False, BOOL)
+    max_update_spread: float = setting(0.0, _BOUND)
     distrust_below: float = setting(0.02, _COSINE)
     distrust_below_aggregate: float = setting(-0.5, _COSINE)
     exclude_distrusted: bool = setting(False, BOOL)
     max_diverged_fraction: float = setting(
         0.5, rule(lambda v: finite_real(v) and 0 <= v <= 1,
                   "expected a share in [0, 1] (1: never stop)"))
+
+
+def robust_defaults(**changes: Any) -> ReplyPolicy:
+    """The reply rules fedshard's app runs by default against dishonest nodes: the
+    ``num-examples`` cap (``max_weight_ratio`` 2), factor alignment and the spread bound
+    with its hold rule (``max_update_spread`` 2), over :class:`ReplyPolicy`'s defaults, which
+    are the paper's plain data-weighted mean. ``changes`` override any field.
+
+    Examples
+    --------
+    >>> robust_defaults().max_update_spread, ReplyPolicy().max_update_spread
+    (2.0, 0.0)
+    >>> robust_defaults(aggregation="median").aggregation
+    'median'
+    """
+    return ReplyPolicy(**{"max_weight_ratio": 2.0, "align_factors": True,
+                          "max_update_spread": 2.0, **changes})
 
 
 _KEEP_RATIO = rule(lambda v: finite_real(v) and 0 < v <= 1, "expected a keep ratio in (0, 1]")

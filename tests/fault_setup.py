@@ -16,7 +16,7 @@ from torch.utils.data import TensorDataset
 
 from fedshard import SpectralSharding, handle_evaluate, handle_query, handle_train
 from fedshard import protocol as P
-from fedshard.settings import group_settings
+from fedshard.settings import group_settings, robust_defaults
 
 LAYERS = ["hidden"]
 
@@ -72,6 +72,9 @@ def strategy(cls: type[SpectralSharding] = SpectralSharding, **kw: object) -> Sp
     args: dict = dict(sharded_layers=LAYERS, num_rounds=3, lr=0.05, fraction_train=1.0, seed=3,
                       query_timeout=5, node_wait_timeout=5, fraction_evaluate=0.0,
                       min_train_nodes=1, min_evaluate_nodes=1, min_available_nodes=1)
+    # the app's robust reply rules (these tests are of them); a test's replies= or flat
+    # names (max_update_spread=0, ...) override them
+    args["replies"] = robust_defaults()
     args.update(kw)
     return cls(**group_settings(args))  # flat names -> Sharding, LocalTraining, ...
 

@@ -41,6 +41,7 @@ from fedshard.settings import (  # ProblemsError: re-exported
     Slicing,
     encoded_none,
     kebab,
+    robust_defaults,
     rule_of,
     run_key,
     value_type,
@@ -96,7 +97,8 @@ class RunConfig:
 
     sharding: Sharding = field(default_factory=Sharding)
     training: LocalTraining = field(default_factory=_run_training)
-    replies: ReplyPolicy = field(default_factory=ReplyPolicy)
+    # the app's runs are robust by default (the library's ReplyPolicy() is the paper's mean)
+    replies: ReplyPolicy = field(default_factory=robust_defaults)
     nodes: NodePolicy = field(default_factory=NodePolicy)  # the table: node_policy()
     slicing: Slicing = field(default_factory=Slicing)
     privacy: Privacy = field(default_factory=Privacy)

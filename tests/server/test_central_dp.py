@@ -39,6 +39,7 @@ from fedshard import (
     clip_update_mod,
     handle_query,
     receive,
+    robust_defaults,
 )
 from fedshard import protocol as P
 from fedshard.app.config import ConfigError, RunConfig
@@ -269,7 +270,7 @@ def test_a_node_sending_1e6_times_its_values_moves_the_round_by_little() -> None
 def test_without_privacy_settings_nothing_changes() -> None:
     plain, off = strategy(), strategy(privacy=Privacy())
     assert plain.central_dp is None and off.central_dp is None
-    assert off.replies.max_update_spread == ReplyPolicy().max_update_spread
+    assert off.replies.max_update_spread == robust_defaults().max_update_spread  # unchanged
     results = []
     for s in (plain, off):
         results.append(s.start(grid=InProcessGrid(client, [{"keep-ratio": 0.5}] * 3),

@@ -35,7 +35,7 @@ from fedshard import (
 )
 from fedshard import protocol as P
 from fedshard.server.strategy import NoRoundTrainedError
-from fedshard.settings import group_settings
+from fedshard.settings import group_settings, robust_defaults
 from fedshard.spectral import num_terms, sharded_layer_names
 
 
@@ -102,6 +102,9 @@ def strategy(**kw: object) -> SpectralSharding:
                       fraction_train=1.0, seed=7, query_timeout=5, node_wait_timeout=5,
                       min_train_nodes=1, min_evaluate_nodes=1, min_available_nodes=1,
                       fraction_evaluate=0.0)
+    # the app's robust reply rules (these tests are of them); a test's replies= or flat
+    # names (max_update_spread=0, ...) override them
+    args["replies"] = robust_defaults()
     args.update(kw)
     return SpectralSharding(**group_settings(args))  # flat names -> Sharding, LocalTraining, ...
 

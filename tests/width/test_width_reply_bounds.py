@@ -24,7 +24,7 @@ from torch import nn
 from fedshard import protocol as P
 from fedshard.server.metrics import mean_client_metrics
 from fedshard.server.width import slice_round
-from fedshard.settings import LocalTraining, ReplyPolicy, Slicing
+from fedshard.settings import LocalTraining, ReplyPolicy, Slicing, robust_defaults
 from fedshard.width.slicing import WidthFamily
 
 KEEP = [0.8] + [0.5] * 6 + [0.8] * 3  # node 1000 is one of the four wide nodes
@@ -92,7 +92,7 @@ def _round(examples: dict[int, int], size: dict[int, float] | None = None,
                                   family=FAMILY, method=method,
                                   slicing=Slicing(width_match="keep-ratio"),
                                   training=LocalTraining(), lr=0.1,
-                                  replies=replies or ReplyPolicy(), seed=0)
+                                  replies=replies or robust_defaults(), seed=0)
     out, seen = [], {}
     for msg in messages:
         node = msg.metadata.dst_node_id
