@@ -37,7 +37,7 @@ def _interrupt_cli_after_first_round(results: Path) -> tuple[int, list[str]]:
     """Start the CLI on the smoke suite, SIGTERM it once run 1 reports round 1."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "fedshard_lab.experiments", "run", "experiments/smoke.toml",
-         "--results-dir", str(results)],
+         "--allow-dirty", "--results-dir", str(results)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )

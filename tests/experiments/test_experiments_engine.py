@@ -62,7 +62,8 @@ def test_run_engine_override_runs_the_suite_in_process(tmp_path: Path) -> None:
     fakedata.write_fashion_mnist(tmp_path / "data", 90, 20, np.random.default_rng(1))
     suite_file = tmp_path / "e.toml"
     suite_file.write_text(_suite_text(tmp_path / "data", tmp_path / "res", None))
-    assert main(["run", str(suite_file), "--app-dir", str(ROOT), "--engine", "sequential"]) == 0
+    assert main(["run", str(suite_file), "--app-dir", str(ROOT), "--engine", "sequential",
+                 "--allow-dirty"]) == 0
     record = json.loads((tmp_path / "res" / "collective__r-0-25__seed0" / "runner.json")
                         .read_text())
     assert record["engine"] == "sequential" and record["status"] == "finished"

@@ -185,3 +185,60 @@ def test_cli_status_counts_resumable_runs_and_their_rounds_left(
            "1 pending; 3 rounds to run" in out
     assert re.search(r"1 resumable\s+Top-n / r = 0.25 / seed 0\s+no summary.json \(interrupted "
                      r"or failed\); checkpoint after round 1 of 2", out)
+
+
+def test_a_launch_killed_before_its_record_is_named_killed_when_resumed(tmp_path: Path) -> None:
+    """A runner killed with SIGKILL leaves runner.json at "running"; the next launch records
+    that launch as killed, not as running forever."""
+    suite = interrupted(tmp_path, rounds=4, at=2)
+    spec = suite.runs[0]
+    record = json.loads((spec.directory / "runner.json").read_text())
+    record["status"] = "running"  # what a SIGKILLed runner leaves
+    (spec.directory / "runner.json").write_text(json.dumps(record))
+    run_suite(suite, launch=FakeLauncher(checkpoints=True), emit=lambda _: None)
+    (earlier,) = json.loads((spec.directory / "runner.json").read_text())["earlier-launches"]
+    assert earlier["status"] == "killed"
+    assert earlier["note"].startswith("the launch ended without writing its record")
+
+
+def test_the_runner_keeps_the_uncommitted_diff_beside_each_record(tmp_path: Path) -> None:
+    suite = make_suite(tmp_path, rounds=1, seeds=(0,))
+    run_suite(suite, launch=FakeLauncher(), emit=lambda _: None,
+              uncommitted="diff --git a/x b/x\n")
+    for spec in suite.runs:
+        record = json.loads((spec.directory / "runner.json").read_text())
+        assert record["uncommitted-diff"] == "uncommitted.diff"
+        assert (spec.directory / "uncommitted.diff").read_text() == "diff --git a/x b/x\n"
+
+
+def test_a_tree_with_uncommitted_changes_is_refused_unless_allowed(tmp_path: Path) -> None:
+    import subprocess
+
+    from fedshard_lab.experiments.tree import DirtyTreeError, TreeState, tree_state
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run([*git, "init", "-q"], cwd=repo, check=True)
+    (repo / "a.py").write_text("x = 1\n")
+    subprocess.run([*git, "add", "a.py"], cwd=repo, check=True)
+    subprocess.run([*git, "commit", "-qm", "a"], cwd=repo, check=True)
+    clean = tree_state(repo)
+    assert clean.commit and not clean.dirty and clean.diff == ""
+    (repo / "new.txt").write_text("untracked files are not the commit's code")
+    assert not tree_state(repo).dirty
+    (repo / "a.py").write_text("x = 2\n")
+    dirty = tree_state(repo)
+    assert dirty.dirty and dirty.changed == ("a.py",) and "+x = 2" in dirty.diff
+    with pytest.raises(DirtyTreeError, match=r"has uncommitted changes \(1 file\(s\): a.py\) at "
+                       rf"commit {clean.commit}: .* or pass --allow-dirty"):
+        raise dirty.refusal(repo)
+    outside = tmp_path / "plain"
+    outside.mkdir()
+    assert tree_state(outside) == TreeState(None, (), "")  # no checkout: nothing to refuse
+    # the command line: refused before anything starts, then run with --allow-dirty
+    suite_file = tmp_path / "s.toml"
+    suite_file.write_text((ROOT / "experiments" / "smoke.toml").read_text())
+    assert main(["run", str(suite_file), "--app-dir", str(repo), "--results-dir",
+                 str(tmp_path / "out")]) == 2
+    assert not (tmp_path / "out").exists()

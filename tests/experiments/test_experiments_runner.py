@@ -332,7 +332,8 @@ def test_seed_filter_runs_one_seed_of_every_cell_and_leaves_the_rest(tmp_path: P
         run_suite(suite, launch=launch, emit=lambda _: None, seeds={0, 7})
     assert len(launch.calls) == 2
     smoke = str(ROOT / "experiments" / "smoke.toml")
-    assert main(["run", smoke, "--app-dir", str(ROOT), "--results-dir", str(tmp_path / "cli"),
+    assert main(["run", smoke, "--app-dir", str(ROOT), "--allow-dirty", "--results-dir",
+                 str(tmp_path / "cli"),
                  "--seed", "9"]) == 2
 
 

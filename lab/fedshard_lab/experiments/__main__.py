@@ -26,6 +26,7 @@ from fedshard_lab.experiments.runner import (
     suite_status,
 )
 from fedshard_lab.experiments.suite import Suite, SuiteError, load_suite
+from fedshard_lab.experiments.tree import tree_state
 
 
 def _say(line: str) -> None:
@@ -72,10 +73,15 @@ def _status(suite: Suite) -> int:
 
 def _run(suite: Suite, args: argparse.Namespace) -> int:
     echo = (lambda line: _say(f"    flwr| {line}")) if args.verbose else None
+    tree = tree_state(suite.app_dir)
+    if tree.dirty and not args.allow_dirty:
+        _say(f"[{suite.name}] {tree.refusal(suite.app_dir)}")
+        return 2
     try:
         outcome = run_suite(suite, emit=_say, echo=echo, rerun_stale=args.rerun_stale,
                             restart_partial=args.restart_partial, fail_fast=args.fail_fast,
-                            seeds=args.seed, labels=args.label)
+                            seeds=args.seed, labels=args.label,
+                            uncommitted=tree.diff if tree.dirty else None)
     except KeyboardInterrupt:
         _say(f"[{suite.name}] interrupted; finished runs are kept, the interrupted one "
              "resumes from its last checkpoint on the next `run`")
@@ -120,6 +126,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.add_argument("--restart-partial", action="store_true",
                            help="start unfinished runs again from scratch instead of resuming "
                            "them from their checkpoint")
+            p.add_argument("--allow-dirty", action="store_true",
+                           help="run from a tree with uncommitted changes to tracked files "
+                                "(refused otherwise); each run keeps the diff as "
+                                "uncommitted.diff beside its record")
             p.add_argument("--fail-fast", action="store_true",
                            help="stop at the first failed run")
             p.add_argument("--seed", type=int, action="append", default=None, metavar="SEED",

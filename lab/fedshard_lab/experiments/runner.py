@@ -169,6 +169,7 @@ def run_suite(
     seeds: Collection[int] | None = None,
     labels: Collection[str] | None = None,
     clock: Callable[[], float] = time.monotonic,
+    uncommitted: str | None = None,
 ) -> SuiteOutcome:
     """Run every unfinished run of ``suite``, in order; skip finished ones.
 
@@ -202,6 +203,11 @@ def run_suite(
         a run must match both. Default: all.
     clock : callable
         Monotonic seconds (injectable for tests).
+    uncommitted : str, optional
+        The diff of the app folder's uncommitted changes the runs are launched with
+        (:func:`fedshard_lab.experiments.tree.tree_state`; the command line refuses them
+        without ``--allow-dirty``): each launched run keeps it as ``uncommitted.diff`` and
+        ``runner.json`` names it.
 
     Returns
     -------
@@ -253,7 +259,8 @@ def run_suite(
                 say(f"{progress.prefix(spec)}: deleting {status.state.value} run folder "
                     f"({status.detail}); starting again from scratch")
                 _remove_run_folder(suite, spec)
-            error = _launch_one(suite, spec, launch, progress, echo, status.resume_round)
+            error = _launch_one(suite, spec, launch, progress, echo, status.resume_round,
+                                uncommitted)
             if error is None:
                 outcome.finished.append(spec.name)
                 continue
@@ -304,7 +311,8 @@ def server_app_raised(output: str) -> str | None:
 
 
 def _launch_one(suite: Suite, spec: RunSpec, launch: Launcher, progress: Progress,
-                echo: Callable[[str], None] | None, resume_round: int | None) -> str | None:
+                echo: Callable[[str], None] | None, resume_round: int | None,
+                uncommitted: str | None = None) -> str | None:
     """Launch ``spec`` (with ``resume=true`` after ``resume_round``, if given); return
     ``None`` when it finished, else why not."""
     say = progress.emit
@@ -313,6 +321,10 @@ def _launch_one(suite: Suite, spec: RunSpec, launch: Launcher, progress: Progres
     if resume_round is not None:
         try:
             old = dict(json.loads((spec.directory / "runner.json").read_text()))
+            if old.get("status") == "running":  # its runner was killed before the record
+                old["status"] = "killed"
+                old["note"] = ("the launch ended without writing its record (its runner was "
+                               "killed); the run resumed from its last checkpoint")
             before = old.pop("earlier-launches", [])
             earlier = [*(before if isinstance(before, list) else []), old]
         except (OSError, ValueError, TypeError) as err:
@@ -335,6 +347,10 @@ def _launch_one(suite: Suite, spec: RunSpec, launch: Launcher, progress: Progres
     if resume_round is not None:
         record["resumed-after-round"] = resume_round
         record["earlier-launches"] = earlier
+    if uncommitted is not None:
+        diff = "uncommitted.diff" if resume_round is None else f"uncommitted-{len(earlier)}.diff"
+        (spec.directory / diff).write_text(uncommitted)
+        record["uncommitted-diff"] = diff
     _write_json(spec.directory / "runner.json", record)
     if resume_round is None:
         say(f"{progress.prefix(spec)}: starting ({spec.num_rounds} rounds) -> {spec.directory}")
