@@ -52,6 +52,7 @@ from fedshard.protocol.capabilities import (
     query_message,
     read_capabilities,
 )
+from fedshard.protocol.drops import Drop, DropReason
 from fedshard.protocol.keys import (
     ARRAYS,
     CAPABILITIES,
@@ -112,6 +113,8 @@ __all__ = [
     "TRAIN_LOSS",
     "UPDATE_POLICIES",
     "Capabilities",
+    "Drop",
+    "DropReason",
     "LegacyApiError",
     "Receipt",
     "SentShard",

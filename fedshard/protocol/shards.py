@@ -19,6 +19,7 @@ from fedshard.protocol.bounds import (
     read_count,
     scalar_metrics,
 )
+from fedshard.protocol.drops import Drop, DropReason
 from fedshard.protocol.keys import (
     ARRAYS,
     CONFIG,
@@ -168,9 +169,9 @@ class TrainReply:
 
 
 def check_eval_reply(msg: Message, limits: ReplyPolicy | None = None,
-                     ) -> tuple[float, dict[str, float], list[str], int] | str:
+                     ) -> tuple[float, dict[str, float], list[str], int] | Drop:
     """``(num-examples, finite scalar metrics, why values were left out, how many)`` of an
-    ``evaluate`` reply, or the reason (``"category: details"``) to drop it.
+    ``evaluate`` reply, or why to drop it (a :class:`~fedshard.protocol.drops.Drop`).
 
     ``num-examples`` must be a whole number in ``[1, limits.max_num_examples]``
     (:class:`~fedshard.settings.ReplyPolicy`; default: its defaults). Non-scalar or
@@ -182,13 +183,13 @@ def check_eval_reply(msg: Message, limits: ReplyPolicy | None = None,
     caller (``max_weight_ratio``), as for training replies."""
     limits = limits if limits is not None else ReplyPolicy()
     if msg.has_error():
-        return f"error-reply: {msg.error.reason}"
+        return Drop(DropReason.ERROR_REPLY, str(msg.error.reason))
     metrics = msg.content.metric_records.get(METRICS)
     if metrics is None:
-        return f"missing-record: expected a MetricRecord {METRICS!r}"
+        return Drop(DropReason.MISSING_RECORD, f"expected a MetricRecord {METRICS!r}")
     weight = read_count(metrics.get(NUM_EXAMPLES), limits.max_num_examples)
     if isinstance(weight, str):
-        return f"bad-num-examples: {NUM_EXAMPLES} {weight}"
+        return Drop(DropReason.BAD_NUM_EXAMPLES, f"{NUM_EXAMPLES} {weight}")
     values, ignored, count = scalar_metrics(metrics, NUM_EXAMPLES)
     values, outside = bounded_metrics(values, EVAL_RANGES)
     return weight, values, ignored + outside, count + len(outside)
@@ -197,8 +198,9 @@ def check_eval_reply(msg: Message, limits: ReplyPolicy | None = None,
 def check_train_reply(msg: Message, sent: SentShard | None, seen: set[int],
                       limits: ReplyPolicy | None = None,
                       node: int | None = None, server_round: int | None = None,
-                      sent_norms: dict[int, float] | None = None) -> TrainReply | str:
-    """The checked reply, or the reason (``"category: details"``) it must be dropped.
+                      sent_norms: dict[int, float] | None = None) -> TrainReply | Drop:
+    """The checked reply, or why it must be dropped (a :class:`~fedshard.protocol.drops.Drop`:
+    its reason and details).
 
     ``node`` is the node the answered message was sent to (default: the reply's sender);
     ``limits`` bound ``num-examples`` and the change from what was sent
@@ -213,47 +215,52 @@ def check_train_reply(msg: Message, sent: SentShard | None, seen: set[int],
     if msg.has_error():
         # a node whose training diverged says so (fedshard.client.shard_reply): counted apart,
         # the strategy stops a run in which most nodes diverge (ReplyPolicy.max_diverged_fraction)
-        kind = "diverged" if DIVERGED in str(msg.error.reason) else "error-reply"
-        return f"{kind}: code {msg.error.code}, {msg.error.reason}"
+        kind = (DropReason.DIVERGED if DIVERGED in str(msg.error.reason)
+                else DropReason.ERROR_REPLY)
+        return Drop(kind, f"code {msg.error.code}, {msg.error.reason}")
     if sent is None:
-        return "unexpected-sender: this node was not sent a training message this round"
+        return Drop(DropReason.UNEXPECTED_SENDER,
+                    "this node was not sent a training message this round")
     if node in seen:
-        return "duplicate: a second reply from this node in the same round"
+        return Drop(DropReason.DUPLICATE, "a second reply from this node in the same round")
     if msg.metadata.src_node_id != node:
-        return (f"wrong-sender: the reply to node {node}'s message came from node "
-                f"{msg.metadata.src_node_id}")
+        return Drop(DropReason.WRONG_SENDER, f"the reply to node {node}'s message came from "
+                    f"node {msg.metadata.src_node_id}")
     content = msg.content
     if ARRAYS not in content.array_records or METRICS not in content.metric_records:
-        return (f"missing-record: expected an ArrayRecord {ARRAYS!r} and a MetricRecord "
-                f"{METRICS!r}, got {sorted(content.keys())}")
+        return Drop(DropReason.MISSING_RECORD, f"expected an ArrayRecord {ARRAYS!r} and a "
+                    f"MetricRecord {METRICS!r}, got {sorted(content.keys())}")
     echo = content.config_records.get(CONFIG)
     if server_round is not None and echo is not None and echo.get(SERVER_ROUND) != server_round:
-        return (f"stale-reply: its content answers round {echo.get(SERVER_ROUND)!r}, not round "
-                f"{server_round}")
+        return Drop(DropReason.STALE_REPLY, f"its content answers round "
+                    f"{echo.get(SERVER_ROUND)!r}, not round {server_round}")
     metrics = content.metric_records[METRICS]
     weight = read_count(metrics.get(NUM_EXAMPLES), limits.max_num_examples)
     if isinstance(weight, str):
-        return f"bad-num-examples: {NUM_EXAMPLES} {weight}"
+        return Drop(DropReason.BAD_NUM_EXAMPLES, f"{NUM_EXAMPLES} {weight}")
     record = content.array_records[ARRAYS]
     keys, want = set(record.keys()), set(sent.expected)
     if keys != want:
-        return f"bad-keys: missing {sorted(want - keys)[:5]}, unexpected {sorted(keys - want)[:5]}"
+        return Drop(DropReason.BAD_KEYS, f"missing {sorted(want - keys)[:5]}, unexpected "
+                    f"{sorted(keys - want)[:5]}")
     values: dict[str, np.ndarray] = {}
     for key, (shape, dtype) in sent.expected.items():
         try:
             x = array_view(record[key])  # read-only: the reply's own bytes
         except Exception as err:  # a corrupt payload must not crash the server
-            return f"bad-array: {key} cannot be decoded ({err})"
+            return Drop(DropReason.BAD_ARRAY, f"{key} cannot be decoded ({err})")
         if tuple(x.shape) != shape:
-            return f"bad-shape: {key} has shape {tuple(x.shape)}, expected {shape}"
+            return Drop(DropReason.BAD_SHAPE,
+                        f"{key} has shape {tuple(x.shape)}, expected {shape}")
         if x.dtype != dtype:
-            return f"bad-dtype: {key} has dtype {x.dtype}, expected {dtype}"
+            return Drop(DropReason.BAD_DTYPE, f"{key} has dtype {x.dtype}, expected {dtype}")
         if np.issubdtype(x.dtype, np.floating) and not all_finite(x):
-            return f"non-finite: {key} holds NaN or inf"
+            return Drop(DropReason.NON_FINITE, f"{key} holds NaN or inf")
         values[key] = x
     for layer, idx in sent.indices.items():
         if not np.array_equal(values[factor_key(layer, "indices")], idx):
-            return f"bad-indices: {layer}.indices differ from the terms this node was sent"
+            return Drop(DropReason.BAD_INDICES,
+                        f"{layer}.indices differ from the terms this node was sent")
     clipped, ratio = 0, 0.0
     changes: dict[str, tuple[np.ndarray, float]] = {}
     if limits.max_update_ratio > 0:
@@ -278,9 +285,10 @@ def check_train_reply(msg: Message, sent: SentShard | None, seen: set[int],
                     changes[key] = (got, change_sq)
             clipped, ratio = clipped + hits, max(ratio, seen_ratio)
         if clipped and limits.update_policy == "drop":
-            return (f"update-norm: {clipped} factor column(s)/array(s) changed by more than "
-                    f"max_update_ratio={limits.max_update_ratio:g} times what was sent "
-                    f"(largest ratio {ratio:.3g})")
+            return Drop(DropReason.UPDATE_NORM,
+                        f"{clipped} factor column(s)/array(s) changed by more than "
+                        f"max_update_ratio={limits.max_update_ratio:g} times what was sent "
+                        f"(largest ratio {ratio:.3g})")
     kept, ignored, ignored_count = scalar_metrics(metrics, NUM_EXAMPLES)
     # bytes on the wire, counted as for the sent records (serialized Array data)
     nbytes = sum(len(a.data) for a in record.values())

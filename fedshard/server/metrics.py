@@ -152,11 +152,12 @@ class DropLog:
         self.consequence = consequence
         self.reasons: dict[str, tuple[int, list[int], str]] = {}  # category -> count, nodes, first
 
-    def add(self, node: int, reason: str) -> None:
+    def add(self, node: int, drop: P.Drop) -> None:
         """One dropped reply of ``node`` and why (logged at DEBUG in full)."""
+        reason = str(drop)
         log(DEBUG, "Round %d, node %d, the full reason: %s", self.server_round, node,
             printable(reason))
-        category = printable(reason.split(":", 1)[0], 40)
+        category = drop.reason.value
         count, nodes, first = self.reasons.get(category, (0, [], reason))
         if node not in nodes and len(nodes) <= self.NODES_SHOWN:
             nodes.append(node)

@@ -78,6 +78,9 @@ class SlowStart(RoundCallback):
         self.before: dict[str, np.ndarray] = {}  # the sharded layers' weights before round 1
         self.said_share = False
         self.said_dense_step = False
+        #: round 1 was a small step (the slow start of a small lr): the run's lr diagnosis,
+        #: which :class:`FallingAccuracy` keeps to (it never calls that lr too large)
+        self.small_start = False
 
     def on_configure(self, strategy: KeepRatioStrategy, server_round: int,
                      config: ConfigRecord, messages: Sequence[Message]) -> None:
@@ -151,6 +154,7 @@ class SlowStart(RoundCallback):
             if new.shape == old.shape and (norm := float(np.linalg.norm(old))) > 0:
                 moved[layer] = float(np.linalg.norm(new - old)) / norm
         self.before = {}
+        self.small_start = bool(moved) and max(moved.values()) < SMALL_STEP
         self._say_share(strategy, self.shares, moved)
         return None
 
@@ -275,6 +279,13 @@ class FallingAccuracy(RoundCallback):
                      "than in FedAvg. Try larger batches, a smaller noise multiplier, or a "
                      "larger keep ratio, and compare with the dense model under the same "
                      "DP-SGD.")
+        elif any(getattr(c, "small_start", False) for c in strategy.callbacks):
+            # round 1 was a small step: the lr is not too large, and saying so would
+            # contradict round 1's advice
+            text += ("Round 1 was a small step (the lr is small, not too large), so likely "
+                     "causes are local training that drifts on non-IID data (fewer local "
+                     "epochs or steps) or a data or label problem on some nodes. Compare with "
+                     "a dense run (FedAvg) of the same settings.")
         else:
             text += ("Likely causes: an lr too large for the sharded layers (a smaller lr, "
                      "or factor_step='dense'), local training that drifts on non-IID data "

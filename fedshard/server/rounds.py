@@ -101,18 +101,19 @@ class RoundState:
             "it does not touch the global model", "they do not touch the global model"))
         for msg in replies:
             node = to_node.get(msg.metadata.reply_to_message_id, msg.metadata.src_node_id)
-            reply: P.TrainReply | str = self._stale(msg, to_node)
-            if reply:
+            reply: P.TrainReply | P.Drop | None = self._stale(msg, to_node)
+            if reply is not None:
                 stale.add(node)
             elif node in seen:
-                reply = "duplicate: a second reply from this node in the same round"
+                reply = P.Drop(P.DropReason.DUPLICATE,
+                               "a second reply from this node in the same round")
             else:
                 reply = P.check_train_reply(msg, self.sent.get(node), seen, self.replies, node,
                                             self.server_round, sent_norms)
                 seen.add(node)
-            if isinstance(reply, str):
-                dropped[reply.split(":", 1)[0]] += 1
-                self.dropped.append((node, printable(reply)))
+            if isinstance(reply, P.Drop):
+                dropped[reply.reason.value] += 1
+                self.dropped.append((node, printable(str(reply))))
                 drops.add(node, reply)
                 continue
             if reply.clipped:
@@ -130,19 +131,19 @@ class RoundState:
         drops.flush()
         return accepted, dropped, len(set(self.sent) - seen - stale)
 
-    def _stale(self, msg: Message, to_node: dict[str, int]) -> str:
-        """Why ``msg`` answers no message of this round (empty: it may; its content's
+    def _stale(self, msg: Message, to_node: dict[str, int]) -> P.Drop | None:
+        """Why ``msg`` answers no message of this round (``None``: it may; its content's
         ``server-round`` echo is checked with the rest of the reply)."""
         if msg.has_error():
-            return ""
+            return None
         answered = msg.metadata.reply_to_message_id
         if to_node and answered not in to_node:
-            return (f"stale-reply: it answers message {answered[:12]!r}, which is not one of "
-                    f"round {self.server_round}'s training messages")
+            return P.Drop(P.DropReason.STALE_REPLY, f"it answers message {answered[:12]!r}, "
+                          f"which is not one of round {self.server_round}'s training messages")
         if msg.metadata.group_id != str(self.server_round):
-            return (f"stale-reply: its group {msg.metadata.group_id!r} is not round "
-                    f"{self.server_round}'s")
-        return ""
+            return P.Drop(P.DropReason.STALE_REPLY, f"its group {msg.metadata.group_id!r} is "
+                          f"not round {self.server_round}'s")
+        return None
 
     def bound_weights(self, accepted: list[P.TrainReply]) -> list[P.TrainReply]:
         """``accepted`` with every weight above ``max_weight_ratio`` times the round's (lower)
@@ -367,12 +368,13 @@ def evaluate_round(server_round: int, replies: Iterable[Message], aggr_fn: Metri
     ignored = 0
     for msg in replies:
         node = msg.metadata.src_node_id
-        reply = ("duplicate: a second evaluation reply from this node in the same round"
+        reply = (P.Drop(P.DropReason.DUPLICATE,
+                        "a second evaluation reply from this node in the same round")
                  if node in seen else P.check_eval_reply(msg, limits))
         if not msg.has_error():  # the SuperLink's error replies for dead nodes share a sender
             seen.add(node)
-        if isinstance(reply, str):
-            dropped[reply.split(":", 1)[0]] += 1
+        if isinstance(reply, P.Drop):
+            dropped[reply.reason.value] += 1
             drops.add(node, reply)
             continue
         weight, values, reasons, count = reply

@@ -68,7 +68,7 @@ def _round(rng: np.random.Generator, scales: list[float]
         reply.metadata.__dict__["_src_node_id"] = node
         checked = P.check_train_reply(reply, shard, set(), node=node, server_round=1,
                                       sent_norms=norms)
-        assert not isinstance(checked, str), checked
+        assert isinstance(checked, P.TrainReply), checked
         accepted.append(checked)
     return sent, accepted, arrays
 

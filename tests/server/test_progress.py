@@ -106,7 +106,9 @@ def _said(caplog: pytest.LogCaptureFixture, level: int, text: str) -> list[str]:
 def test_a_short_run_at_a_small_keep_ratio_is_warned_at_round_1(
         caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="fedshard")
-    round_1(keep=0.25, num_rounds=3)
+    s = round_1(keep=0.25, num_rounds=3)
+    # the run's lr diagnosis, which FallingAccuracy keeps to
+    assert [c.small_start for c in s.callbacks if isinstance(c, SlowStart)] == [True]
     (said,) = _said(caplog, logging.WARNING, "its step can follow")
     share = gradient_share(12, 16, 3)  # layer "2": (12, 16), N = 12, n = 3
     assert said.startswith(f"Round 1: a node at keep ratio r = 0.25 trains 3 of 12 terms of 2: "
@@ -209,3 +211,16 @@ def test_falling_accuracy_checks_its_settings() -> None:
     with pytest.raises(ValueError, match=r"FallingAccuracy\(patience=0, min_drop=0.005\): "
                                          r"expected an integer patience ≥ 1"):
         FallingAccuracy(patience=0)
+
+
+def test_after_a_small_first_step_a_falling_accuracy_never_calls_the_lr_too_large(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """One lr diagnosis per run: round 1's small step said the lr is small (raise it), so a
+    later fall names other causes, never "an lr too large"."""
+    start = SlowStart()
+    start.small_start = True  # what round 1's on_round sets after a small step
+    caplog.set_level(logging.WARNING, logger="fedshard")
+    run_rounds([0.10, 0.150, 0.123, 0.107], callbacks=[start, FallingAccuracy()])
+    (said,) = _said(caplog, logging.WARNING, "has fallen")
+    assert "lr too large" not in said
+    assert "Round 1 was a small step (the lr is small, not too large)" in said
