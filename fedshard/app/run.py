@@ -40,6 +40,7 @@ from fedshard.data import dataset_info
 from fedshard.server.advice import TrainingReceipts
 from fedshard.server.base import KeepRatioStrategy
 from fedshard.server.callbacks import RoundCallback
+from fedshard.server.savings import SavingsReport
 from fedshard.server.side_jobs import TensorBoardLog
 from fedshard.server.strategy import SpectralSharding
 from fedshard.server.width import WidthSlicing
@@ -107,6 +108,7 @@ def run_server(grid: Grid, cfg: RunConfig, *, device: str | None = None) -> dict
         logger.info("Low-rank start: the %d sharded layers truncated to rank ⌈%g·N⌉ (%.1f %% "
                     "of their energy removed).", len(layers), cfg.init_keep_ratio, 100 * removed)
     strategy = build_strategy(cfg, model, device)
+    _without_library_report(strategy)
     directory = cfg.results_path
     initial = ArrayRecord(model.state_dict())
     done = 0
@@ -289,6 +291,13 @@ def _savings(cfg: RunConfig, model: nn.Module, strategy: KeepRatioStrategy,
         return None
     logger.info("%s", savings_line(savings))
     return savings
+
+
+def _without_library_report(strategy: KeepRatioStrategy) -> None:
+    """The app writes the end-of-run line itself (with the reference run and into
+    ``summary.json``): the strategy's own :class:`~fedshard.server.savings.SavingsReport`
+    would say it twice."""
+    strategy.callbacks[:] = [c for c in strategy.callbacks if not isinstance(c, SavingsReport)]
 
 
 def side_jobs(cfg: RunConfig, model: nn.Module, sharded_layers: Sequence[str],

@@ -167,6 +167,7 @@ def default_callbacks() -> list[RoundCallback]:
         UntrainedChannels,
     )
     from fedshard.server.progress import FallingAccuracy, SlowStart
+    from fedshard.server.savings import SavingsReport
     from fedshard.server.stops import (
         StopOnDivergence,
         StopWhenEveryReplyFails,
@@ -178,7 +179,7 @@ def default_callbacks() -> list[RoundCallback]:
             SingleNodeGroups(), SmallCohort(), CompoundingMultipliers(), SlowStart(),
             TrainingReceipts(), StopOnDivergence(), StopWhenEveryReplyFails(),
             StopWhenUntrained(), FallingAccuracy(),
-            UnchangingModel()]
+            UnchangingModel(), SavingsReport()]
 
 
 

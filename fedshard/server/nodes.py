@@ -272,7 +272,7 @@ class NodeDirectory:
                        "here, and its model is the last trained round's (in the checkpoint). "
                        "Start nodes that are not left out and a new run, or start the run "
                        "again with exclude-distrusted = false (it cannot change on resume).")
-            log(ERROR, "%s", message)
+            log(ERROR, "RUN FAILED: %s", message)
             stop = StopRun(message)
             stop.logged = True
             raise stop
@@ -305,7 +305,7 @@ class NodeDirectory:
         hint = likely_fix(reason)
         if hint:
             message += f" Likely fix: {hint}"
-        log(ERROR, "%s", message)
+        log(ERROR, "RUN FAILED: %s", message)
         stop = NoRoundTrainedError(message)
         stop.logged = True
         raise stop

@@ -109,7 +109,7 @@ class StopOnDivergence(RoundCallback):
                    f"the {replied:.0f} nodes that replied (max_diverged_fraction={limit:g}); "
                    "the run stops here and the global model stays the previous round's. To "
                    f"fix: {'; or '.join(advice)}.")
-        logger.error("%s", message)
+        logger.error("RUN FAILED: %s", message)
         raise _said(TrainingDivergedError(message))
 
 
@@ -138,12 +138,13 @@ class StopWhenEveryReplyFails(RoundCallback):
         hint = likely_fix(reason)
         if hint:
             message += f" Likely fix: {hint}"
-        logger.error("%s", message)
+        logger.error("RUN FAILED: %s", message)
         raise _said(StopRun(message))
 
 
 def _said(stop: StopRun) -> StopRun:
-    """``stop``, marked as already logged."""
+    """``stop``, marked as already logged (its ERROR line begins ``RUN FAILED:``, the signal a
+    run's log ends with, in fedshard's app and in a project of its own)."""
     stop.logged = True
     return stop
 
@@ -210,7 +211,7 @@ class StopWhenUntrained(RoundCallback):
 
     @staticmethod
     def _stop(message: str) -> None:
-        logger.error("%s", message)
+        logger.error("RUN FAILED: %s", message)
         raise _said(NoRoundTrainedError(message))
 
 
