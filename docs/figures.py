@@ -28,6 +28,10 @@ its numbers from a committed file, and says which in its caption on the pages.
   accuracy against round of every row of ``experiments/width-table.toml`` (one panel per
   budget) and of ``experiments/width-resnet.toml`` (with its compared spectral rows), mean ± 1
   std over the seeds, drawn by the report's :func:`plot_accuracy` from ``results/``.
+- ``verdict.png`` (README, the front page, Which method for my devices): what to train for
+  devices of unequal capacity: each federation's final test accuracy at full size of every
+  row, mean ± 1 std and each seed, the small model and the whole model (which no weak device
+  can run) marked, from ``results/mixed-capacity/table.json``.
 - ``mixed-capacity.png`` (Which method for my devices): per mix of strong and weak devices,
   test accuracy against round of every row, and each final model's accuracy against the
   forward FLOPs of the model a device of each budget runs, from ``results/mixed-capacity/``
@@ -493,6 +497,59 @@ def _deployed_flops(table: dict[str, Any], label: str, budget: str, weakest: flo
     return float(at[kind]["forward-flops"])
 
 
+def figure_verdict(out: Path) -> Path:
+    """The headline: per federation, every row's final full-size test accuracy (mean ± 1 std,
+    and each seed as a dot), best first; the small model in its own colour, the whole model
+    trained by every node (a model no weak device can run) hatched
+    (``results/mixed-capacity/table.json``, written by ``benchmarks/mixed_capacity.py``)."""
+    from fedshard_lab.experiments.plots import _matplotlib
+
+    table = json.loads((ROOT / "results" / "mixed-capacity" / "table.json").read_text())
+    columns = list(table["statistics"])
+    kinds = {"Small model": ("tab:green", "the small model, every node"),
+             "Whole model, every node": ("0.8", "the whole model, every node (no weak device "
+                                                "can run it)")}
+    kinds.update({label: ("tab:blue", "spectral sharding") for label in
+                  ("Collective", "Unbiased", "Top-n, low-rank start",
+                   "PriSM + Wallenius + ClipLR")})
+    kinds.update({label: ("tab:orange", "width slicing") for label in
+                  ("HeteroFL", "FedRolex", "Ordered dropout")})
+    kinds.update({label: ("tab:purple", "the whole model, strong devices only") for label in
+                  ("Strong devices only", "Strong devices only, 10 a round")})
+    sizes = [len(table["statistics"][c]["full"]) for c in columns]
+    _, Figure, FigureCanvasAgg = _matplotlib()
+    fig = Figure(figsize=(8.5, 1.2 + 0.32 * sum(sizes) + 0.5 * len(columns)),
+                 layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(columns), 1, sharex=True, height_ratios=sizes, squeeze=False)
+    seen: dict[str, Any] = {}
+    for ax, column in zip(axes[:, 0], columns, strict=True):
+        rows = table["statistics"][column]["full"]
+        order = sorted(rows, key=lambda label: rows[label]["mean"])
+        for y, label in enumerate(order):
+            entry = rows[label]
+            colour, kind = kinds.get(label, ("0.5", "other"))
+            bar = ax.barh(y, 100 * entry["mean"], xerr=100 * entry.get("std", 0.0),
+                          color=colour, edgecolor="0.3", capsize=2, height=0.7,
+                          hatch="//" if label == "Whole model, every node" else None)
+            seen.setdefault(kind, bar)
+            seeds = [100 * v for v in entry["seeds"].values()]
+            ax.plot(seeds, [y] * len(seeds), "k.", ms=3)
+        ax.set_yticks(range(len(order)), order, fontsize="small")
+        ax.set_title(column, fontsize="medium", loc="left")
+        ax.set_xlim(0, 100)
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1, 0].set_xlabel("final test accuracy at full size (%): mean ± 1 std over 3 seeds, "
+                           "dots: each seed")
+    fig.legend(list(seen.values()), list(seen), loc="outside lower center", ncol=2,
+               fontsize="small")
+    fig.suptitle("Devices of unequal capacity: Fashion-MNIST, ResNet-18 (GroupNorm, width 16), "
+                 "100 nodes, 60 rounds", fontsize="medium")
+    path = out / "verdict.png"
+    fig.savefig(path, dpi=100)
+    return path
+
+
 def figure_mixed_capacity(out: Path) -> Path:
     """Where spectral sharding pays: test accuracy per round of every row of each mix (full
     size, mean over the finished seeds), and each model's final accuracy against the forward
@@ -568,6 +625,7 @@ FIGURES: dict[str, Callable[[Path], Path]] = {
     "sharding": figure_sharding,
     "width": figure_width,
     "mixed-capacity": figure_mixed_capacity,
+    "verdict": figure_verdict,
 }
 
 
