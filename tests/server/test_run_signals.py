@@ -5,6 +5,8 @@ example input), and a run that stops says ``RUN FAILED:`` in its ERROR line."""
 from __future__ import annotations
 
 import logging
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,3 +58,15 @@ def test_a_run_that_trains_nothing_says_run_failed(caplog: pytest.LogCaptureFixt
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors[-1].startswith("RUN FAILED: No round trained: none of the 2 round(s)"), errors
     assert not _lines(caplog, "what sharding bought")
+
+
+def test_a_width_slicing_run_ends_with_what_its_narrow_models_cost(
+        caplog: pytest.LogCaptureFixture) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "width"))
+    import test_width_strategy as w
+
+    caplog.set_level(logging.INFO, logger="fedshard")
+    w._run(w._strategy("heterofl"), w._grid([0.5, 0.5, 1.0, 1.0]), 2)
+    (line,) = _lines(caplog, "what sharding bought")
+    assert "r = 0.5: received " in line and "r = 1: received " in line
+    assert not _lines(caplog, "could not be counted")
