@@ -332,7 +332,7 @@ class RunRecorder:
     def finish(self, state_dict: Mapping[str, torch.Tensor],
                extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Save the final model and a summary (with ``extra``'s entries added, e.g.
-        ``"sharding"``: :func:`fedshard.app.savings.sharding_savings`), then release the run
+        ``"sharding"``: :func:`fedshard.server.savings.sharding_savings`), then release the run
         directory's lock."""
         buffer = io.BytesIO()
         torch.save(dict(state_dict), buffer)

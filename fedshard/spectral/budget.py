@@ -6,7 +6,7 @@ Bytes follow the wire format exactly, from the shapes and dtypes of the state di
 (:mod:`fedshard.spectral.cost`): the dense entries as they are, each sharded layer's weight
 replaced by its ``u``, ``v``, ``omega`` and ``indices`` (the reply leaves ``omega`` out). FLOPs
 are counted by :class:`torch.utils.flop_counter.FlopCounterMode` on the sub-model a node at
-keep ratio ``r`` trains (the end-of-run report, :mod:`fedshard.app.savings`, counts them the
+keep ratio ``r`` trains (the end-of-run report, :mod:`fedshard.server.savings`, counts them the
 same way). The strategy logs :func:`budget_summary` and :func:`budget_warnings` once, when the
 nodes' keep ratios are first known.
 """
