@@ -10,8 +10,10 @@ paired difference to the column's best baseline, and each method's cost per budg
   weak device could train (a reference row).
 - **Paired statistics**: a seed fixes the data split and the node sampling of every row, so
   each cell's difference to the column's best baseline (the width rows, the small model and the
-  strong-only row) is taken seed by seed; its mean ± std and whether the mean exceeds the std
-  (``beyond-spread``) say which differences the seeds support.
+  strong-only row) is taken seed by seed: its mean ± std and ``n`` (and whether the mean
+  exceeds the std, ``beyond-spread``). The table's ``*`` is the stated test, computed from
+  them: a two-sided 95 % Student-t interval of the paired differences,
+  ``mean ± t(0.975, n − 1)·std/√n`` (:func:`ci95_half`), that excludes 0.
 - **Cost per budget** (``--costs``): for the dense model, the spectral sub-model at r and the
   width of equal forward FLOPs (the width rows' slice, and the small model at the weakest r):
   forward and training (forward + backward) FLOPs per example, the bytes a node receives and
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from collections import defaultdict
@@ -158,6 +161,23 @@ def statistics_of(cells: dict[tuple[str, str], dict[str, dict[int, float]]]
     return out
 
 
+#: t(0.975, df) for df = 1..30 (Student's t, two-sided 95 %); beyond 30, within 0.3 % of
+#: 1.96 + 2.4/df (checked against scipy in tests/experiments/test_mixed_capacity_table.py).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def ci95_half(std: float | None, n: int) -> float | None:
+    """Half the width of the two-sided 95 % Student-t interval of a mean of ``n`` paired
+    differences of sample std ``std``: ``t(0.975, n − 1)·std/√n``; ``None`` below 2."""
+    if std is None or n < 2:
+        return None
+    df = n - 1
+    t = _T975[df - 1] if df <= len(_T975) else 1.96 + 2.4 / df
+    return t * std / math.sqrt(n)
+
+
 def costs(ratios: tuple[float, ...] = (0.1, 0.2, 0.4, 1.0)) -> dict[str, Any]:
     """What a node at each keep ratio computes, receives, sends and holds, for the spectral
     sub-model and the width of equal forward FLOPs (ResNet-18 width 16, 28×28×1)."""
@@ -169,7 +189,7 @@ def costs(ratios: tuple[float, ...] = (0.1, 0.2, 0.4, 1.0)) -> dict[str, Any]:
 
 def markdown(result: dict[str, Any]) -> str:
     """The table: one block per column, a row per method, a column per budget, each cell
-    "mean ± std (Δ vs the best baseline, * where beyond the seeds' spread)"."""
+    "mean ± std (Δ vs the best baseline, * where its 95 % t interval excludes 0)"."""
     lines: list[str] = []
     for column, budgets in result["statistics"].items():
         names = list(budgets)
@@ -193,7 +213,9 @@ def markdown(result: dict[str, Any]) -> str:
                                                   if e["std"] is not None else "")
                 d = e.get("vs-best-baseline")
                 if d is not None:
-                    text += f" ({100 * d['mean']:+.1f}{'*' if d['beyond-spread'] else ''})"
+                    half = ci95_half(d["std"], d["n"])  # from the record's own fields
+                    mark = "*" if half is not None and abs(d["mean"]) > half else ""
+                    text += f" ({100 * d['mean']:+.1f}{mark})"
                 seeds = tuple(sorted(e["seeds"], key=int))
                 if seeds != common:
                     text += f" [seed{'s' * (len(seeds) > 1)} {_and(seeds)}]"

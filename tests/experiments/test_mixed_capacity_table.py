@@ -37,11 +37,18 @@ def test_the_paired_difference_is_taken_seed_by_seed_against_the_best_baseline()
     assert d["mean"] == pytest.approx((0.02 + 0.04 + 0.01) / 3)
     assert d["std"] == pytest.approx(statistics.stdev([0.02, 0.04, 0.01]))
     assert d["beyond-spread"] is True  # 0.0233 ± 0.0153
+    # the stated test: t(0.975, 2) = 4.303, so the interval is ± 4.303 · 0.0153 / √3 = 0.038
+    half = mixed_capacity.ci95_half(d["std"], d["n"])
+    assert half == pytest.approx(4.303 * statistics.stdev([0.02, 0.04, 0.01]) / 3 ** 0.5)
+    assert abs(d["mean"]) < half
     # at r = 0.1 the small model is the best baseline; Collective's deficit is steady
     d = stats["r0.1"]["Collective"]["vs-best-baseline"]
     assert d["baseline"] == "Small model"
     assert d["mean"] == pytest.approx((-0.17 - 0.19 - 0.15) / 3)
-    assert d["beyond-spread"] is True
+    assert d["beyond-spread"] is True  # -0.17 ± 0.02 (n = 3): its t interval excludes 0 too
+    assert abs(d["mean"]) > mixed_capacity.ci95_half(d["std"], d["n"])
+    table = mixed_capacity.markdown({"statistics": mixed_capacity.statistics_of(cells)})
+    assert "(-17.0*)" in table and "(+2.3)" in table  # the mark is the t test's
     # the best baseline is not compared with itself; another baseline is
     assert "vs-best-baseline" not in stats["r0.1"]["Small model"]
     assert stats["r0.1"]["HeteroFL"]["vs-best-baseline"]["baseline"] == "Small model"
@@ -82,3 +89,11 @@ def test_a_run_counts_only_when_the_app_and_the_runner_both_recorded_it_finished
         json.dumps({"round": 59}) + "\n" + json.dumps({"round": 60, "test-accuracy": 0.5}) + "\n")
     row = mixed_capacity.final_row(tmp_path)
     assert (row == {"round": 60, "test-accuracy": 0.5}) if counted else row is None
+
+
+def test_the_t_quantiles_are_students() -> None:
+    stats = pytest.importorskip("scipy.stats")
+    for n in (2, 3, 4, 6, 11, 31, 60, 200):
+        half = mixed_capacity.ci95_half(1.0, n)
+        assert half == pytest.approx(stats.t.ppf(0.975, n - 1) / n ** 0.5, rel=3e-3)
+    assert mixed_capacity.ci95_half(None, 3) is None and mixed_capacity.ci95_half(1.0, 1) is None
