@@ -283,9 +283,13 @@ def spread_replies(server_round: int, accepted: Sequence[P.TrainReply],
         elif node in warned:
             # with the same local epochs, a node holding more data takes more steps and moves
             # further: an honest data-rich node can pass the bound, and the operator must see it
-            hint = (" A node holding much more data than most moves further with honest "
-                    "training: if this node is honest, raise max-update-spread (0 turns the "
-                    "bound off)." if weights[node] >= 2 * typical else "")
+            # the advice never loosens the bound: under attack that is what the attacker wants
+            hint = (f" A node holding much more data than most moves further with honest "
+                    f"training, and its claim of {claims[node]:g} examples explains this "
+                    "change, so it is not held to the median. If it cannot hold that much "
+                    "data, its claim is what buys it this pull: cap claims with "
+                    "max-num-examples or leave it out (exclude-distrusted)."
+                    if weights[node] >= 2 * typical else "")
             log(WARNING, "Round %d: node %d changed more than max-update-spread=%g times the "
                 "round's median change (%s); its change is shrunk to that bound. It is "
                 "weighted as %g examples, the round's median %g.%s", server_round, node,
