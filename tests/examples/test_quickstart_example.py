@@ -36,8 +36,9 @@ def test_the_diffs_shown_are_the_real_change() -> None:
         lines = block.splitlines()
         assert {x[1:].strip() for x in lines if x.startswith("-")} == removed, name
         assert {x[1:].strip() for x in lines if x.startswith("+")} == added, name
-    for name in ("example README", "integration.md"):
+    for name in ("example README", "integration.md", "README.md"):
         assert f"{changed} changed lines" in pages[name].replace("\n", " "), name
+    assert changed <= 10  # the printed recipe: at most ten lines
 
 
 @pytest.fixture
