@@ -14,7 +14,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10; tomli comes with flwr
     import tomli as tomllib
 
-from fedshard import LocalTraining, NodePolicy, ReplyPolicy, Sharding
+from fedshard import LocalTraining, NodePolicy, ReplyPolicy, Sharding, robust_defaults
 from fedshard.app.config import ConfigError, KeepRatioMixture, RunConfig
 from fedshard.server.schedule import cosine_lr
 
@@ -121,7 +121,8 @@ def test_settings_objects_are_built_from_the_run_config(tmp_path: Path) -> None:
     assert cfg.sharding == Sharding(method="top-n", design="cps", scaled=True)
     assert cfg.sharding.prism_exponent is None  # 0: the paper's default
     assert cfg.training == LocalTraining(lr=0.02, clip_lr_tau=None)
-    assert cfg.replies == ReplyPolicy(max_num_examples=None, aggregation="median")
+    # the app's defaults are the robust preset; the run config's keys over it
+    assert cfg.replies == robust_defaults(max_num_examples=None, aggregation="median")
     assert cfg.node_policy() == NodePolicy(keep_ratio_table={"node-0": 0.5},
                                            query_timeout=30.0, node_wait_timeout=30.0)
     assert RunConfig().training.clip_lr_tau == 10.0
