@@ -246,8 +246,8 @@ def test_bad_input_is_refused_with_what_was_expected() -> None:
 
 
 class ConvVAE(nn.Module):
-    """A conv encoder to a 2-number code and a ConvTranspose2d decoder (the adoption report's
-    VAE without the sampling): the decoder's transposed convs hold most of the bytes."""
+    """A conv encoder to a 2-number code and a ConvTranspose2d decoder (a VAE without the
+    sampling): the decoder's transposed convs hold most of the bytes."""
 
     def __init__(self) -> None:
         super().__init__()
