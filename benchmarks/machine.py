@@ -25,12 +25,16 @@ def cpu_name() -> str:
 
 
 def command() -> str:
-    """The command line this process was started with, the script relative to the
-    repository (``python benchmarks/bench_x.py --flag``)."""
+    """The command line this process was started with, as a committed record holds it: the
+    script and every path argument inside the repository relative to it
+    (``python benchmarks/bench_x.py --out results/x.json``), a path outside it as
+    ``<outside the repository>/`` and its last two parts."""
+    from fedshard.app.results import portable_command
+
     script = Path(sys.argv[0]).resolve()
     with contextlib.suppress(ValueError):
         script = script.relative_to(ROOT)
-    return shlex.join(["python", str(script), *sys.argv[1:]])
+    return shlex.join(["python", *portable_command([str(script), *sys.argv[1:]])])
 
 
 def provenance(device: str = "cpu") -> dict[str, Any]:

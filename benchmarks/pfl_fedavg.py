@@ -2,7 +2,8 @@
 ``bench_engine.py --pfl-python``.
 
 Run by ``bench_engine.py`` with another interpreter (one where ``pfl[pytorch]`` is installed,
-e.g. ``/work/venv-pfl/bin/python``); it imports neither fedshard nor flwr. Its input is one
+e.g. ``../venv-pfl/bin/python`` after ``python3 -m venv ../venv-pfl && ../venv-pfl/bin/pip
+install "pfl[pytorch]"``); it imports neither fedshard nor flwr. Its input is one
 ``torch.save`` file that ``bench_engine.py`` writes (:func:`write_input`'s keys): the model
 (a ``torch.nn.Sequential`` of torch's own modules, fedshard's MLP's ``net``), every client's
 examples as tensors, the test examples, and the recipe (lr, momentum, weight decay, batch,

@@ -26,7 +26,7 @@ import math
 import platform
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from logging import INFO
 from pathlib import Path
 from types import TracebackType
@@ -46,7 +46,14 @@ from fedshard.app.rundir import (
 )
 from fedshard.server.metrics import NON_FINITE, non_finite
 
-__all__ = ["ExistingResultsError", "RunLockedError", "RunRecorder", "git_commit"]
+__all__ = [
+    "ExistingResultsError",
+    "RunLockedError",
+    "RunRecorder",
+    "git_commit",
+    "portable_command",
+    "portable_path",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +73,35 @@ def git_commit(path: Path | None = None) -> str:
         return out + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def portable_path(path: Path | str) -> str:
+    """``path`` as a record that may be committed should hold it: relative to the git work tree
+    that contains it (``"results/fmnist-table"``, ``"."`` for the tree itself), so that no
+    committed file holds a path of the machine that wrote it; a path outside any work tree
+    (the user's own folder) is returned as given."""
+    absolute = Path(path).expanduser().absolute()
+    for folder in (absolute, *absolute.parents):
+        if (folder / ".git").exists():
+            return absolute.relative_to(folder).as_posix() or "."
+    return str(path)
+
+
+def portable_command(args: Sequence[str]) -> list[str]:
+    """A command line as a committed record should hold it: each argument that is an absolute
+    path (also the value of ``--flag=/path``) relative to its git work tree, or, outside any,
+    ``<outside the repository>/`` and its last two parts (``.../bin/python``)."""
+    out = []
+    for arg in args:
+        flag, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+        if not value.startswith("/"):
+            out.append(arg)
+            continue
+        where = portable_path(value)
+        if where.startswith("/"):
+            where = "<outside the repository>/" + "/".join(Path(value).parts[-2:])
+        out.append(f"{flag}{eq}{where}")
+    return out
 
 
 def _nulled(value: Any, where: str, bad: list[str]) -> Any:
@@ -268,7 +304,9 @@ class RunRecorder:
                                      else 0.0)
         self._last = time.time()
         info: dict[str, Any] = {
-            "config": dict(config),
+            # results-dir relative to its checkout: config.json files are committed as records
+            "config": {**config, **({"results-dir": portable_path(config["results-dir"])}
+                                    if config.get("results-dir") else {})},
             "git-commit": git_commit(),
             "python": platform.python_version(),
             "torch": torch.__version__,

@@ -13,6 +13,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,6 +32,11 @@ pytestmark = [
     pytest.mark.skipif(not FMNIST.is_dir(), reason="needs `apt-get install "
                        "dataset-fashion-mnist` (.ci/run installs it)"),
 ]
+
+
+def flwr_home(record: dict) -> str:
+    """The launch's FLWR_HOME: runner.json names it inside the system's temporary folder."""
+    return str(Path(tempfile.gettempdir()) / record["flwr-home"])
 
 
 def _interrupt_cli_after_first_round(results: Path) -> tuple[int, list[str]]:
@@ -80,7 +86,7 @@ def test_smoke_suite_interrupt_resume_skip_report(tmp_path: Path) -> None:
     assert "interrupted; the run's processes are stopped" in text
     record = json.loads((first.directory / "runner.json").read_text())
     assert record["status"] == "interrupted"
-    assert processes_with_env("FLWR_HOME", record["flwr-home"]) == []
+    assert processes_with_env("FLWR_HOME", flwr_home(record)) == []
     # Stopped in round 2. The server writes round 1's metrics row, then its checkpoint: the
     # run resumes after round 1, or (if the signal won that race, which is rare) starts again
     # from scratch.
@@ -114,7 +120,7 @@ def test_smoke_suite_interrupt_resume_skip_report(tmp_path: Path) -> None:
         record = json.loads((spec.directory / "runner.json").read_text())
         assert record["status"] == "finished" and record["wall-s"] > 0
         assert record["run-config"] == spec.run_config
-        assert processes_with_env("FLWR_HOME", record["flwr-home"]) == []
+        assert processes_with_env("FLWR_HOME", flwr_home(record)) == []
         rows = [json.loads(x) for x in (spec.directory / "metrics.jsonl").read_text().splitlines()]
         assert [r["round"] for r in rows] == [0, 1, 2]
 

@@ -7,6 +7,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -73,8 +75,26 @@ def test_runner_json_records_overrides_wall_time_and_output(tmp_path: Path) -> N
     assert record["returncode"] == 0
     log = (spec.directory / "flwr-output.log").read_text().splitlines()
     assert log == ["INFO : round 0", "INFO : round 1", "INFO : round 2"]
-    # the per-run FLWR_HOME is a fresh temporary folder, removed afterwards
-    assert not Path(record["flwr-home"]).exists()
+    # the per-run FLWR_HOME is a fresh temporary folder, named by its name alone (records are
+    # committed), removed afterwards
+    assert record["flwr-home"].startswith("fedshard-flwr-") and "/" not in record["flwr-home"]
+    assert not (Path(tempfile.gettempdir()) / record["flwr-home"]).exists()
+    assert record["app-dir"] == "."  # the app is this checkout: stored relative to it
+
+
+def test_records_hold_paths_relative_to_their_checkout(tmp_path: Path) -> None:
+    """A suite whose results lie inside a git work tree records no absolute path: the
+    launch gets the absolute results-dir the ServerApp needs, runner.json and the run's
+    config.json say where it is relative to the checkout."""
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    suite = make_suite(tmp_path, seeds=(0,))
+    launcher = FakeLauncher()
+    run_suite(suite, launch=launcher, emit=lambda _: None)
+    spec = suite.runs[0]
+    assert spec.run_config["results-dir"] == str(tmp_path / "res")  # what the app is given
+    record = json.loads((spec.directory / "runner.json").read_text())
+    assert record["run-config"]["results-dir"] == "res"
+    assert str(tmp_path) not in json.dumps(record)
 
 
 def test_progress_lines_and_eta(tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fedshard.app.config import ProblemsError
+from fedshard.app.results import portable_path
 from fedshard.app.rundir import RunLock, RunLockedError
 from fedshard_lab.experiments.launch import SimulationRun, launcher_for
 from fedshard_lab.experiments.progress import MetricsTail, Progress, format_duration
@@ -106,6 +107,15 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
     os.replace(tmp, path)
+
+
+def _portable_settings(run_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The run config as ``runner.json`` records it: ``results-dir`` relative to its checkout
+    (the launch itself is given the absolute path the ServerApp needs)."""
+    out = dict(run_config)
+    if out.get("results-dir"):
+        out["results-dir"] = portable_path(out["results-dir"])
+    return out
 
 
 # ---------------------------------------------------------------------- signals and locking
@@ -337,11 +347,12 @@ def _launch_one(suite: Suite, spec: RunSpec, launch: Launcher, progress: Progres
     record: dict[str, Any] = {
         "suite": suite.name, "suite-file": suite.source, "label": spec.label,
         "column": spec.column, "seed": spec.seed, "run-name": spec.name,
-        "run-config": spec.run_config, "num-supernodes": suite.num_supernodes,
-        "client-num-cpus": suite.client_num_cpus,
-        "client-num-gpus": suite.client_num_gpus, "app-dir": str(suite.app_dir),
+        "run-config": _portable_settings(spec.run_config),
+        "num-supernodes": suite.num_supernodes, "client-num-cpus": suite.client_num_cpus,
+        "client-num-gpus": suite.client_num_gpus, "app-dir": portable_path(suite.app_dir),
         "engine": suite.engine,
-        "flwr-home": str(home), "launched": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        # a folder of the system's temporary directory, deleted when the launch ends
+        "flwr-home": home.name, "launched": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "status": "running",
     }
     if resume_round is not None:
