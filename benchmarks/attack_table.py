@@ -80,11 +80,12 @@ sys.path.insert(0, str(ROOT))
 from fakedata import write_idx  # noqa: E402
 from flower_grid import InProcessGrid  # noqa: E402
 from flwr.app import Array, Context, Error, Message  # noqa: E402
-from machine import cpu_name  # noqa: E402
+from machine import command, cpu_name  # noqa: E402
 
 import client_app  # noqa: E402
 from fedshard import protocol as P  # noqa: E402
 from fedshard.app.config import RunConfig  # noqa: E402
+from fedshard.app.results import git_commit  # noqa: E402
 from fedshard.app.run import run_server  # noqa: E402
 from fedshard.app.task import client_dataset, template_model  # noqa: E402
 from fedshard.client import handle_train  # noqa: E402
@@ -183,6 +184,16 @@ def _big_n(sent: Message, reply: Message, memo: dict[str, Any]) -> Message:
     return reply
 
 
+def _claim_times(times: float) -> Attack:
+    """``num-examples`` set to ``times`` the node's own count: just under (99) or over (101)
+    100 times a typical node's, where a rule with a threshold there would jump."""
+    def attack(sent: Message, reply: Message, memo: dict[str, Any]) -> Message:
+        metrics = reply.content[P.METRICS]
+        metrics[P.NUM_EXAMPLES] = int(times * int(metrics[P.NUM_EXAMPLES]))
+        return reply
+    return attack
+
+
 def _like_update(make: Callable[[np.ndarray, np.random.Generator], np.ndarray]) -> Attack:
     """Every array's update replaced by ``make(update, rng)`` scaled to the update's norm."""
     def attack(sent: Message, reply: Message, memo: dict[str, Any]) -> Message:
@@ -223,6 +234,14 @@ ATTACKS: dict[str, Attack] = {
     "num-examples": _big_n,
     "num-examples+negated": lambda s, r, m: _update_times(-1.0)(s, _big_n(s, r, m), m),
     "num-examples+update-x1000": lambda s, r, m: _update_times(1000.0)(s, _big_n(s, r, m), m),
+    "num-examples-x99+update-x1000":
+        lambda s, r, m: _update_times(1000.0)(s, _claim_times(99)(s, r, m), m),
+    "num-examples-x101+update-x1000":
+        lambda s, r, m: _update_times(1000.0)(s, _claim_times(101)(s, r, m), m),
+    "num-examples-x99+negated":
+        lambda s, r, m: _update_times(-1.0)(s, _claim_times(99)(s, r, m), m),
+    "num-examples-x101+negated":
+        lambda s, r, m: _update_times(-1.0)(s, _claim_times(101)(s, r, m), m),
     "noise": _like_update(lambda d, rng: rng.normal(size=d.shape)),
     "constant": _like_update(lambda d, rng: np.ones_like(d)),
     "zero": _zero,
@@ -492,7 +511,7 @@ def run_cell(root: Path, base: dict[str, Any], attack: str | None, attackers: in
     acc = [r["test-accuracy"] for r in rows if "test-accuracy" in r and r.get("round", 0) > 0]
     counts = {k: sum(r.get(k, 0.0) for r in rows) for k in (
         "clipped-update-spread", "clipped-update-norm", "clipped-num-examples",
-        "re-signed-terms", "rebalanced-terms", "update-spread-held", "held-num-examples",
+        "re-signed-terms", "rebalanced-terms", "update-spread-held", "implausible-num-examples",
         "trust-zero", "distrusted-nodes")}
     honest_named = {n for nodes in named.named.values() for n in nodes if n not in bad}
     seen: set[int] = set()
@@ -520,6 +539,10 @@ LABELS = {
     "factors-sign-flip": "factors re-signed", "num-examples": "`num-examples` 2⁵³",
     "num-examples+update-x1000": "update ×1000, `num-examples` 2⁵³",
     "num-examples+negated": "update negated, `num-examples` 2⁵³",
+    "num-examples-x99+update-x1000": "update ×1000, `num-examples` ×99",
+    "num-examples-x101+update-x1000": "update ×1000, `num-examples` ×101",
+    "num-examples-x99+negated": "update negated, `num-examples` ×99",
+    "num-examples-x101+negated": "update negated, `num-examples` ×101",
     "negated": "update negated", "replay": "replay", "noise": "noise", "zero": "zero update",
     "label-flip": "label flip", "alie": "ALIE", "ipm": "IPM", "min-max": "min-max",
     "min-sum": "min-sum", "absent": "absent (no reply: the nodes' data left out)",
@@ -705,7 +728,11 @@ def main() -> None:
                  "dirichlet-alpha": "the data set's paper value", "seeds": seeds,
                  "accuracy": f"mean test accuracy of the last {args.last} rounds"},
         "torch": torch.__version__, "cpu": cpu_name(), "date": time.strftime("%Y-%m-%d"),
-        "threads": torch.get_num_threads(), "results": {}}
+        "threads": torch.get_num_threads(), "command": command(), "git-commit": git_commit(ROOT),
+        # the settings every run took that no defence set: the app's defaults when it ran
+        "app-defaults": {k: v for k, v in RunConfig().as_dict().items()
+                         if k not in ("results-dir", "run-name", "data-dir")},
+        "results": {}}
     with tempfile.TemporaryDirectory() as tmp:
         data = _subset(Path(tmp) / "data", args.train, args.test)
         cell = 0

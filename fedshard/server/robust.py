@@ -13,9 +13,10 @@ counted in the round's metrics:
 
 * :func:`align_replies` (``align_factors``, on by default): each term in the sign and balance of
   the term sent (``re-signed-terms``, ``rebalanced-terms``); a no-op for honest nodes;
-* :func:`weight_bound` (``max_weight_ratio``, 2 by default): a ``num-examples`` above that
-  multiple of the round's median is weighted as that multiple, one beyond :data:`FAR_WEIGHT`
-  times the median as the median (``clipped-num-examples``, ``held-num-examples``);
+* :func:`bounded_weights` (``max_weight_ratio``, 2 in the robust preset): a ``num-examples``
+  above that multiple of the round's median is weighted as that multiple
+  (``clipped-num-examples``), however large; a claim beyond :data:`FAR_WEIGHT` times the
+  median is also named in a WARNING (``implausible-num-examples``);
 * :func:`spread_replies` (``max_update_spread`` = κ, 2 by default): a node's change of a layer
   or dense entry beyond κ times the round's median is shrunk to it (``clipped-update-spread``,
   ``update-spread-max``); a node whose update is out of line as a whole, beyond what its
@@ -30,6 +31,7 @@ counted in the round's metrics:
 from __future__ import annotations
 
 import statistics
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from logging import INFO, WARNING
@@ -53,6 +55,7 @@ from fedshard.spectral.decompose import LayerSpectrum
 __all__ = [
     "FAR_WEIGHT",
     "align_replies",
+    "bounded_weights",
     "coordinatewise_median",
     "coordinatewise_trimmed_mean",
     "dense_rule",
@@ -61,15 +64,35 @@ __all__ = [
     "weight_bound",
 ]
 
-#: A ``num-examples`` beyond this multiple of the round's median is not believed: the node is
-#: named in a WARNING and weighted as the median (:func:`weight_bound`), and its update is
-#: judged as a typical node's (:func:`spread_replies`). Honest nodes holding more data than
-#: most, up to this multiple, are weighted at most ``max_weight_ratio`` times the median.
+#: A ``num-examples`` beyond this multiple of the round's median is implausible: the node is
+#: named in a WARNING. Its weight is what :func:`bounded_weights` gives any claim above the
+#: median (no threshold changes it), and :func:`spread_replies` reads at most this multiple
+#: of the median as the data that explains a large update.
 FAR_WEIGHT = 100.0
 
 
 def _count(metrics: dict[str, float], name: str, k: float) -> None:
     metrics[name] = metrics.get(name, 0.0) + k
+
+
+def bounded_weights(weights: Sequence[float], ratio: float) -> list[float]:
+    """The weights a round's replies are aggregated with, from their ``num-examples``
+    ``weights``, under ``max_weight_ratio`` = ``ratio`` (0: off, FedAvg's weights).
+
+    With ``m`` the round's lower median (``statistics.median_low``), a reply claiming ``w``
+    gets ``min(w, ratio·m)``: an honest node holding more data than most is weighted up to
+    ``ratio`` typical nodes, and so is any claim above that, however large. The weight is
+    continuous and non-decreasing in the claim: there is no threshold a claim can sit under
+    for more pull (a claim just under 100 times the median weighs what one far above it
+    does), and :func:`spread_replies` judges an update against this weight, not the claim.
+    ``f`` colluding nodes weigh at most ``ratio·f`` typical nodes whatever they claim, so they
+    out-weigh ``n − f`` honest nodes of typical size only when ``f > n / (1 + ratio)`` (a
+    third of the round at ``ratio`` 2); ``max_weight_ratio`` nearer 1 lowers that pull.
+    """
+    if not ratio or not weights:
+        return [float(w) for w in weights]
+    cap = ratio * float(statistics.median_low(weights))
+    return [min(float(w), cap) for w in weights]
 
 
 def weight_bound(weight: float, median: float, ratio: float) -> float:
@@ -92,7 +115,14 @@ def weight_bound(weight: float, median: float, ratio: float) -> float:
         holding more data than most gets there); beyond :data:`FAR_WEIGHT` × ``median`` the
         claim is not believed and the reply is weighted as the median, a typical node.
         With ``ratio`` 0, ``weight`` itself.
+
+    .. deprecated::
+        The jump at :data:`FAR_WEIGHT` is a threshold an attacker can sit under; the rounds
+        use :func:`bounded_weights`, continuous in the claim. ``weight_bound`` is removed in
+        the next release.
     """
+    warnings.warn("weight_bound is deprecated: the rounds use bounded_weights (continuous in "
+                  "the claim)", DeprecationWarning, stacklevel=2)
     if not ratio or weight <= ratio * median:
         return weight
     return median if weight > FAR_WEIGHT * median else ratio * median
@@ -167,30 +197,31 @@ def spread_replies(server_round: int, accepted: Sequence[P.TrainReply],
     ``policy.max_update_spread`` (κ) times the round's median change of it
     (:func:`~fedshard.spectral.aggregate.spread_scales`; off below 3 replies or with κ = 0).
 
-    Every shrunk change is logged; the level says what the evidence says. A node is named in
-    a WARNING (what was shrunk and by how much, its weight against the round's median weight,
-    and, for a node weighted at least twice the median, that honest training on much more data
-    moves further) when its update as a whole is out of line: beyond κ times the median on
-    at least half of the layers and entries it returned and beyond ``2κ`` on one of them (a
-    scaled update moves every layer), or beyond ``10κ`` on any one (a targeted one), both
-    thresholds multiplied by its weight over the round's median weight where that is above 1
-    (k times the data, k times the steps). Honest nodes on different data pass the bound on
-    a few entries (a bias, a norm's scale, one layer) while the rest of their update is
-    typical, and honest data-rich nodes move in proportion to their data: they are listed in
-    one INFO line per round with their largest excess.
+    Every shrunk change is logged; the level says what the evidence says. A node whose
+    update as a whole is out of line is named in a WARNING (what was shrunk and by how much,
+    its weight and the round's median weight, what it reports) and *held to the median*: out
+    of line means beyond κ times the median on at least half of the layers and entries it
+    returned and beyond ``2κ`` on one of them (a scaled update moves every layer), or beyond
+    ``10κ`` on any one (a targeted one), both thresholds multiplied by k, its weight over the
+    round's median weight where that is above 1 (k times the data, k times the steps). The
+    weight is the one it is aggregated with, after :func:`bounded_weights`: at most
+    ``max_weight_ratio`` times the median when that is on, else at most :data:`FAR_WEIGHT`
+    times it, so that no claim buys a larger allowance and no claim sits under a threshold.
+    Honest nodes on different data pass the bound on a few entries (a bias, a norm's scale,
+    one layer) while the rest of their update is typical, and honest data-rich nodes move in
+    proportion to their data up to k: they are listed in one INFO line per round with their
+    largest excess.
 
-    A named node whose update is out of line even against the data it claims (the same test
-    with k its ``claimed`` ``num-examples`` over the round's median weight, before the weight
-    cap; a claim beyond :data:`FAR_WEIGHT` times the median is not believed and counts as the
-    median) is *held to the median*: each of its changes is shrunk to the round's median
-    change of that layer or entry and its weight to the round's median weight, so that it
-    pulls on every average it enters as a typical node does. The two bounds alone leave such
-    a node ``κ × max_weight_ratio`` (4) times a typical node's pull on each average. An
-    honest node holding k times the median's data and moving up to k times further is not
-    held. In ``metrics``, ``clipped-update-spread`` counts the (node, layer or entry) pairs
-    shrunk to κ, ``update-spread-max`` is the largest change over its median, before
-    shrinking, ``update-spread-warned`` the nodes named in a WARNING and
-    ``update-spread-held`` those held to the median.
+    A held node's changes are each shrunk to the round's median change of that layer or
+    entry and its weight to the round's median weight, so that it pulls on every average it
+    enters as a typical node does. The two bounds alone leave such a node
+    ``κ × max_weight_ratio`` (4) times a typical node's pull on each average. An honest node
+    holding more than ``max_weight_ratio`` times the median's data that moves that much
+    further than typical is held too: the price of no claim buying pull. In ``metrics``,
+    ``clipped-update-spread`` counts the (node, layer or entry) pairs shrunk to κ,
+    ``update-spread-max`` is the largest change over its median, before shrinking, and
+    ``update-spread-warned`` and ``update-spread-held`` the nodes named and held (the same
+    nodes).
 
     ``claimed`` maps each node to the ``num-examples`` it reported, before the weight cap
     (default: the replies' weights). Width slicing's replies go through the same rule: every
@@ -246,10 +277,8 @@ def spread_replies(server_round: int, accepted: Sequence[P.TrainReply],
     weights = {r.node: r.weight for r in accepted}
     claims = weights if claimed is None else {n: claimed.get(n, w) for n, w in weights.items()}
     typical = statistics.median_low(weights.values())  # as max-weight-ratio's median
-    warned = {n for n in notes if _out_of_line(excess[n], over[n], len(groups), kappa,
-                                               weights[n] / typical if typical > 0 else 1.0)}
-    held = {n for n in warned if _out_of_line(excess[n], over[n], len(groups), kappa,
-                                              _believed(claims[n], typical))}
+    held = {n for n in notes if _out_of_line(excess[n], over[n], len(groups), kappa,
+                                             _explained(weights[n], typical))}
     for i, r in enumerate(accepted):
         if r.node in held:  # every change from the aligned reply to the median, κ or not
             for name, keys in groups.items():
@@ -257,7 +286,7 @@ def spread_replies(server_round: int, accepted: Sequence[P.TrainReply],
                 if changes[i] > median:
                     for k, b in zip(keys, before[i], strict=True):
                         values[i][k] = shrink_change(b, r.values[k], median / changes[i])
-    near = sorted(set(notes) - warned)
+    near = sorted(set(notes) - held)
     if near:
         log(INFO, "Round %d: %d node(s) changed a few layers or entries more than "
             "max-update-spread=%g times the round's median change; shrunk to it (node: "
@@ -265,47 +294,31 @@ def spread_replies(server_round: int, accepted: Sequence[P.TrainReply],
             "node whose update is out of line as a whole is named in a warning.",
             server_round, len(near), kappa,
             ", ".join(f"{n}: {excess[n]:.3g}x" for n in near[:20]))
-    if warned:
-        metrics["update-spread-warned"] = float(len(warned))
     if held:
-        metrics["update-spread-held"] = float(len(held))
+        metrics["update-spread-warned"] = metrics["update-spread-held"] = float(len(held))
     for node, what in notes.items():
         if node in held:
-            far = claims[node] > FAR_WEIGHT * typical
             log(WARNING, "Round %d: node %d changed more than max-update-spread=%g times the "
-                "round's median change (%s), further than the %.0f examples it reports "
-                "explain (the round's median %g%s); it is aggregated as a typical node: each "
-                "of its changes is shrunk to the round's median change and it is weighted as "
-                "%g examples.", server_round, node, kappa, one_line(", ".join(what[:8]), 600),
-                claims[node], typical,
-                f"; a number beyond {FAR_WEIGHT:g} times it is not believed" if far else "",
+                "round's median change (%s), further than the data it is weighted for "
+                "explains (%g examples, the round's median %g; it reports %.0f); it is "
+                "aggregated as a typical node: each of its changes is shrunk to the round's "
+                "median change and it is weighted as %g examples.", server_round, node, kappa,
+                one_line(", ".join(what[:8]), 600), weights[node], typical, claims[node],
                 min(weights[node], typical))
-        elif node in warned:
-            # with the same local epochs, a node holding more data takes more steps and moves
-            # further: an honest data-rich node can pass the bound, and the operator must see it
-            # the advice never loosens the bound: under attack that is what the attacker wants
-            hint = (f" A node holding much more data than most moves further with honest "
-                    f"training, and its claim of {claims[node]:g} examples explains this "
-                    "change, so it is not held to the median. If it cannot hold that much "
-                    "data, its claim is what buys it this pull: cap claims with "
-                    "max-num-examples or leave it out (exclude-distrusted)."
-                    if weights[node] >= 2 * typical else "")
-            log(WARNING, "Round %d: node %d changed more than max-update-spread=%g times the "
-                "round's median change (%s); its change is shrunk to that bound. It is "
-                "weighted as %g examples, the round's median %g.%s", server_round, node,
-                kappa, one_line(", ".join(what[:8]), 600), weights[node], typical, hint)
     return [replace(r, values=v, weight=min(r.weight, typical)) if r.node in held
             else replace(r, values=v) if r.node in notes else r
             for r, v in zip(accepted, values, strict=True)]
 
 
-def _believed(claim: float, typical: float) -> float:
-    """A node's claimed data over the round's median weight, as the out-of-line test reads
-    it: at least 1, and 1 for a claim beyond :data:`FAR_WEIGHT` times the median (not
-    believed) or a round whose median weight is 0."""
-    if typical <= 0 or claim > FAR_WEIGHT * typical:
+def _explained(weight: float, typical: float) -> float:
+    """The data a node's update is judged against, over the round's median weight: the weight
+    it is aggregated with (after :func:`bounded_weights`, so at most ``max_weight_ratio``
+    times the median when that is on), at least 1, and at most :data:`FAR_WEIGHT`; 1 in a
+    round whose median weight is 0. Continuous in the weight: no claim sits under a
+    threshold."""
+    if typical <= 0:
         return 1.0
-    return max(1.0, claim / typical)
+    return max(1.0, min(weight, FAR_WEIGHT * typical) / typical)
 
 
 def _out_of_line(excess: float, over: int, groups: int, kappa: float,

@@ -38,9 +38,9 @@ from fedshard.server.metrics import (
 from fedshard.server.robust import (
     FAR_WEIGHT,
     align_replies,
+    bounded_weights,
     dense_rule,
     spread_replies,
-    weight_bound,
 )
 from fedshard.server.trust_record import TrustStage
 from fedshard.settings import LocalTraining, ReplyPolicy, Sharding
@@ -146,30 +146,22 @@ class RoundState:
         return None
 
     def bound_weights(self, accepted: list[P.TrainReply]) -> list[P.TrainReply]:
-        """``accepted`` with every weight above ``max_weight_ratio`` times the round's (lower)
-        median weight clipped to it, one beyond :data:`~fedshard.server.robust.FAR_WEIGHT`
-        times the median set to the median (:func:`~fedshard.server.robust.weight_bound`),
-        each logged; ``clipped-num-examples`` counts them, ``held-num-examples`` those set to
-        the median."""
+        """``accepted`` weighted by :func:`~fedshard.server.robust.bounded_weights` under
+        ``max_weight_ratio`` (a claim above that multiple of the round's median weighs that
+        multiple), each lowered weight logged;
+        ``clipped-num-examples`` counts them, ``implausible-num-examples`` the claims beyond
+        :data:`~fedshard.server.robust.FAR_WEIGHT` times the median, each named."""
         ratio = self.replies.max_weight_ratio
         if not ratio or not accepted:
             return accepted
-        median = statistics.median_low(r.weight for r in accepted)
-        cap = ratio * median
-        out = []
-        capped: list[tuple[int, float]] = []
-        for r in accepted:
-            if r.weight > cap:
-                capped.append((r.node, r.weight))
-                r = replace(r, weight=weight_bound(r.weight, median, ratio))
-                self.metrics["clipped-num-examples"] = (
-                    self.metrics.get("clipped-num-examples", 0.0) + 1.0)
-                if r.weight < cap:
-                    self.metrics["held-num-examples"] = (
-                        self.metrics.get("held-num-examples", 0.0) + 1.0)
-            out.append(r)
-        log_weight_caps(self.server_round, capped, ratio, median)
-        return out
+        claims = [r.weight for r in accepted]
+        bounded = bounded_weights(claims, ratio)
+        lowered = [(r.node, r.weight, w) for r, w in zip(accepted, bounded, strict=True)
+                   if w < r.weight]
+        for name, k in weight_metrics(claims, lowered).items():
+            self.metrics[name] = self.metrics.get(name, 0.0) + k
+        log_weight_caps(self.server_round, lowered, ratio, statistics.median_low(claims))
+        return [replace(r, weight=w) for r, w in zip(accepted, bounded, strict=True)]
 
     def finish(self, replies: Iterable[Message], aggr_fn: MetricsAggrFn, weight_key: str,
                ) -> tuple[ArrayRecord | None, MetricRecord | None, dict[str, float]]:
@@ -389,15 +381,16 @@ def evaluate_round(server_round: int, replies: Iterable[Message], aggr_fn: Metri
     if not checked:
         return None, row
     ratio = limits.max_weight_ratio
-    median = statistics.median_low(w for _, w, _ in checked)
-    if ratio and any(w > ratio * median for _, w, _ in checked):
-        capped: list[tuple[int, float]] = []
-        for i, (node, weight, values) in enumerate(checked):
-            if weight > ratio * median:
-                capped.append((node, weight))
-                checked[i] = (node, weight_bound(weight, median, ratio), values)
-                row["clipped-eval-num-examples"] = row.get("clipped-eval-num-examples", 0) + 1.0
-        log_weight_caps(server_round, capped, ratio, median)
+    if ratio:
+        claims = [w for _, w, _ in checked]
+        bounded = bounded_weights(claims, ratio)
+        lowered = [(node, w, b) for (node, w, _), b in zip(checked, bounded, strict=True)
+                   if b < w]
+        if lowered:
+            row["clipped-eval-num-examples"] = float(len(lowered))
+            log_weight_caps(server_round, lowered, ratio, statistics.median_low(claims))
+        checked = [(node, b, values) for (node, _, values), b in
+                   zip(checked, bounded, strict=True)]
     records = [_record(values, weight, weight_key) for _, weight, values in checked]
     out = aggr_fn(records, weight_key)
     return out, _finite(server_round, {
@@ -406,25 +399,37 @@ def evaluate_round(server_round: int, replies: Iterable[Message], aggr_fn: Metri
         "eval-nodes": float(len(records))})
 
 
-def log_weight_caps(server_round: int, capped: Sequence[tuple[int, float]], ratio: float,
-                    median: float) -> None:
-    """Log the nodes whose ``num-examples`` was capped at ``ratio`` × ``median``: each one
-    beyond :data:`~fedshard.server.robust.FAR_WEIGHT` × the median (weighted as the median)
-    in a WARNING, the others (honest nodes holding more data than most get there) in one INFO
-    line."""
-    near = sorted((node, w) for node, w in capped if w <= FAR_WEIGHT * median)
-    for node, weight in capped:
-        if weight > FAR_WEIGHT * median:
+def weight_metrics(claims: Sequence[float], lowered: Sequence[tuple[int, float, float]],
+                   ) -> dict[str, float]:
+    """The round's counts of :meth:`RoundState.bound_weights`: ``clipped-num-examples`` (the
+    ``lowered`` weights) and ``implausible-num-examples`` (claims beyond
+    :data:`~fedshard.server.robust.FAR_WEIGHT` × the round's median)."""
+    median = statistics.median_low(claims)
+    far = sum(1.0 for w in claims if w > FAR_WEIGHT * median)
+    return {**({"clipped-num-examples": float(len(lowered))} if lowered else {}),
+            **({"implausible-num-examples": far} if far else {})}
+
+
+def log_weight_caps(server_round: int, lowered: Sequence[tuple[int, float, float]],
+                    ratio: float, median: float) -> None:
+    """Log the nodes whose weight :func:`~fedshard.server.robust.bounded_weights` lowered
+    (``(node, claim, weight)``): each claim beyond
+    :data:`~fedshard.server.robust.FAR_WEIGHT` × the median in a WARNING naming it, the
+    others (honest nodes holding more data than most get there) in one INFO line."""
+    for node, claim, weight in lowered:
+        if claim > FAR_WEIGHT * median:
             log(WARNING, "Round %d: node %d reports num-examples=%.0f, more than %g times "
-                "the round's median %g, which is not believed (max-weight-ratio=%g caps "
-                "honest nodes holding more data than most); it is weighted as the median, %g.",
-                server_round, node, weight, FAR_WEIGHT, median, ratio, median)
+                "the round's median %g, which is implausible; it is weighted as %.4g "
+                "(max-weight-ratio=%g: no claim weighs more than %g times the median).",
+                server_round, node, claim, FAR_WEIGHT, median, weight, ratio, ratio)
+    near = sorted((node, claim, weight) for node, claim, weight in lowered
+                  if claim <= FAR_WEIGHT * median)
     if near:
         log(INFO, "Round %d: %d node(s) report num-examples above max-weight-ratio=%g times "
             "the round's median %g (up to %.3g times it; nodes %s): each is weighted as %g. "
             "Honest nodes holding more data than most get there; max-weight-ratio = 0 keeps "
             "FedAvg's weights.", server_round, len(near), ratio, median,
-            max(w for _, w in near) / median, ", ".join(str(n) for n, _ in near[:20]),
+            max(c for _, c, _ in near) / median, ", ".join(str(n) for n, _, _ in near[:20]),
             ratio * median)
 
 

@@ -42,14 +42,14 @@ def test_one_node_with_2_53_examples_and_accuracy_minus_5_cannot_set_the_evaluat
                              _reply(1001, 10, eval_loss=0.5, eval_accuracy=0.7),
                              _reply(1002, 2**53, eval_loss=2.0, eval_accuracy=-5.0)])
     row = s.history[1]
-    # node 1002's claim, beyond 100 x the median (10), is not believed: it weighs the median;
-    # its accuracy is left out
+    # node 1002's claim, beyond 100 x the median (10), is named and weighs 2 x the median,
+    # as any claim above the cap does; its accuracy is left out
     assert row["eval-accuracy"] == pytest.approx(0.6)
-    assert row["eval-loss"] == pytest.approx((10 * 1.0 + 10 * 0.5 + 10 * 2.0) / 30)
+    assert row["eval-loss"] == pytest.approx((10 * 1.0 + 10 * 0.5 + 20 * 2.0) / 40)
     assert row["clipped-eval-num-examples"] == 1.0 and row["ignored-eval-metrics"] == 1.0
     assert "node 1002 reports num-examples=9007199254740992, more than 100 times the round's " \
-        "median 10, which is not believed (max-weight-ratio=2 caps honest nodes holding more " \
-        "data than most); it is weighted as the median, 10." in flower_logs.text
+        "median 10, which is implausible; it is weighted as 20 (max-weight-ratio=2: no claim " \
+        "weighs more than 2 times the median)." in flower_logs.text
     assert "eval-accuracy=-5.0 is outside [0, 1]" in flower_logs.text
 
 

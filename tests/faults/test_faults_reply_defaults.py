@@ -31,11 +31,13 @@ def test_an_outsized_num_examples_is_weighted_as_the_median(flower_logs) -> None
 
     g.tamper[1000] = zeroed_and_heavy
     new, row = one_round(strategy(), g)
-    assert row["clipped-num-examples"] == 1.0 and row["held-num-examples"] == 1.0
-    assert row["num-examples"] == 24 + 24 + 24  # each node holds 24 examples
+    assert row["clipped-num-examples"] == 1.0 and row["implausible-num-examples"] == 1.0
+    # each node holds 24 examples; the zeroed node's update is out of line for the 48 it may
+    # weigh at most, so it is held to the median, 24
+    assert row["num-examples"] == 24 + 24 + 24 and row["update-spread-held"] == 1.0
     assert ("Round 1: node 1000 reports num-examples=1000000000000, more than 100 times the "
-            "round's median 24, which is not believed (max-weight-ratio=2 caps honest nodes "
-            "holding more data than most); it is weighted as the median, 24.") \
+            "round's median 24, which is implausible; it is weighted as 48 "
+            "(max-weight-ratio=2: no claim weighs more than 2 times the median") \
         in flower_logs.text
     # the zeroed reply weighs 24/72 of the average, as a typical node, not all of it
     head = new["head.weight"].numpy()
@@ -127,23 +129,24 @@ def test_aggregating_a_round_never_configured_is_warned(flower_logs) -> None:
         "round is 1)" in flower_logs.text
 
 
-def test_a_node_just_past_the_weight_cap_is_listed_at_info_one_far_past_it_warned(
+def test_a_claim_far_past_the_cap_weighs_as_one_just_past_it_and_is_warned(
         flower_logs) -> None:
     # honest nodes holding more data than most pass 2 x the median: one INFO line per round,
-    # weighted as 2 x the median; a claim beyond 100 x the median is named in a WARNING and
-    # weighted as the median
-    for claim, level in ((24 * 50, logging.INFO), (24 * 101, logging.WARNING)):
+    # weighted as 2 x the median; a claim beyond 100 x the median is named in a WARNING, and
+    # weighs the same: no threshold a claim can sit under for more pull
+    for claim, level in ((24 * 50, logging.INFO), (24 * 99, logging.INFO),
+                         (24 * 101, logging.WARNING)):
         flower_logs.clear()
         g = grid()
         g.tamper[1000] = set_metric("num-examples", claim)
         _, row = one_round(strategy(), g)
         assert row["clipped-num-examples"] == 1.0
-        assert ("held-num-examples" in row) is (level == logging.WARNING)
-        assert row["num-examples"] == 24 + 24 + (24 if level == logging.WARNING else 2 * 24)
+        assert ("implausible-num-examples" in row) is (level == logging.WARNING)
+        assert row["num-examples"] == 24 + 24 + 2 * 24
         lines = {(r.levelno, r.getMessage()) for r in flower_logs.records  # (seen twice)
                  if "max-weight-ratio=2" in r.getMessage()}
         assert [lvl for lvl, _ in lines] == [level], lines
         if level == logging.INFO:
-            assert "1 node(s) report num-examples above max-weight-ratio=2 times the round's " \
-                "median 24 (up to 50 times it; nodes 1000): each is weighted as 48" in \
-                next(iter(lines))[1]
+            assert ("1 node(s) report num-examples above max-weight-ratio=2 times the round's "
+                    f"median 24 (up to {claim // 24} times it; nodes 1000): each is weighted as "
+                    "48") in next(iter(lines))[1]

@@ -192,18 +192,18 @@ def test_one_node_times_1000_with_2_53_examples_counts_as_a_typical_node(
     want = _brute_mean(current, nodes)
     for key in want:
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-7, err_msg=key)
-    assert row["update-spread-held"] == 1.0 and row["held-num-examples"] == 1.0
+    assert row["update-spread-held"] == 1.0 and row["implausible-num-examples"] == 1.0
     assert row["clipped-num-examples"] == 1.0 and row["update-spread-warned"] == 1.0
     text = flower_logs.text
     assert ("Round 3: node 1000 reports num-examples=9007199254740992, more than 100 times the "
-            "round's median 100, which is not believed (max-weight-ratio=2 caps honest nodes "
-            "holding more data than most); it is weighted as the median, 100.") in text
+            "round's median 100, which is implausible; it is weighted as 200 "
+            "(max-weight-ratio=2: no claim weighs more than 2 times the median).") in text
     assert "Round 3: node 1000 changed more than max-update-spread=2 times the round's " \
         "median change (" in text
-    assert ("further than the 9007199254740992 examples it reports explain (the round's median "
-            "100; a number beyond 100 times it is not believed); it is aggregated as a typical "
-            "node: each of its changes is shrunk to the round's median change and it is "
-            "weighted as 100 examples.") in text
+    assert ("further than the data it is weighted for explains (200 examples, the round's "
+            "median 100; it reports 9007199254740992); it is aggregated as a typical node: "
+            "each of its changes is shrunk to the round's median change and it is weighted as "
+            "100 examples.") in text
     named = {n for r in flower_logs.records if r.levelno >= logging.WARNING
              for n in re.findall(r"node (\d+)", r.getMessage())}
     assert named == {"1000"}  # no honest node is named
@@ -220,9 +220,9 @@ def test_times_1000_alone_is_held_to_the_median_and_named_with_its_own_count(
     for key, now in _global().items():
         step = np.linalg.norm(clean[key].astype(np.float64) - now)
         assert np.linalg.norm(got[key].astype(np.float64) - clean[key]) <= 0.15 * step, key
-    assert row["update-spread-held"] == 1.0 and "held-num-examples" not in row
-    assert ("further than the 100 examples it reports explain (the round's median 100); it is "
-            "aggregated as a typical node") in flower_logs.text
+    assert row["update-spread-held"] == 1.0 and "implausible-num-examples" not in row
+    assert ("further than the data it is weighted for explains (100 examples, the round's "
+            "median 100; it reports 100); it is aggregated as a typical node") in flower_logs.text
 
 
 def test_a_node_whose_count_explains_its_change_keeps_the_two_bounds_unheld() -> None:
@@ -238,7 +238,7 @@ def test_a_node_whose_count_explains_its_change_keeps_the_two_bounds_unheld() ->
         return 200.0
 
     got, row, seen = _round(EQUAL, tamper=twice)
-    assert "update-spread-held" not in row and "held-num-examples" not in row
+    assert "update-spread-held" not in row and "implausible-num-examples" not in row
     nodes = {n: (v, w, ix) for n, (_, v, ix, w) in seen.items()}
     sent, values, index, _ = seen[1000]
     bounded = {}
@@ -262,33 +262,56 @@ def test_honest_nodes_of_other_widths_and_sizes_are_the_plain_per_element_mean(
     for key in want:
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-7, err_msg=key)
     for name in ("clipped-update-spread", "clipped-num-examples", "update-spread-held",
-                 "update-spread-warned", "held-num-examples"):
+                 "update-spread-warned", "implausible-num-examples"):
         assert name not in row, name
     assert not [r for r in flower_logs.records if r.levelno >= logging.WARNING]
 
 
-def test_an_honest_data_rich_node_keeps_the_bounds_it_had_and_is_not_held(
+def _held_to_the_median(seen: dict, node: int) -> dict:
+    """``node``'s reply held to the median, written out: each entry's change in its own
+    direction at the round's median change of that entry (over every node)."""
+    sent, values, _, _ = seen[node]
+    held = {}
+    for key, s in sent.items():
+        median = float(np.median([_rel(seen[n][0][key], seen[n][1][key]) for n in seen]))
+        d = values[key].astype(np.float64) - s
+        ref = max(np.linalg.norm(s.astype(np.float64)), 0.1 * np.sqrt(s.size))
+        held[key] = (s + d * min(1.0, median * ref / np.linalg.norm(d))).astype(s.dtype)
+    return held
+
+
+def test_a_claim_buys_no_allowance_beyond_the_weight_it_is_aggregated_with(
         flower_logs: pytest.LogCaptureFixture) -> None:
-    # node 1009 holds 20 x the median's data and moves 10 x further on every entry: beyond
-    # 2κ x its capped weight (named, as before), within what 20 x the data explains (not held)
+    # node 1009 claims 20 x the median's data and moves 10 x further on every entry. It is
+    # weighted as 2 x the median (max-weight-ratio), and its update is judged against that
+    # weight, not its claim: beyond 2κ x 2 on every entry, so it is held to the median, as
+    # an attacker claiming 20 x or 99 x is; an honest node holding that much more data than
+    # most and moving that much further is held too (the price of no claim buying pull)
     examples = {**EQUAL, 1009: 2000}
     got, row, seen = _round(examples, {1009: 10.0})
-    assert "update-spread-held" not in row and row["update-spread-warned"] == 1.0
+    assert row["update-spread-held"] == 1.0 and row["update-spread-warned"] == 1.0
+    assert row["clipped-num-examples"] == 1.0 and "implausible-num-examples" not in row
     nodes = {n: (v, w, ix) for n, (_, v, ix, w) in seen.items()}
-    sent, values, index, _ = seen[1009]
-    bounded = {}
-    for key, s in sent.items():  # its change shrunk to κ = 2 times the median, weight 2 x 100
-        median = float(np.median([_rel(seen[n][0][key], seen[n][1][key]) for n in seen]))
-        scale = min(1.0, 2.0 * median / _rel(s, values[key]))
-        bounded[key] = (s + scale * (values[key].astype(np.float64) - s)).astype(s.dtype)
-    nodes[1009] = (bounded, 200.0, index)
+    nodes[1009] = (_held_to_the_median(seen, 1009), 100.0, seen[1009][2])
     want = _brute_mean(_global(), nodes)
     for key in want:
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-7, err_msg=key)
     [line] = {r.getMessage() for r in flower_logs.records
               if r.levelno == logging.WARNING and "max-update-spread" in r.getMessage()}
     assert line.startswith("Round 3: node 1009 changed more than max-update-spread=2 times")
-    assert "It is weighted as 200 examples, the round's median 100. A node holding much more " \
-        "data than most moves further with honest training, and its claim of " in line
+    assert ("further than the data it is weighted for explains (200 examples, the round's "
+            "median 100; it reports 2000)") in line
     assert "raise max-update-spread" not in line  # the advice never loosens the bound
-    assert "typical node" not in flower_logs.text
+
+
+@pytest.mark.parametrize("claim", [190.0, 199.0, 200.0, 201.0, 2000.0, 9900.0, 10100.0])
+def test_the_weight_and_the_hold_are_continuous_in_the_claim(claim: float) -> None:
+    # a node moving 10 x further: whatever it claims above 2 x the median, it is weighted as
+    # 2 x the median and held; no claim (99 x, 101 x the median) sits under a threshold
+    got, row, seen = _round({**EQUAL, 1009: claim}, {1009: 10.0})
+    assert row["update-spread-held"] == 1.0
+    nodes = {n: (v, w, ix) for n, (_, v, ix, w) in seen.items()}
+    nodes[1009] = (_held_to_the_median(seen, 1009), 100.0, seen[1009][2])
+    want = _brute_mean(_global(), nodes)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-7, err_msg=key)
