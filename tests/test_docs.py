@@ -16,6 +16,9 @@ from typing import Any
 import pytest
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
+#: docs/robustness.md (the defences, their defaults and headline figures) and the page of its
+#: measured tables, each with its record and command (docs/robustness-tables.md)
+ROBUSTNESS, ATTACK_TABLES = DOCS / "robustness.md", DOCS / "robustness-tables.md"
 
 
 def test_the_docs_build_with_warnings_as_errors(tmp_path: Path) -> None:
@@ -174,26 +177,27 @@ def test_merged_attack_tables_keep_every_seed_and_recompute_the_means(
 
 def test_robustness_pages_six_seed_table_is_the_committed_measurement(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """docs/robustness.md's six-seed table is what benchmarks/attack_table.py prints from the
-    committed output, row for row."""
+    """docs/robustness-tables.md's six-seed table is what benchmarks/attack_table.py prints
+    from the committed output, row for row."""
     at = _attack_table(monkeypatch)
     path = DOCS.parent / "results" / "robustness" / "attacks-default-seeds-0-5.json"
     assert json.loads(path.read_text())["size"]["seeds"] == [0, 1, 2, 3, 4, 5]
     rows = at.markdown([str(path)]).split("\n\n", 1)[1]
-    assert rows in (DOCS / "robustness.md").read_text(encoding="utf-8")
+    assert rows in ATTACK_TABLES.read_text(encoding="utf-8")
 
 
 @pytest.mark.parametrize("name", ["attacks-width-before-hold-seeds-0-2",
                                   "attacks-width-seeds-0-5", "attacks-collective-seeds-0-2"])
 def test_robustness_pages_width_tables_are_the_committed_measurements(
         name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """docs/robustness.md's width-slicing tables (per method, before and after the median hold)
-    are what benchmarks/attack_table.py prints from the committed outputs, table for table."""
+    """docs/robustness-tables.md's width-slicing tables (per method, before and after the
+    median hold) are what benchmarks/attack_table.py prints from the committed outputs, table
+    for table."""
     at = _attack_table(monkeypatch)
     path = DOCS.parent / "results" / "robustness" / f"{name}.json"
     out = json.loads(path.read_text())
     assert all(table["keys"].get("method") for table in out["results"].values())
-    assert at.markdown([str(path)]) in (DOCS / "robustness.md").read_text(encoding="utf-8")
+    assert at.markdown([str(path)]) in ATTACK_TABLES.read_text(encoding="utf-8")
 
 
 TRUSTED = sorted((DOCS.parent / "results" / "robustness").glob("attacks-trusted-data-*.json"))
@@ -202,19 +206,19 @@ TRUSTED = sorted((DOCS.parent / "results" / "robustness").glob("attacks-trusted-
 @pytest.mark.parametrize("path", TRUSTED, ids=[p.stem for p in TRUSTED])
 def test_robustness_pages_trusted_data_tables_are_the_committed_measurements(
         path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """docs/robustness.md's trusted-data tables are what benchmarks/attack_table.py prints from
-    the committed outputs, table for table."""
+    """docs/robustness-tables.md's trusted-data tables are what benchmarks/attack_table.py
+    prints from the committed outputs, table for table."""
     at = _attack_table(monkeypatch)
     out = json.loads(path.read_text())
     assert [t["keys"] for t in out["results"].values()] == [{"trusted-data": 500}]
-    assert at.markdown([str(path)]) in (DOCS / "robustness.md").read_text(encoding="utf-8")
+    assert at.markdown([str(path)]) in ATTACK_TABLES.read_text(encoding="utf-8")
 
 
 def test_robustness_pages_trusted_data_figures_are_the_committed_measurements() -> None:
-    """The trusted-data section's lead figures (per share of dishonest nodes the worst mean
-    cost and the worst seed, the clean runs and the honest nodes they named) are the
-    committed outputs'."""
-    text = (DOCS / "robustness.md").read_text(encoding="utf-8")
+    """The trusted-data section's lead figures on docs/robustness.md (per share of dishonest
+    nodes the worst mean cost and the worst seed, the clean runs and the honest nodes they
+    named) are the committed outputs'."""
+    text = " ".join(ROBUSTNESS.read_text(encoding="utf-8").split())
     tables = [json.loads(p.read_text())["results"]["trusted-data"] for p in TRUSTED]
     assert tables, "no trusted-data table is committed"
     facts = []
@@ -237,11 +241,14 @@ def test_robustness_pages_naming_figures_are_the_committed_measurements(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The honest nodes named before and after the 10-round record: the 5-round rule recomputed
     here by brute force from the committed cosines agrees with what that code named; the
-    current rule, replayed on them, names none; the table run under it named none."""
+    current rule, replayed on them, names none; the table run under it named none (the
+    figures on docs/robustness-tables.md; the honest nodes of the clean runs in the section's
+    lead on docs/robustness.md)."""
     import numpy as np
 
     at = _attack_table(monkeypatch)
-    text = " ".join((DOCS / "robustness.md").read_text(encoding="utf-8").split())
+    text = " ".join(ATTACK_TABLES.read_text(encoding="utf-8").split())
+    lead = " ".join(ROBUSTNESS.read_text(encoding="utf-8").split())
     path = DOCS.parent / "results" / "robustness" / "trust-record-clean-window-5.json"
     before = json.loads(path.read_text())["results"]["trusted-data"]["clean"]
     named, lowest = {}, 1.0
@@ -262,8 +269,8 @@ def test_robustness_pages_naming_figures_are_the_committed_measurements(
              ", ".join(f"seed {s}: {len(named[s])}" for s in sorted(named)),
              f"all in rounds {rounds[0]}–{rounds[-1]}",
              f"`honest-nodes-named` {' / '.join(map(str, counts))}",
-             f"median cosine of all {10 * len(before)} honest nodes",
              f"the lowest median of any honest node in any round: {lowest:.3f}"]
+    assert f"median cosine of all {10 * len(before)} honest nodes" in lead
     after = json.loads((DOCS.parent / "results" / "robustness" /
                         "attacks-trusted-data-one-b.json").read_text())
     clean = after["results"]["trusted-data"]["clean"].values()
@@ -284,11 +291,11 @@ HISTORY = ["attacks-history", "attacks-absent-three", "attacks-trusted-exclude"]
 @pytest.mark.parametrize("name", HISTORY)
 def test_robustness_pages_history_tables_are_the_committed_measurements(
         name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """docs/robustness.md's tables of the record without trusted data (and of exclusion) are
-    what benchmarks/attack_table.py prints from the committed outputs."""
+    """docs/robustness-tables.md's tables of the record without trusted data (and of
+    exclusion) are what benchmarks/attack_table.py prints from the committed outputs."""
     at = _attack_table(monkeypatch)
     path = DOCS.parent / "results" / "robustness" / f"{name}.json"
-    assert at.markdown([str(path)]) in (DOCS / "robustness.md").read_text(encoding="utf-8")
+    assert at.markdown([str(path)]) in ATTACK_TABLES.read_text(encoding="utf-8")
 
 
 def test_robustness_pages_history_figures_are_the_committed_measurements() -> None:
@@ -303,7 +310,7 @@ def test_robustness_pages_history_figures_are_the_committed_measurements() -> No
 
     history, below, default = (table("attacks-history"), table("attacks-history-below-0.02"),
                                table("attacks-default-seeds-0-2"))
-    text = " ".join((DOCS / "robustness.md").read_text(encoding="utf-8").split())
+    text = " ".join(ATTACK_TABLES.read_text(encoding="utf-8").split())
     ipm = history["attacks"]["ipm/3"]
     by_round = max(s["round-all-dishonest-named"] for s in ipm["seeds"].values())
     facts = [
@@ -331,7 +338,7 @@ def test_robustness_pages_honest_nodes_named_under_attack_are_the_committed_meas
     """The honest nodes the record named in the attacked runs of the one-in-ten (first seven
     attacks) and three-in-ten trusted-data tables, as the section counts them."""
     root = DOCS.parent / "results" / "robustness"
-    text = " ".join((DOCS / "robustness.md").read_text(encoding="utf-8").split())
+    text = " ".join(ATTACK_TABLES.read_text(encoding="utf-8").split())
     facts = []
     for name, k, words in (("attacks-trusted-data-one-a", 1, "of the other seven"),
                            ("attacks-trusted-data-three", 3, "of the three-in-ten table")):
@@ -348,7 +355,7 @@ def test_robustness_pages_floor_figures_are_the_committed_measurements() -> None
     range, how many of those had every dishonest node named by round 3, and what the same
     runs lose with the three nodes absent."""
     root = DOCS.parent / "results" / "robustness"
-    text = " ".join((DOCS / "robustness.md").read_text(encoding="utf-8").split())
+    text = " ".join(ATTACK_TABLES.read_text(encoding="utf-8").split())
     three = json.loads((root / "attacks-trusted-data-three.json").read_text())
     over = [c["seeds"]["2"] for c in three["results"]["trusted-data"]["attacks"].values()
             if c["seeds"]["2"]["delta-points"] < -5]
@@ -360,3 +367,24 @@ def test_robustness_pages_floor_figures_are_the_committed_measurements() -> None
              "round 3"]
     missing = [f for f in facts if f not in text]
     assert not missing, missing
+
+
+#: The most lines each long page may have; what does not fit moves to a page of its own
+#: (docs/robustness-tables.md, docs/results-beyond.md, docs/results-factor-step.md,
+#: docs/integration-recipes.md), linked from it.
+PAGE_LINES = {"README.md": 220, "docs/robustness.md": 250, "docs/results.md": 350,
+              "docs/integration.md": 350}
+
+
+@pytest.mark.parametrize(("page", "most"), sorted(PAGE_LINES.items()))
+def test_the_long_pages_stay_short_enough_to_read(page: str, most: int) -> None:
+    lines = (DOCS.parent / page).read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= most, f"{page} has {len(lines)} lines, more than {most}"
+
+
+@pytest.mark.parametrize(("page", "moved"), [
+    ("robustness.md", "robustness-tables.md"), ("results.md", "results-beyond.md"),
+    ("results.md", "results-factor-step.md"), ("integration.md", "integration-recipes.md")])
+def test_each_page_links_the_page_its_tables_moved_to(page: str, moved: str) -> None:
+    assert f"]({moved}" in (DOCS / page).read_text(encoding="utf-8")
+    assert f"]({page}" in (DOCS / moved).read_text(encoding="utf-8")

@@ -28,6 +28,7 @@ from flwr.app import Context, RecordDict
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "advanced-pytorch"
+RECIPES = ROOT / "docs" / "integration-recipes.md"  # the page that shows the example's diff
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
 MAX_CHANGED_LINES = 13
 HEAD = "classification-head"
@@ -38,9 +39,10 @@ def changes() -> tuple[int, set[str], set[str]]:
 
 
 def shown_diffs() -> dict[str, str]:
-    """The diff blocks of the example's README and of docs/integration.md's section."""
+    """The diff blocks of the example's README and of its section of the integration pages
+    (docs/integration-recipes.md, "More worked examples")."""
     readme = (EXAMPLE / "README.md").read_text()
-    page = (ROOT / "docs" / "integration.md").read_text()
+    page = RECIPES.read_text()
     section = page[page.index("advanced-pytorch"):]
     return {"README": re.search(r"```diff\n(.*?)```", readme, re.S).group(1),  # type: ignore[union-attr]
             "docs": re.search(r"```diff\n(.*?)```", section, re.S).group(1)}  # type: ignore[union-attr]
@@ -56,7 +58,7 @@ def test_adoption_changes_at_most_ten_lines_through_the_public_api() -> None:
         lines = block.splitlines()
         assert {x[1:].strip() for x in lines if x.startswith("-")} == removed, name
         assert {x[1:].strip() for x in lines if x.startswith("+")} == added, name
-    page = (ROOT / "docs" / "integration.md").read_text()
+    page = RECIPES.read_text()
     for text in ((EXAMPLE / "README.md").read_text(), page[page.index("advanced-pytorch"):]):
         assert f"{changed} changed lines" in text  # the number the docs give
 
