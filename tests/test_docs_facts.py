@@ -208,9 +208,9 @@ def _engine_against() -> list[str]:
     vs, s, profile = r["engine_vs_bare"], r["s_per_round"], r["profile"]
     facts = [_command(r), r["date"], r["torch"], "results/performance/engine-against.json",
              f"load average {r['load-average'][0]:.1f}",
-             f"Collective this release took {vs['work-tree']['collective']:.3f}× against "
+             f"with Collective {vs['work-tree']['collective']:.3f}× against "
              f"{vs['against']['collective']:.3f}×",
-             f"sharding {vs['work-tree']['none']:.3f}× against {vs['against']['none']:.3f}×",
+             f"sharding {vs['work-tree']['none']:.3f}× after against {vs['against']['none']:.3f}×",
              f"{r['repeats']} runs of {r['rounds']} rounds per side"]
     assert r["work_tree"]["uncommitted_changes"] == 0, "the record is of a committed tree"
     pfl = r["pfl"]
@@ -218,8 +218,8 @@ def _engine_against() -> list[str]:
     facts += [f"pfl {pfl['version']}", f"| pfl-research's FedAvg | {pfl['pfl_vs_bare']:.3f} | "
               f"– | {pfl['s_per_round']['pfl']:.3f} s / {pfl['s_per_round']['bare']:.3f} s | – |"]
     sides = ("against", "work-tree")
-    for side, label in (("against", "the previous release"),
-                        ("work-tree", "this release")):
+    for side, label in (("against", "before (morning of 2026-11-30)"),
+                        ("work-tree", "after (2026-11-30)")):
         facts.append(f"| {label} | {vs[side]['none']:.3f} | {vs[side]['collective']:.3f} | "
                      f"{s[side]['sequential']['none']:.3f} s / {s[side]['bare']['none']:.3f} s | "
                      f"{s[side]['sequential']['collective']:.3f} s / "
@@ -234,9 +234,8 @@ def _engine_against() -> list[str]:
     facts += [f"from {min(x['none'] for x in now):.3f}× to {max(x['none'] for x in now):.3f}×",
               f"from {min(x['collective'] for x in now):.3f}× to "
               f"{max(x['collective'] for x in now):.3f}× with Collective",
-              f"is {this['client/train']:.3f} s of this release's {this['round']:.3f} s "
-              f"FedAvg round, against {last['client/train']:.3f} s of the previous release's "
-              f"{last['round']:.3f} s"]
+              f"is {this['client/train']:.3f} s of the {this['round']:.3f} s FedAvg round "
+              f"after, against {last['client/train']:.3f} s of {last['round']:.3f} s before"]
     # "every run of the previous release took longer against its bare loop than every run of
     # this one", for both methods
     assert all(min(x[m] for x in before) > max(x[m] for x in now)
