@@ -3,7 +3,8 @@
 - :class:`SlowStart` - at the first round, says how much of a sharded layer's gradient a node's
   step can follow at its keep ratio, and so why a sharded model starting from a random
   initialization learns more slowly than the dense model at the same lr (a WARNING when round 1
-  was a small step of a short run, where the first rounds are most of it), and warns when the
+  was a small step of a short run, where the first rounds are most of it, and the sharded
+  layers moved less than half as far as the model's dense ones), and warns when the
   dense factor step meets multipliers above 1 (the global weights then move less than a dense
   step);
 - :class:`FallingAccuracy` - warns when an evaluation accuracy falls round after round while
@@ -16,7 +17,7 @@ from __future__ import annotations
 import logging
 import re
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -67,8 +68,12 @@ class SlowStart(RoundCallback):
     keep ratio (:func:`gradient_share`), and why that makes a start from a random
     initialization slower than the dense model's at the same lr: INFO, or a WARNING when the
     first rounds are most of the run and the run is at its slow start (a keep ratio's largest
-    share below one half, at most :data:`SHORT_RUN_ROUNDS` rounds, and round 1 moved every
-    sharded layer's weights by less than :data:`SMALL_STEP` of their norm: a small lr). And, at
+    share below one half, at most :data:`SHORT_RUN_ROUNDS` rounds or a length the strategy
+    does not know, and round 1 moved every sharded layer's weights by less than
+    :data:`SMALL_STEP` of their norm and by less than half as far as the model's own dense
+    weight matrices moved in the same round, their median: the run's dense reference). A
+    sharded model whose layers kept up with its dense ones is not slower than the dense
+    model, whatever the lr: INFO, saying the lr is small for the whole model. And, at
     the first round where it applies, a WARNING for the dense factor step with multipliers ω
     above 1: it moves a node's sub-model ``U diag(ω) Vᵀ`` as a dense step would, and so the
     global weights, which carry no ω, by only ``1/ω_i`` of that along term ``i``."""
@@ -76,6 +81,7 @@ class SlowStart(RoundCallback):
     def __init__(self) -> None:
         self.shares: dict[float, dict[str, tuple[int, int, float]]] = {}  # round 1's
         self.before: dict[str, np.ndarray] = {}  # the sharded layers' weights before round 1
+        self.before_dense: dict[str, np.ndarray] = {}  # the dense weight matrices, likewise
         self.said_share = False
         self.said_dense_step = False
         #: round 1 was a small step (the slow start of a small lr): the run's lr diagnosis,
@@ -138,38 +144,50 @@ class SlowStart(RoundCallback):
         current = state.current or {k: P.decode_array(a) for k, a in state.arrays.items()}
         self.before = {layer: current[f"{layer}.weight"] for layer in strategy.sharded_layers
                        if f"{layer}.weight" in current}
+        # the model's dense weight matrices: the reference a sharded layer's first step is
+        # judged against (the same lr, the same round, no sharding)
+        sharded = {f"{layer}.weight" for layer in strategy.sharded_layers}
+        self.before_dense = {key: value for key, value in current.items()
+                             if key.endswith(".weight") and key not in sharded
+                             and getattr(value, "ndim", 0) >= 2}
 
     def on_round(self, strategy: KeepRatioStrategy, server_round: int, arrays: ArrayRecord,
                  metrics: Mapping[str, float]) -> Mapping[str, float] | None:
         if server_round != 1 or not self.shares or self.said_share:
             return None
         self.said_share = True
-        moved: dict[str, float] = {}
-        for layer, before in self.before.items():
-            after = arrays.get(f"{layer}.weight")
-            if after is None:
-                continue
-            old = before.astype(np.float64)
-            new = P.decode_array(after).astype(np.float64)
-            if new.shape == old.shape and (norm := float(np.linalg.norm(old))) > 0:
-                moved[layer] = float(np.linalg.norm(new - old)) / norm
-        self.before = {}
+        moved = _moved(self.before, arrays, lambda layer: f"{layer}.weight")
+        dense = _moved(self.before_dense, arrays, lambda key: key)
+        self.before, self.before_dense = {}, {}
         self.small_start = bool(moved) and max(moved.values()) < SMALL_STEP
-        self._say_share(strategy, self.shares, moved)
+        self._say_share(strategy, self.shares, moved, dense)
         return None
 
     @staticmethod
     def _say_share(strategy: KeepRatioStrategy,
                    shares: Mapping[float, Mapping[str, tuple[int, int, float]]],
-                   moved: Mapping[str, float]) -> None:
+                   moved: Mapping[str, float], dense: Mapping[str, float]) -> None:
         rounds = strategy.num_rounds
         small = bool(moved) and max(moved.values()) < SMALL_STEP
+        # slower than the dense model: the sharded layers moved less than half as far as the
+        # model's own dense layers did in the same round (none: no reference, judged slower)
+        reference = float(np.median(list(dense.values()))) if dense else None
+        slower = reference is None or (bool(moved) and max(moved.values()) < 0.5 * reference)
         step = ""
         if moved:
             largest = max(moved, key=lambda layer: moved[layer])
             step = (f" Round 1 moved the sharded layers' weights by at most "
                     f"{100 * moved[largest]:.1f} % of their norm ({largest})")
-            step += ": a small step, the slow start of training." if small else "."
+            if reference is not None:
+                step += (f", the dense layers' by {100 * reference:.1f} % (median of "
+                         f"{len(dense)})")
+            if small and slower:
+                step += ": a small step, the slow start of training."
+            elif small:
+                step += (": a small step, but no smaller than the dense layers' (the lr is "
+                         "small for the whole model, not for the sharded layers).")
+            else:
+                step += "."
         for ratio in sorted(shares):
             if ratio >= 1:
                 continue
@@ -187,14 +205,34 @@ class SlowStart(RoundCallback):
                     "a random initialization has no term aligned with the data yet, so in the "
                     "first rounds it learns more slowly than the dense model at the same "
                     f"lr.{step}")
-            if small and high < 0.5 and rounds is not None and rounds <= SHORT_RUN_ROUNDS:
+            if small and slower and high < 0.5 and (rounds is None
+                                                     or rounds <= SHORT_RUN_ROUNDS):
+                length = (f"With {rounds} rounds the first rounds are most of this run"
+                          if rounds is not None else
+                          "The strategy does not know the run's length (pass num_rounds); in "
+                          "a short run the first rounds are most of it")
                 logger.warning(
-                    "%s With %d rounds the first rounds are most of this run. If they matter: "
-                    "keep the paper's factor step and raise the lr (the one the nodes' "
-                    "optimizers use too), or give the nodes a larger keep ratio. See %s.",
-                    text, rounds, SMALL_LR_DOCS)
+                    "%s %s. If they matter: keep the paper's factor step and raise the lr "
+                    "(the one the nodes' optimizers use too), or give the nodes a larger keep "
+                    "ratio. See %s.", text, length, SMALL_LR_DOCS)
             else:
                 logger.info("%s See %s.", text, SMALL_LR_DOCS)
+
+
+def _moved(before: Mapping[str, np.ndarray], arrays: ArrayRecord,
+           key: Callable[[str], str]) -> dict[str, float]:
+    """Each ``before`` weight's change in round 1 over its norm, from ``arrays`` (the round's
+    model; ``key`` names a weight's entry in it)."""
+    moved: dict[str, float] = {}
+    for name, old in before.items():
+        after = arrays.get(key(name))
+        if after is None:
+            continue
+        was = old.astype(np.float64)
+        new = P.decode_array(after).astype(np.float64)
+        if new.shape == was.shape and (norm := float(np.linalg.norm(was))) > 0:
+            moved[name] = float(np.linalg.norm(new - was)) / norm
+    return moved
 
 
 #: A metric name that is an evaluation accuracy: ``test-accuracy``, ``eval-accuracy``,

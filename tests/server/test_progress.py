@@ -60,15 +60,21 @@ def test_gradient_share_is_the_tangent_spaces_dimension_over_the_weights(m: int,
 
 
 # ---------------------------------------------------------------------------- the first round
-def net() -> nn.Module:
+def net(hidden_scale: float = 1.0) -> nn.Module:
+    """The test model; ``hidden_scale`` scales the sharded layer's initial weight (small
+    singular values: the paper's factor step, whose change of W scales with them, moves it
+    far less than a dense step would)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU(),
-                             nn.Linear(12, 3))
+        model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU(),
+                              nn.Linear(12, 3))
+    with torch.no_grad():
+        model[2].weight.mul_(hidden_scale)
+    return model
 
 
-def round_1(keep: float, num_rounds: int, lr: float = 0.001, nodes: int = 2,
-            **training: Any) -> SpectralSharding:
+def round_1(keep: float, num_rounds: int | None, lr: float = 0.001, nodes: int = 2,
+            hidden_scale: float = 10.0, **training: Any) -> SpectralSharding:
     """Round 1 through the strategy's hooks (as a loop of one's own drives them), nodes
     training with fedshard's loop at ``lr``; the strategy's run has ``num_rounds`` rounds."""
     app = ClientApp()
@@ -82,7 +88,7 @@ def round_1(keep: float, num_rounds: int, lr: float = 0.001, nodes: int = 2,
         g = torch.Generator().manual_seed(5)
         data = TensorDataset(torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,),
                                                                            generator=g))
-        return handle_train(msg, net(), data)
+        return handle_train(msg, net(hidden_scale), data)
 
     s = SpectralSharding(sharded_layers=["2"], sharding=Sharding(method="collective"),
                          training=LocalTraining(lr=lr, lr_schedule="constant", **training),
@@ -91,7 +97,7 @@ def round_1(keep: float, num_rounds: int, lr: float = 0.001, nodes: int = 2,
                                        fraction_evaluate=0.0),
                          nodes=NodePolicy(query_timeout=5, node_wait_timeout=5))
     grid = InProcessGrid(app, [{}] * nodes)
-    initial = ArrayRecord(net().state_dict())
+    initial = ArrayRecord(net(hidden_scale).state_dict())
     messages = list(s.configure_train(1, initial, ConfigRecord(), grid))
     arrays, _ = s.aggregate_train(1, grid.send_and_receive(messages))
     assert arrays is not None  # (no evaluation on the nodes: aggregate_train ends round 1)
@@ -115,9 +121,34 @@ def test_a_short_run_at_a_small_keep_ratio_is_warned_at_round_1(
                            f"its step can follow at most {100 * share:.0f} % of a sharded "
                            "layer's gradient")
     assert "Round 1 moved the sharded layers' weights by at most " in said
-    assert "% of their norm (2): a small step, the slow start of training. With 3 rounds the " \
+    # the evidence: the sharded layer moved less than half as far as the dense layers
+    assert "% of their norm (2), the dense layers' by " in said
+    assert "(median of 2): a small step, the slow start of training. With 3 rounds the " \
            "first rounds are most of this run." in said
     assert "raise the lr" in said and "A project's own small learning rate" in said
+
+
+def test_a_run_of_unknown_length_is_warned_as_a_short_one(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="fedshard")
+    round_1(keep=0.25, num_rounds=None)
+    (said,) = _said(caplog, logging.WARNING, "its step can follow")
+    assert "The strategy does not know the run's length (pass num_rounds)" in said
+
+
+def test_sharded_layers_moving_as_far_as_the_dense_ones_are_no_slow_start(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # the sharded layer at its usual scale: at lr 1e-3 it moves as far as the model's dense
+    # layers (their median), so the sub-model is not slower than the dense model: no warning,
+    # and the INFO line says the lr is small for the whole model
+    caplog.set_level(logging.INFO, logger="fedshard")
+    s = round_1(keep=0.25, num_rounds=3, hidden_scale=1.0)
+    assert not _said(caplog, logging.WARNING, "its step can follow")
+    (told,) = _said(caplog, logging.INFO, "its step can follow")
+    assert "the dense layers' by " in told
+    assert "no smaller than the dense layers' (the lr is small for the whole model" in told
+    assert "raise the lr" not in told
+    assert [c.small_start for c in s.callbacks if isinstance(c, SlowStart)] == [True]
 
 
 def test_a_long_run_a_large_keep_ratio_or_a_large_step_is_told_at_info(
@@ -128,7 +159,7 @@ def test_a_long_run_a_large_keep_ratio_or_a_large_step_is_told_at_info(
     round_1(keep=0.25, num_rounds=3, lr=0.5, local_epochs=10)  # moves the weights > 10 %
     assert not _said(caplog, logging.WARNING, "its step can follow")
     told = _said(caplog, logging.INFO, "its step can follow")
-    assert len(told) == 3 and "a small step" not in told[2] and "% of their norm (2)." in told[2]
+    assert len(told) == 3 and "a small step" not in told[2] and "(median of 2)." in told[2]
 
 
 def test_the_dense_factor_step_with_multipliers_above_1_is_warned(
