@@ -482,12 +482,15 @@ class ReplyPolicy(Settings):
         ≥ 1 (0 by default: FedAvg's weights, the paper's mean; :func:`robust_defaults`: 2): a
         reply's ``num-examples`` above this multiple of the round's median
         (the lower median of the accepted replies) is clipped to it and counted
-        (``clipped-num-examples``), however large the claim (no threshold a claim can sit
-        under for more weight; :func:`~fedshard.server.robust.bounded_weights`); a node beyond
+        (``clipped-num-examples``), however large the claim, and the nodes above the median
+        share one budget of ``max_weight_ratio − 1`` medians of extra weight, so colluders
+        gain at most that together (no threshold a claim can sit under for more weight;
+        :func:`~fedshard.server.robust.bounded_weights`); a node beyond
         100 × the median is also named in a WARNING (``implausible-num-examples``), the others
         are listed in one INFO line per round. The spread bound judges a node's update
-        against this weight, not its claim. Honest nodes of equal size never reach it; honest
-        nodes holding more than twice the median's data are weighted as twice the median.
+        against this weight, not its claim. Honest nodes of equal size never reach it; one
+        honest node holding more than twice the median's data is weighted as twice the
+        median, several share that one extra median.
     aggregation : str
         Per term and dense entry: ``"mean"`` (the paper's weighted mean), ``"median"`` or
         ``"trimmed-mean"`` (:mod:`fedshard.spectral.aggregate`); or over each reply's whole

@@ -14,9 +14,10 @@ counted in the round's metrics:
 * :func:`align_replies` (``align_factors``, on by default): each term in the sign and balance of
   the term sent (``re-signed-terms``, ``rebalanced-terms``); a no-op for honest nodes;
 * :func:`bounded_weights` (``max_weight_ratio``, 2 in the robust preset): a ``num-examples``
-  above that multiple of the round's median is weighted as that multiple
-  (``clipped-num-examples``), however large; a claim beyond :data:`FAR_WEIGHT` times the
-  median is also named in a WARNING (``implausible-num-examples``);
+  above the round's median weighs at most that multiple of it, however large, and the nodes
+  above the median share one budget of ``(max_weight_ratio − 1)`` medians
+  (``clipped-num-examples``); a claim beyond :data:`FAR_WEIGHT` times the median is also named
+  in a WARNING (``implausible-num-examples``);
 * :func:`spread_replies` (``max_update_spread`` = κ, 2 by default): a node's change of a layer
   or dense entry beyond κ times the round's median is shrunk to it (``clipped-update-spread``,
   ``update-spread-max``); a node whose update is out of line as a whole, beyond what its
@@ -80,19 +81,28 @@ def bounded_weights(weights: Sequence[float], ratio: float) -> list[float]:
     ``weights``, under ``max_weight_ratio`` = ``ratio`` (0: off, FedAvg's weights).
 
     With ``m`` the round's lower median (``statistics.median_low``), a reply claiming ``w``
-    gets ``min(w, ratio·m)``: an honest node holding more data than most is weighted up to
-    ``ratio`` typical nodes, and so is any claim above that, however large. The weight is
-    continuous and non-decreasing in the claim: there is no threshold a claim can sit under
-    for more pull (a claim just under 100 times the median weighs what one far above it
-    does), and :func:`spread_replies` judges an update against this weight, not the claim.
-    ``f`` colluding nodes weigh at most ``ratio·f`` typical nodes whatever they claim, so they
-    out-weigh ``n − f`` honest nodes of typical size only when ``f > n / (1 + ratio)`` (a
-    third of the round at ``ratio`` 2); ``max_weight_ratio`` nearer 1 lowers that pull.
+    gets ``min(w, m) + s·e``: ``e = min(w, ratio·m) − m`` is its excess over the median (0 at
+    or below it), and ``s = min(1, (ratio − 1)·m / Σ e)`` one scale for the round, so that the
+    nodes above the median share one budget of ``(ratio − 1)·m`` between them. One data-rich
+    node is weighted up to ``ratio × m``, as an honest node holding more data than most
+    should be; several share that extra weight in proportion to their excess.
+
+    Every weight is continuous and non-decreasing in every claim: there is no threshold a
+    claim can sit under for more pull (a claim just under 100 times the median weighs what
+    one far above it does), and :func:`spread_replies` judges an update against this weight,
+    not the claim. ``f`` colluding nodes weigh at most ``f + ratio − 1`` typical nodes
+    whatever they claim, so inflated claims cannot out-weigh an honest majority of typical
+    nodes; the price is that honest nodes holding more data than the median, together, gain
+    at most ``(ratio − 1)`` median nodes' weight (a heterogeneous federation is weighted
+    closer to uniformly than FedAvg weights it; ``max_weight_ratio = 0`` keeps FedAvg's).
     """
     if not ratio or not weights:
         return [float(w) for w in weights]
-    cap = ratio * float(statistics.median_low(weights))
-    return [min(float(w), cap) for w in weights]
+    m = float(statistics.median_low(weights))
+    excess = [max(0.0, min(float(w), ratio * m) - m) for w in weights]
+    total = sum(excess)
+    scale = 1.0 if total <= (ratio - 1.0) * m else (ratio - 1.0) * m / total
+    return [min(float(w), m) + scale * e for w, e in zip(weights, excess, strict=True)]
 
 
 def weight_bound(weight: float, median: float, ratio: float) -> float:

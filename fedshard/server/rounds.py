@@ -147,8 +147,9 @@ class RoundState:
 
     def bound_weights(self, accepted: list[P.TrainReply]) -> list[P.TrainReply]:
         """``accepted`` weighted by :func:`~fedshard.server.robust.bounded_weights` under
-        ``max_weight_ratio`` (a claim above that multiple of the round's median weighs that
-        multiple), each lowered weight logged;
+        ``max_weight_ratio`` (a claim above the round's median weighs at most that multiple
+        of it, the nodes above it share one budget of ``max_weight_ratio − 1`` medians), each
+        lowered weight logged;
         ``clipped-num-examples`` counts them, ``implausible-num-examples`` the claims beyond
         :data:`~fedshard.server.robust.FAR_WEIGHT` times the median, each named."""
         ratio = self.replies.max_weight_ratio
@@ -420,17 +421,19 @@ def log_weight_caps(server_round: int, lowered: Sequence[tuple[int, float, float
         if claim > FAR_WEIGHT * median:
             log(WARNING, "Round %d: node %d reports num-examples=%.0f, more than %g times "
                 "the round's median %g, which is implausible; it is weighted as %.4g "
-                "(max-weight-ratio=%g: no claim weighs more than %g times the median).",
-                server_round, node, claim, FAR_WEIGHT, median, weight, ratio, ratio)
+                "(max-weight-ratio=%g: no claim weighs more than %g times the median, and the "
+                "nodes above the median share %g median(s) of extra weight).",
+                server_round, node, claim, FAR_WEIGHT, median, weight, ratio, ratio, ratio - 1)
     near = sorted((node, claim, weight) for node, claim, weight in lowered
                   if claim <= FAR_WEIGHT * median)
     if near:
-        log(INFO, "Round %d: %d node(s) report num-examples above max-weight-ratio=%g times "
-            "the round's median %g (up to %.3g times it; nodes %s): each is weighted as %g. "
-            "Honest nodes holding more data than most get there; max-weight-ratio = 0 keeps "
-            "FedAvg's weights.", server_round, len(near), ratio, median,
+        log(INFO, "Round %d: %d node(s) report num-examples above the round's median %g (up "
+            "to %.3g times it; nodes %s), weighted as %s: max-weight-ratio=%g lets one node "
+            "weigh up to %g times the median, and the nodes above it share %g median(s) of "
+            "extra weight. Honest nodes holding more data than most get there; "
+            "max-weight-ratio = 0 keeps FedAvg's weights.", server_round, len(near), median,
             max(c for _, c, _ in near) / median, ", ".join(str(n) for n, _, _ in near[:20]),
-            ratio * median)
+            ", ".join(f"{w:.4g}" for _, _, w in near[:20]), ratio, ratio, ratio - 1)
 
 
 def _finite(server_round: int, metrics: dict[str, float]) -> dict[str, float]:

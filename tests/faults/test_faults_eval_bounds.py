@@ -49,7 +49,8 @@ def test_one_node_with_2_53_examples_and_accuracy_minus_5_cannot_set_the_evaluat
     assert row["clipped-eval-num-examples"] == 1.0 and row["ignored-eval-metrics"] == 1.0
     assert "node 1002 reports num-examples=9007199254740992, more than 100 times the round's " \
         "median 10, which is implausible; it is weighted as 20 (max-weight-ratio=2: no claim " \
-        "weighs more than 2 times the median)." in flower_logs.text
+        "weighs more than 2 times the median, and the nodes above the median share 1 median(s) " \
+        "of extra weight)." in flower_logs.text
     assert "eval-accuracy=-5.0 is outside [0, 1]" in flower_logs.text
 
 

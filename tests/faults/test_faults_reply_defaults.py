@@ -37,7 +37,8 @@ def test_an_outsized_num_examples_is_weighted_as_the_median(flower_logs) -> None
     assert row["num-examples"] == 24 + 24 + 24 and row["update-spread-held"] == 1.0
     assert ("Round 1: node 1000 reports num-examples=1000000000000, more than 100 times the "
             "round's median 24, which is implausible; it is weighted as 48 "
-            "(max-weight-ratio=2: no claim weighs more than 2 times the median") \
+            "(max-weight-ratio=2: no claim weighs more than 2 times the median, and the nodes "
+            "above the median share 1 median(s) of extra weight).") \
         in flower_logs.text
     # the zeroed reply weighs 24/72 of the average, as a typical node, not all of it
     head = new["head.weight"].numpy()
@@ -147,6 +148,7 @@ def test_a_claim_far_past_the_cap_weighs_as_one_just_past_it_and_is_warned(
                  if "max-weight-ratio=2" in r.getMessage()}
         assert [lvl for lvl, _ in lines] == [level], lines
         if level == logging.INFO:
-            assert ("1 node(s) report num-examples above max-weight-ratio=2 times the round's "
-                    f"median 24 (up to {claim // 24} times it; nodes 1000): each is weighted as "
-                    "48") in next(iter(lines))[1]
+            assert ("1 node(s) report num-examples above the round's median 24 (up to "
+                    f"{claim // 24} times it; nodes 1000), weighted as 48: max-weight-ratio=2 "
+                    "lets one node weigh up to 2 times the median, and the nodes above it share "
+                    "1 median(s) of extra weight") in next(iter(lines))[1]

@@ -197,7 +197,8 @@ def test_one_node_times_1000_with_2_53_examples_counts_as_a_typical_node(
     text = flower_logs.text
     assert ("Round 3: node 1000 reports num-examples=9007199254740992, more than 100 times the "
             "round's median 100, which is implausible; it is weighted as 200 "
-            "(max-weight-ratio=2: no claim weighs more than 2 times the median).") in text
+            "(max-weight-ratio=2: no claim weighs more than 2 times the median, and the nodes "
+            "above the median share 1 median(s) of extra weight).") in text
     assert "Round 3: node 1000 changed more than max-update-spread=2 times the round's " \
         "median change (" in text
     assert ("further than the data it is weighted for explains (200 examples, the round's "
@@ -252,17 +253,29 @@ def test_a_node_whose_count_explains_its_change_keeps_the_two_bounds_unheld() ->
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-7, err_msg=key)
 
 
-def test_honest_nodes_of_other_widths_and_sizes_are_the_plain_per_element_mean(
-        flower_logs: pytest.LogCaptureFixture) -> None:
-    # sizes within 2 x the median, each moving in proportion to its data: no bound acts
-    examples = dict(zip(NODES, [60, 80, 100, 100, 120, 150, 100, 90, 110, 190], strict=True))
+@pytest.mark.parametrize(("sizes", "clipped"), [
+    # above the median 100: 20 + 10 + 50 = 80 examples, within one median: FedAvg's weights
+    ([60, 80, 100, 100, 120, 100, 100, 90, 110, 150], 0),
+    # 10 + 20 + 50 + 90 = 170 above the median: the four share 100, each its excess x 100/170
+    ([60, 80, 100, 100, 120, 150, 100, 90, 110, 190], 4),
+])
+def test_honest_nodes_of_other_widths_and_sizes_are_the_per_element_mean(
+        flower_logs: pytest.LogCaptureFixture, sizes: list[int], clipped: int) -> None:
+    # sizes within 2 x the median, each moving in proportion to its data: no update bound
+    # acts; the weights are FedAvg's while the nodes above the median hold at most one median
+    # more than it, else they share that one median (written out here)
+    examples = dict(zip(NODES, sizes, strict=True))
     size = {n: e / 100 for n, e in examples.items()}
     got, row, seen = _round(examples, size)
-    want = _brute_mean(_global(), {n: (v, w, ix) for n, (_, v, ix, w) in seen.items()})
+    extra = sum(max(0, e - 100) for e in sizes)
+    scale = min(1.0, 100 / extra)
+    weight = {n: min(e, 100) + scale * max(0, e - 100) for n, e in examples.items()}
+    want = _brute_mean(_global(), {n: (v, weight[n], ix) for n, (_, v, ix, _) in seen.items()})
     for key in want:
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-7, err_msg=key)
-    for name in ("clipped-update-spread", "clipped-num-examples", "update-spread-held",
-                 "update-spread-warned", "implausible-num-examples"):
+    assert row.get("clipped-num-examples", 0.0) == clipped
+    for name in ("clipped-update-spread", "update-spread-held", "update-spread-warned",
+                 "implausible-num-examples"):
         assert name not in row, name
     assert not [r for r in flower_logs.records if r.levelno >= logging.WARNING]
 
