@@ -49,7 +49,7 @@ from fedshard.server.base import KeepRatioStrategy
 from fedshard.server.callbacks import RoundCallback, StopRun, default_callbacks
 from fedshard.server.metrics import mean_client_metrics
 from fedshard.server.nodes import load_keep_ratio_table
-from fedshard.server.progress import FallingAccuracy, SlowStart
+from fedshard.server.progress import FallingAccuracy, SlowStart, SpreadShrinksHonestNodes
 from fedshard.server.schedule import cosine_lr
 from fedshard.server.side_jobs import CentralEvaluation, TensorBoardLog
 from fedshard.server.stops import (
@@ -86,6 +86,7 @@ __all__ = [
     "SlowStart",
     "SmallCohort",
     "SpectralSharding",
+    "SpreadShrinksHonestNodes",
     "StopOnDivergence",
     "StopRun",
     "StopWhenEveryReplyFails",

@@ -53,7 +53,9 @@ In :mod:`~fedshard.server.progress`:
   than the dense one at the same lr (a WARNING in a short run); warns when the dense factor
   step meets multipliers above 1;
 - ``FallingAccuracy`` - warns when an evaluation accuracy falls round after round while every
-  reply passes the server's checks.
+  reply passes the server's checks;
+- ``SpreadShrinksHonestNodes`` - warns once when the spread bound keeps shrinking the updates
+  of nodes it does not name (honest heterogeneity, otherwise INFO lines only).
 
 Metrics flow one way through :meth:`~RoundCallback.on_round`: each callback sees the round's
 row (the strategy's statistics and the client aggregates) and what the callbacks before it
@@ -166,7 +168,7 @@ def default_callbacks() -> list[RoundCallback]:
         TrainingReceipts,
         UntrainedChannels,
     )
-    from fedshard.server.progress import FallingAccuracy, SlowStart
+    from fedshard.server.progress import FallingAccuracy, SlowStart, SpreadShrinksHonestNodes
     from fedshard.server.savings import SavingsReport
     from fedshard.server.stops import (
         StopOnDivergence,
@@ -178,7 +180,7 @@ def default_callbacks() -> list[RoundCallback]:
     return [SettingsSummary(), ShardingBudgetReport(), UntrainedChannels(), ConfigPrecedence(),
             SingleNodeGroups(), SmallCohort(), CompoundingMultipliers(), SlowStart(),
             TrainingReceipts(), StopOnDivergence(), StopWhenEveryReplyFails(),
-            StopWhenUntrained(), FallingAccuracy(),
+            StopWhenUntrained(), FallingAccuracy(), SpreadShrinksHonestNodes(),
             UnchangingModel(), SavingsReport()]
 
 

@@ -9,7 +9,10 @@
   step);
 - :class:`FallingAccuracy` - warns when an evaluation accuracy falls round after round while
   every reply passes the server's checks (updates that look normal: a model that gets worse,
-  e.g. under DP-SGD noise, is otherwise silent).
+  e.g. under DP-SGD noise, is otherwise silent);
+- :class:`SpreadShrinksHonestNodes` - warns once when the spread bound keeps shrinking updates
+  of nodes it does not name as out of line (honest heterogeneity, listed at INFO each round):
+  the model then moves less than the paper's mean would, round after round.
 """
 
 from __future__ import annotations
@@ -233,6 +236,41 @@ def _moved(before: Mapping[str, np.ndarray], arrays: ArrayRecord,
         if new.shape == was.shape and (norm := float(np.linalg.norm(was))) > 0:
             moved[name] = float(np.linalg.norm(new - was)) / norm
     return moved
+
+
+class SpreadShrinksHonestNodes(RoundCallback):
+    """One WARNING when the spread bound (``max_update_spread``) shrank the updates of nodes
+    it did not name as out of line in at least ``min_rounds`` rounds and in at least half of
+    the rounds so far. Each such round is an INFO line of the bound (honest nodes on
+    different data pass κ × the round's median change on a few layers); together they are a
+    steady cost on an honest federation's model, which the operator should see once."""
+
+    def __init__(self, min_rounds: int = 3) -> None:
+        if min_rounds < 1:
+            raise ValueError(f"min_rounds={min_rounds!r}: expected at least 1")
+        self.min_rounds = min_rounds
+        self.rounds = 0
+        self.shrunk = 0
+        self.said = False
+
+    def on_aggregate(self, strategy: KeepRatioStrategy, server_round: int,
+                     metrics: Mapping[str, float], state: RoundState | None) -> None:
+        if self.said or state is None or not state.accepted:
+            return
+        self.rounds += 1
+        if metrics.get("clipped-update-spread", 0.0) > 0 and not metrics.get(
+                "update-spread-warned", 0.0):
+            self.shrunk += 1
+        if self.shrunk >= self.min_rounds and 2 * self.shrunk >= self.rounds:
+            self.said = True
+            logger.warning(
+                "Round %d: the spread bound (max-update-spread=%g) shrank updates of nodes it "
+                "did not name as out of line in %d of the %d rounds so far (the INFO lines "
+                "'changed a few layers or entries more than'). Honest nodes on different data "
+                "get there, and each shrunk update moves the model less than the paper's mean "
+                "would. Under attack this bound is what limits a node's pull; a federation "
+                "whose nodes are all trusted gets the paper's mean with max-update-spread = 0.",
+                server_round, strategy.replies.max_update_spread, self.shrunk, self.rounds)
 
 
 #: A metric name that is an evaluation accuracy: ``test-accuracy``, ``eval-accuracy``,

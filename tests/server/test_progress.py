@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import types
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,7 @@ from fedshard.server import (
     FallingAccuracy,
     RoundCallback,
     SlowStart,
+    SpreadShrinksHonestNodes,
     StopWhenUntrained,
     TrainingReceipts,
     default_callbacks,
@@ -255,3 +257,41 @@ def test_after_a_small_first_step_a_falling_accuracy_never_calls_the_lr_too_larg
     (said,) = _said(caplog, logging.WARNING, "has fallen")
     assert "lr too large" not in said
     assert "Round 1 was a small step (the lr is small, not too large)" in said
+
+
+# ---------------------------------------------------------------------------- honest shrinks
+class _Strategy:
+    """What the callback reads of a strategy: its ReplyPolicy's κ."""
+
+    def __init__(self) -> None:
+        self.replies = types.SimpleNamespace(max_update_spread=2.0)
+
+
+class _State:
+    def __init__(self) -> None:
+        self.accepted = [object()]
+
+
+def _feed(callback: SpreadShrinksHonestNodes, rows: list[dict[str, float]]) -> None:
+    for i, row in enumerate(rows, start=1):
+        callback.on_aggregate(_Strategy(), i, row, _State())  # type: ignore[arg-type]
+
+
+def test_a_bound_that_keeps_shrinking_unnamed_nodes_is_warned_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="fedshard")
+    shrunk, clean, named = ({"clipped-update-spread": 2.0}, {},
+                            {"clipped-update-spread": 5.0, "update-spread-warned": 1.0})
+    _feed(SpreadShrinksHonestNodes(), [shrunk, clean, shrunk, shrunk, shrunk, shrunk])
+    (said,) = _said(caplog, logging.WARNING, "did not name as out of line")
+    assert said.startswith("Round 4: the spread bound (max-update-spread=2) shrank updates of "
+                           "nodes it did not name as out of line in 3 of the 4 rounds so far")
+    assert "raise max-update-spread" not in said
+    caplog.clear()
+    # rounds in which a node was named (evidence of an attack) do not count; rare shrinks
+    # (fewer than half of the rounds) are left to the INFO lines
+    _feed(SpreadShrinksHonestNodes(), [named, named, named, named, shrunk, clean, clean])
+    _feed(SpreadShrinksHonestNodes(), [shrunk, clean, clean, shrunk, clean, clean, shrunk])
+    assert not _said(caplog, logging.WARNING, "did not name as out of line")
+    with pytest.raises(ValueError, match="min_rounds=0: expected at least 1"):
+        SpreadShrinksHonestNodes(min_rounds=0)
