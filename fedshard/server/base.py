@@ -34,7 +34,6 @@ from fedshard.server.metrics import mean_client_metrics
 from fedshard.server.nodes import NodeDirectory
 from fedshard.server.privacy import driving_strategy, refuse_foreign_driver
 from fedshard.server.schedule import RunRounds, round_recipe
-from fedshard.server.stops import StopWhenUntrained
 from fedshard.server.trust_record import TrustStage
 from fedshard.server.trusted import TrustedReference
 from fedshard.settings import (
@@ -357,12 +356,11 @@ class KeepRatioStrategy(FedAvg):
         self._round, self._configured, self.current_arrays = None, server_round, arrays
         if self.fraction_train == 0.0:
             return []
-        # a first round whose nodes all fail alike is a run that cannot train: it stops with
-        # StopWhenUntrained's error, and only where that check is one of the callbacks
+        # a first round whose nodes all fail alike is a run that cannot train: it stops, where
+        # a callback stops untrained runs (StopWhenUntrained)
+        stop = any(getattr(c, "stops_untrained_runs", False) for c in self.callbacks)
         nodes = self.nodes.sample(grid, server_round, self.fraction_train, self.min_train_nodes,
-                                  training=True, stop_if_all_fail=any(
-                                      isinstance(c, StopWhenUntrained)
-                                      for c in self.callbacks),
+                                  training=True, stop_if_all_fail=stop,
                                   leave_out=self.trust.left_out())
         if not nodes:
             log(WARNING, "Round %d: no connected node declared a keep ratio; no training.",

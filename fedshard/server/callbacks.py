@@ -125,7 +125,14 @@ class RoundCallback:
     by default). ``strategy`` is the :class:`~fedshard.server.base.KeepRatioStrategy` that
     calls it (:class:`~fedshard.server.strategy.SpectralSharding` or
     :class:`~fedshard.server.width.WidthSlicing`); every round is the run's (a resumed run
-    counts on from its checkpoint)."""
+    counts on from its checkpoint).
+
+    ``stops_untrained_runs``: whether this callback stops a run that cannot train; with one
+    such callback among the strategy's, a first round whose sampled nodes all fail the
+    capability query alike stops the run instead of leaving it to train nothing.
+    """
+
+    stops_untrained_runs: bool = False
 
     def on_configure(self, strategy: KeepRatioStrategy, server_round: int,
                      config: ConfigRecord, messages: Sequence[Message]) -> None:

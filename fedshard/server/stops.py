@@ -190,6 +190,8 @@ class StopWhenUntrained(RoundCallback):
     ``fraction_train=0`` (no training asked for).
     """
 
+    stops_untrained_runs = True
+
     def __init__(self) -> None:
         self.streak = 0  # aggregated rounds in a row that trained nothing
 
