@@ -58,9 +58,10 @@ PROFILES: dict[str, list[int]] = {
     "200x": [30, 50, 100, 200, 400, 600, 1000, 2000, 3500, 6000],
 }
 _CLIPPED = re.compile(r"Round (\d+): node (\d+) changed more than max-update-spread")
-#: the round's INFO line for nodes shrunk from between κ and 2κ times the median
-_NEAR = re.compile(
-    r"Round (\d+): \d+ node\(s\) changed .* above max-update-spread.*\(nodes ([\d, ]+)\)")
+#: the round's INFO line for the shrunk nodes not named as out of line
+#: ("... shrunk to it (node: largest change over the median: 4: 2.1x, 9: 3.05x)")
+_NEAR = re.compile(r"Round (\d+): \d+ node\(s\) changed a few layers or entries more than "
+                   r"max-update-spread.*largest change over the median: ([^)]*)\)")
 
 
 class _Clipped(logging.Handler):
@@ -76,7 +77,8 @@ class _Clipped(logging.Handler):
             self.seen.append((int(match.group(1)), int(match.group(2))))
         near = _NEAR.search(record.getMessage())
         if near:
-            self.seen.extend((int(near.group(1)), int(n)) for n in near.group(2).split(", "))
+            self.seen.extend((int(near.group(1)), int(item.split(":")[0]))
+                             for item in near.group(2).split(", "))
 
 
 def one_run(settings: dict[str, Any], name: str, kappa: float,
