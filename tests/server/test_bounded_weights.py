@@ -52,3 +52,10 @@ def test_colluders_weigh_at_most_f_plus_ratio_minus_1_medians(honest: int,
         weights = bounded_weights([*sizes, *[claim] * colluders], 2.0)
         median = statistics.median_low([*sizes, *[claim] * colluders])
         assert sum(weights[honest:]) <= (colluders + 1) * median + 1e-9
+
+
+def test_the_old_per_node_bound_warns_that_it_is_deprecated() -> None:
+    from fedshard.server.robust import weight_bound
+
+    with pytest.warns(DeprecationWarning, match="bounded_weights"):
+        assert weight_bound(150.0, 100.0, 2.0) == 150.0
