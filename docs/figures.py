@@ -571,7 +571,7 @@ def figure_mixed_capacity(out: Path) -> Path:
     cells = [c for c in collect(suite) if c.runs]
     columns = list(dict.fromkeys(c.column for c in cells if c.column is not None))
     _, Figure, FigureCanvasAgg = _matplotlib()
-    fig = Figure(figsize=(5.0 * len(columns), 9.0), layout="constrained")
+    fig = Figure(figsize=(5.0 * len(columns), 10.0), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(2, len(columns), squeeze=False)
     for k, column in enumerate(columns):
@@ -584,14 +584,16 @@ def figure_mixed_capacity(out: Path) -> Path:
                   if (c.label, c.column) == (from_label, from_col)]
         for cell in shown:
             colour, style, _ = MIXED_STYLES[cell.label]
-            rounds, mean, _ = _seed_mean([r.curve for r in cell.runs])
-            ax.plot(rounds, mean, color=colour, ls=style, lw=1.8,
-                    label=f"{cell.label} ({len(cell.runs)} seed{'s' * (len(cell.runs) > 1)})")
-        ax.set_title(f"{column}: full-size model", fontsize="medium")
+            rounds, mean, std = _seed_mean([r.curve for r in cell.runs])
+            ax.plot(rounds, mean, color=colour, ls=style, lw=1.8, label=cell.label)
+            ax.fill_between(rounds, [m - d for m, d in zip(mean, std, strict=True)],
+                            [m + d for m, d in zip(mean, std, strict=True)], color=colour,
+                            alpha=0.12, lw=0)
+        ax.set_title(f"{column}: each row's global model", fontsize="medium")
         ax.set_xlabel("round")
         ax.set_ylabel("test accuracy (%)")
+        ax.set_ylim(0, 80)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="x-small", loc="upper left")
         ax = axes[1][k]
         budgets = table["statistics"].get(column, {})
         ratios = [float(b.removeprefix("r")) for b in budgets if b != "full"]
@@ -607,10 +609,19 @@ def figure_mixed_capacity(out: Path) -> Path:
         ax.set_title(f"{column}: the model each device runs", fontsize="medium")
         ax.set_xlabel("forward MFLOPs per example of that model (log)")
         ax.set_ylabel("test accuracy (%)")
+        ax.set_ylim(0, 80)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="x-small", loc="lower right")
-    fig.suptitle("Fashion-MNIST, ResNet-18 (GroupNorm, width 16), 100 nodes,\n"
-                 f"{suite.runs[0].num_rounds} rounds: mean over the finished seeds")
+    # one legend for every panel, outside them (the styles are the rows')
+    handles: dict[str, Any] = {}
+    for ax in axes.ravel():
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)
+    fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncol=4,
+               fontsize="small")
+    seeds = sorted({len(c.runs) for c in cells})
+    fig.suptitle("Fashion-MNIST, ResNet-18 (GroupNorm, width 16), 100 nodes, "
+                 f"{suite.runs[0].num_rounds} rounds: mean over {'/'.join(map(str, seeds))} "
+                 "seeds, band: ± 1 std (top)", fontsize="medium")
     path = out / "mixed-capacity.png"
     fig.savefig(path, dpi=100)
     return path
