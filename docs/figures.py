@@ -24,10 +24,11 @@ its numbers from a committed file, and says which in its caption on the pages.
   keep ratio (time, FLOPs, bytes, peak memory), from ``results/performance/client-step.json``.
 - ``sharding.png`` (How sharding works): π and ω of each strategy for one illustrative
   spectrum, and one round's draw for ten clients, computed with :mod:`fedshard.sampling`.
-- ``width-mlp.png`` and ``width-resnet.png`` (Spectral sharding or width slicing): test
-  accuracy against round of every row of ``experiments/width-table.toml`` (one panel per
-  budget) and of ``experiments/width-resnet.toml`` (with its compared spectral rows), mean ± 1
-  std over the seeds, drawn by the report's :func:`plot_accuracy` from ``results/``.
+- ``width-mlp.png`` and ``width-resnet.png`` (Spectral sharding or width slicing): the final
+  test accuracy of every row of ``experiments/width-table.toml`` (one panel per budget) and of
+  ``experiments/width-resnet.toml`` (with its compared spectral rows): each seed and the mean
+  at full width, the width methods' narrow model at the width the nodes trained
+  (``results/width-budget/narrow-eval.json``), and the dense model's mean.
 - ``verdict.png`` (README, the front page, Which method for my devices): what to train for
   devices of unequal capacity: each federation's final test accuracy at full size of every
   row, mean ± 1 std and each seed, the small model and the whole model (which no weak device
@@ -142,7 +143,6 @@ def figure_width(out: Path) -> Path:
     """The width tables' accuracy curves (every run of width-table must be finished;
     width-resnet's finished runs are drawn, the legend counts their seeds)."""
     from fedshard_lab.experiments import collect, load_suite
-    from fedshard_lab.experiments.report import plot_accuracy
 
     written = []
     for name, png, title in (
@@ -156,8 +156,61 @@ def figure_width(out: Path) -> Path:
         if short and name == "width-table":
             raise SystemExit(f"{name}: unfinished cells ({'; '.join(short[:5])}); "
                              f"`python -m fedshard_lab.experiments status {name}` says why")
-        written.append(plot_accuracy(dataclasses.replace(suite, name=title), cells, out / png))
+        written.append(_final_dots(suite.name, cells, out / png, title))
     return written[0]
+
+
+def _final_dots(name: str, cells: Sequence[Any], path: Path, title: str) -> Path:
+    """Per column, each row's final test accuracy: one dot per seed and the mean (a bar), at
+    full width and, for the width methods, at the width the nodes trained
+    (``results/width-budget/narrow-eval.json``, ``benchmarks/width_eval.py``); the dense
+    model's mean as a dashed line. Curves of rows that end within a point or two of each
+    other cannot be told apart; their final values can."""
+    from fedshard_lab.experiments.plots import _matplotlib
+
+    narrow_path = ROOT / "results" / "width-budget" / "narrow-eval.json"
+    narrow = json.loads(narrow_path.read_text())["runs"] if narrow_path.is_file() else {}
+    columns = list(dict.fromkeys(c.column for c in cells if c.column is not None and c.runs))
+    rows = list(dict.fromkeys(c.label for c in cells if c.column is not None and c.runs))
+    reference = [c for c in cells if c.column is None and c.runs]
+    _, Figure, FigureCanvasAgg = _matplotlib()
+    fig = Figure(figsize=(max(4.6 * len(columns), 8.5), 1.8 + 0.42 * len(rows)),
+                 layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(columns), sharey=True, sharex=True, squeeze=False)[0]
+    for ax, column in zip(axes, columns, strict=True):
+        for y, label in enumerate(rows):
+            cell = next((c for c in cells if (c.label, c.column) == (label, column)), None)
+            if cell is None or not cell.runs:
+                continue
+            full = [r.final_accuracy for r in cell.runs]
+            ax.plot(full, [y] * len(full), "o", mfc="none", mec="C0", ms=5)
+            ax.plot([statistics.mean(full)] * 2, [y - 0.3, y + 0.3], color="C0", lw=2.5)
+            trained = [100 * narrow[key]["test-accuracy-trained-width"] for r in cell.runs
+                       if (key := f"{name}/{r.spec.name}") in narrow
+                       and narrow[key]["trained-width"] != narrow[key]["full-width"]]
+            if trained:
+                ax.plot(trained, [y] * len(trained), "s", color="C3", ms=5)
+                ax.plot([statistics.mean(trained)] * 2, [y - 0.3, y + 0.3], color="C3", lw=2.5)
+        for cell in reference:
+            ax.axvline(statistics.mean(r.final_accuracy for r in cell.runs), color="0.3",
+                       ls="--", lw=1.2)
+        ax.set_title(column, fontsize="medium")
+        ax.set_xlabel("final test accuracy (%)")
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].set_yticks(range(len(rows)), rows, fontsize="small")
+    axes[0].invert_yaxis()
+    handles = [axes[0].plot([], [], "o", mfc="none", mec="C0")[0],
+               axes[0].plot([], [], "s", color="C3")[0],
+               axes[0].plot([], [], "--", color="0.3")[0]]
+    labels = ["global model at full width: each seed, bar: mean",
+              "the width the nodes trained (the width methods' narrow model)",
+              " / ".join(f"{c.label} (mean)" for c in reference) or "reference"]
+    fig.legend(handles, labels, loc="outside lower center", ncol=3 if len(columns) > 1 else 1,
+               fontsize="small")
+    fig.suptitle(f"{title}: final test accuracy", fontsize="medium")
+    fig.savefig(path, dpi=100)
+    return path
 
 
 #: Line styles of the strategies: with the colours, each line reads apart from its
