@@ -419,12 +419,25 @@ def figure_performance(out: Path) -> Path:
         "bytes_ratio_r": ("bytes received", "^:", "tab:green"),
         "rss_peak_ratio_r": ("peak memory (RSS)", "d-", "tab:purple"),
     }
+    flops = [record["flop_ratio_r" + k] for k in keys]
+    sent = [record["bytes_ratio_r" + k] for k in keys]
+    if max(abs(a - b) for a, b in zip(flops, sent, strict=True)) < 0.02:
+        # within 0.02 of each other at every r: one line, named for both (two would hide
+        # one another)
+        series.pop("bytes_ratio_r")
+        series["flop_ratio_r"] = ("FLOPs and bytes received (within 0.02 of each other)",
+                                  "s--", "tab:orange")
     for prefix, (label, style, colour) in series.items():
-        ax.plot(ratios, [record[prefix + k] for k in keys], style, color=colour, label=label)
+        values = [record[prefix + k] for k in keys]
+        ax.plot(ratios, values, style, color=colour, label=label)
+        for r, v in zip(ratios, values, strict=True):
+            ax.annotate(f"{v:.2f}", (r, v), textcoords="offset points", xytext=(6, -10),
+                        fontsize="x-small", color=colour)
     ax.axhline(1.0, color="0.3", ls="--", lw=1)
     ax.set_xlabel("keep ratio r")
     ax.set_ylabel("× the dense model")
     ax.set_xticks(ratios)
+    ax.margins(x=0.08, y=0.08)
     setup = record["setup"]
     ax.set_title(f"One client step against the dense one: ResNet-18 width "
                  f"{setup['model'].split('=')[1].rstrip(')')}, batch {setup['input'][0]}\n"
