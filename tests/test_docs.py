@@ -180,7 +180,7 @@ def test_robustness_pages_six_seed_table_is_the_committed_measurement(
     """docs/robustness-tables.md's six-seed table is what benchmarks/attack_table.py prints
     from the committed output, row for row."""
     at = _attack_table(monkeypatch)
-    path = DOCS.parent / "results" / "robustness" / "attacks-default-seeds-0-5.json"
+    path = DOCS.parent / "results" / "robustness" / "attacks-defaults-seeds-0-5.json"
     assert json.loads(path.read_text())["size"]["seeds"] == [0, 1, 2, 3, 4, 5]
     rows = at.markdown([str(path)]).split("\n\n", 1)[1]
     assert rows in ATTACK_TABLES.read_text(encoding="utf-8")
