@@ -220,3 +220,24 @@ def test_the_figure_draws_every_row_of_the_suite_from_the_committed_records(
     assert {run.label for run in suite.runs} <= set(figures.MIXED_STYLES)
     path = figures.figure_mixed_capacity(tmp_path)
     assert path.stat().st_size > 10_000
+
+
+def test_the_page_names_every_run_whose_code_state_is_not_recorded() -> None:
+    """Each run of results/mixed-capacity/ whose config.json records a '-dirty' commit is
+    named on the page (row, column, seed), and no other."""
+    import collections
+
+    root = Path(__file__).resolve().parents[1]
+    dirty: dict[tuple[str, str | None], list[int]] = collections.defaultdict(list)
+    for config in sorted((root / "results" / "mixed-capacity").glob("*/config.json")):
+        if json.loads(config.read_text()).get("git-commit", "").endswith("-dirty"):
+            runner = json.loads((config.parent / "runner.json").read_text())
+            dirty[(runner["label"], runner.get("column"))].append(runner["seed"])
+    page = " ".join((root / "docs" / "which-method.md").read_text().split())
+    start = page.index("**Runs whose code state is not recorded**")
+    named = page[start:page.index("- **", start + 10) if "- **" in page[start + 10:] else None]
+    for (label, column), seeds in dirty.items():
+        seeds_text = ", ".join(map(str, sorted(seeds)))
+        where = f"{label}, {column}" if column else label
+        assert f"{where}: seed{'s' if len(seeds) > 1 else ''} {seeds_text}" in named, where
+    assert f"{sum(len(s) for s in dirty.values())} of the 60 ran" in named
