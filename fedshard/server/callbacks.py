@@ -54,8 +54,9 @@ In :mod:`~fedshard.server.progress`:
   step meets multipliers above 1;
 - ``FallingAccuracy`` - warns when an evaluation accuracy falls round after round while every
   reply passes the server's checks;
-- ``SpreadShrinksHonestNodes`` - warns once when the spread bound keeps shrinking the updates
-  of nodes it does not name (honest heterogeneity, otherwise INFO lines only).
+- ``SpreadShrinksHonestNodes`` (not a default: README's first run, honest nodes on non-IID
+  data, would trigger it) - warns once when the spread bound keeps shrinking the updates of
+  nodes it does not name (honest heterogeneity, otherwise INFO lines only).
 
 Metrics flow one way through :meth:`~RoundCallback.on_round`: each callback sees the round's
 row (the strategy's statistics and the client aggregates) and what the callbacks before it
@@ -175,7 +176,7 @@ def default_callbacks() -> list[RoundCallback]:
         TrainingReceipts,
         UntrainedChannels,
     )
-    from fedshard.server.progress import FallingAccuracy, SlowStart, SpreadShrinksHonestNodes
+    from fedshard.server.progress import FallingAccuracy, SlowStart
     from fedshard.server.savings import SavingsReport
     from fedshard.server.stops import (
         StopOnDivergence,
@@ -187,7 +188,7 @@ def default_callbacks() -> list[RoundCallback]:
     return [SettingsSummary(), ShardingBudgetReport(), UntrainedChannels(), ConfigPrecedence(),
             SingleNodeGroups(), SmallCohort(), CompoundingMultipliers(), SlowStart(),
             TrainingReceipts(), StopOnDivergence(), StopWhenEveryReplyFails(),
-            StopWhenUntrained(), FallingAccuracy(), SpreadShrinksHonestNodes(),
+            StopWhenUntrained(), FallingAccuracy(),
             UnchangingModel(), SavingsReport()]
 
 
