@@ -181,14 +181,7 @@ def test_one_node_times_1000_with_2_53_examples_counts_as_a_typical_node(
     # the reference written out: node 1000's change of each entry is its honest direction at
     # the round's median change (over the ten nodes), and it is weighted as the median, 100
     nodes = {n: (values, weight, index) for n, (_, values, index, weight) in seen.items()}
-    sent, values, index, _ = seen[1000]
-    held = {}
-    for key, s in sent.items():
-        median = float(np.median([_rel(seen[n][0][key], seen[n][1][key]) for n in seen]))
-        d = values[key].astype(np.float64) - s
-        ref = max(np.linalg.norm(s.astype(np.float64)), 0.1 * np.sqrt(s.size))
-        held[key] = (s + d * (median * ref / np.linalg.norm(d))).astype(s.dtype)
-    nodes[1000] = (held, 100.0, index)
+    nodes[1000] = (_held_to_the_median(seen, 1000), 100.0, seen[1000][2])
     want = _brute_mean(current, nodes)
     for key in want:
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-7, err_msg=key)
